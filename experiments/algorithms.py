@@ -7,9 +7,11 @@ from collections.abc import Callable
 import optax
 
 from experiments.config import ExperimentConfig
+from sidejax.algorithms import fedpm, langevin, qsgd, signsgd
 from sidejax.fl import Algorithm, fedavg
+from sidejax.klms import KLMSConfig
 
-__all__ = ["ALGORITHMS", "make_optimizer", "build_algorithm"]
+__all__ = ["ALGORITHMS", "KLMS_HOSTS", "make_optimizer", "klms_config", "build_algorithm"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -40,7 +42,90 @@ def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
     )
 
 
-ALGORITHMS: dict[str, Callable[[ExperimentConfig, Callable], Algorithm]] = {"fedavg": _fedavg}
+def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
+    """The :class:`sidejax.klms.KLMSConfig` described by the config's KLMS fields."""
+    values = dict(
+        log2_num_candidates=config.log2_candidates,
+        adaptive=config.klms_adaptive,
+        block_size=config.block_size,
+        max_block_size=config.max_block_size,
+        trigger=config.klms_trigger,
+    )
+    values.update(overrides)
+    return KLMSConfig(**values)
+
+
+def _common(config: ExperimentConfig) -> dict:
+    return dict(
+        clients_per_round=config.clients_per_round,
+        batch_size=config.batch_size,
+        local_epochs=config.local_epochs,
+        client_strategy=config.client_strategy,
+    )
+
+
+def _fedpm(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+    return fedpm(
+        loss_fn,
+        make_optimizer(config.client_optimizer, config.client_lr),
+        klms=klms_config(config) if use_klms else None,
+        estimator=config.fedpm_estimator,
+        **_common(config),
+    )
+
+
+def _qsgd(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+    return qsgd(
+        loss_fn,
+        make_optimizer(config.client_optimizer, config.client_lr),
+        server_lr=config.server_lr,
+        levels=1 if use_klms else config.qsgd_levels,
+        klms=klms_config(config) if use_klms else None,
+        paper_compat=config.paper_compat,
+        **_common(config),
+    )
+
+
+def _signsgd(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+    return signsgd(
+        loss_fn,
+        make_optimizer(config.client_optimizer, config.client_lr),
+        server_lr=config.server_lr,
+        temperature=config.sign_temperature,
+        klms=klms_config(config) if use_klms else None,
+        **_common(config),
+    )
+
+
+def _langevin(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+    return langevin(
+        loss_fn,
+        num_clients=config.num_clients,
+        clients_per_round=config.clients_per_round,
+        batch_size=config.batch_size,
+        step_size=config.sgld_step_size,
+        weight_decay=config.prior_weight_decay,
+        levels=config.qsgd_levels,
+        klms=klms_config(config) if use_klms else None,
+        paper_compat=config.paper_compat,
+        client_strategy=config.client_strategy,
+    )
+
+
+ALGORITHMS: dict[str, Callable[[ExperimentConfig, Callable], Algorithm]] = {
+    "fedavg": _fedavg,
+    "fedpm": lambda c, f: _fedpm(c, f, False),
+    "fedpm_klms": lambda c, f: _fedpm(c, f, True),
+    "qsgd": lambda c, f: _qsgd(c, f, False),
+    "qsgd_klms": lambda c, f: _qsgd(c, f, True),
+    "signsgd": lambda c, f: _signsgd(c, f, False),
+    "signsgd_klms": lambda c, f: _signsgd(c, f, True),
+    "qlsd": lambda c, f: _langevin(c, f, False),
+    "sgld_klms": lambda c, f: _langevin(c, f, True),
+}
+
+#: the uncompressed host method of each KLMS variant (for compression factors in results tables)
+KLMS_HOSTS = {"fedpm_klms": "fedpm", "qsgd_klms": "qsgd", "signsgd_klms": "signsgd", "sgld_klms": "qlsd"}
 
 
 def build_algorithm(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:

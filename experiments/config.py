@@ -40,6 +40,18 @@ class ExperimentConfig:
       eval_batch_size: batch size of evaluation.
       client_strategy: ``map`` (sequential, best on CPU) or ``vmap`` (best on accelerators).
       stop_at_accuracy: if > 0, stop once test accuracy reaches it.
+      log2_candidates: KLMS ``log2 K`` (candidates per block), also the target KL per block in bits.
+      klms_adaptive: Adaptive-KLMS (KL-sized blocks, update protocol) if true, Fixed-KLMS if false.
+      block_size: Fixed-KLMS block size, and the initial Adaptive-KLMS partition.
+      max_block_size: Adaptive-KLMS cap on block length (power of two).
+      klms_trigger: ``thresholds`` (paper) or ``rho`` (reference code) re-partition rule.
+      fedpm_estimator: FedPM's gradient estimator through the mask sample, ``fedpm`` or ``ste``.
+      qsgd_levels: QSGD quantisation levels s (QSGD baseline; QLSD uses it too).
+      sign_temperature: stochastic SignSGD uses ``P(+1) = sigmoid(temperature * v / max|v|)`` per tensor.
+      sgld_step_size: Langevin step size gamma (QLSD, SGLD-KLMS).
+      prior_weight_decay: Gaussian-prior weight decay of the Langevin potential ([C] 5).
+      paper_compat: QSGD/QLSD charge the reference code's Elias bound (with its precedence bug) instead of
+        the exact Elias stream length.
     """
 
     algorithm: str = "fedavg"
@@ -64,6 +76,17 @@ class ExperimentConfig:
     eval_batch_size: int = 1000
     client_strategy: str = "map"
     stop_at_accuracy: float = 0.0
+    log2_candidates: int = 2
+    klms_adaptive: bool = True
+    block_size: int = 8
+    max_block_size: int = 256
+    klms_trigger: str = "thresholds"
+    fedpm_estimator: str = "fedpm"
+    qsgd_levels: int = 1
+    sign_temperature: float = 20.0
+    sgld_step_size: float = 1e-5
+    prior_weight_decay: float = 5.0
+    paper_compat: bool = False
 
     def __post_init__(self):
         checks = {
@@ -78,6 +101,14 @@ class ExperimentConfig:
             "eval_batch_size": self.eval_batch_size >= 1,
             "train_subset": self.train_subset >= 0,
             "stop_at_accuracy": 0.0 <= self.stop_at_accuracy <= 1.0,
+            "log2_candidates": 0 <= self.log2_candidates <= 24,
+            "block_size": self.block_size >= 1,
+            "max_block_size": self.max_block_size >= 2
+            and self.max_block_size & (self.max_block_size - 1) == 0,
+            "qsgd_levels": self.qsgd_levels >= 1,
+            "sign_temperature": self.sign_temperature > 0,
+            "sgld_step_size": self.sgld_step_size > 0,
+            "prior_weight_decay": self.prior_weight_decay >= 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -22,6 +22,15 @@ from experiments.config import ExperimentConfig, config_from_dict, list_presets,
 from experiments.driver import NonFiniteError, run_experiment
 
 
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.run",
@@ -40,10 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name == "algorithm":
             continue
         flag = "--" + ("clients" if f.name == "num_clients" else f.name).replace("_", "-")
+        kind = type(getattr(defaults, f.name))
         p.add_argument(
             flag,
             dest=f.name,
-            type=type(getattr(defaults, f.name)),
+            type=_parse_bool if kind is bool else kind,
             default=None,
             help=f"(config field {f.name}; default {getattr(defaults, f.name)!r})",
         )

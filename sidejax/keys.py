@@ -35,6 +35,7 @@ __all__ = [
     "EVAL",
     "INIT",
     "ROUNDS",
+    "SERVER",
     "ClientKeys",
     "run_keys",
     "canonicalize_key",
@@ -50,6 +51,7 @@ DOWNLINK = 3
 EVAL = 4
 INIT = 5
 ROUNDS = 6
+SERVER = 7  # the server's own randomness in a round (e.g. Langevin noise), from the round key
 
 
 class ClientKeys(NamedTuple):

@@ -24,43 +24,56 @@ def _check_width(width: int) -> None:
         raise ValueError(f"width must be in 1..32 bits, got {width}")
 
 
-def pack_fixed(values: jax.Array, width: int) -> jax.Array:
+def pack_fixed(values: jax.Array, width: int, *, bit_offset=0, out: jax.Array | None = None) -> jax.Array:
     """Packs ``values`` (nonnegative ints ``< 2**width``, static length L) into ``num_words(L, width)`` words.
 
     Bits above ``width`` in a value are masked off (callers guarantee the range).
+
+    With ``out`` (a word buffer) the fields are added into it starting at bit ``bit_offset`` (may be traced),
+    which concatenates several fields into one stream. The target bits of ``out`` must be zero, and fields
+    that fall past the end of ``out`` are dropped.
     """
     _check_width(width)
     n = values.shape[0]
     v = values.astype(jnp.uint32)
     if width < 32:
         v = v & jnp.uint32((1 << width) - 1)
-    offset = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(width)
+    offset = jnp.asarray(bit_offset, jnp.uint32) + jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(width)
     word = (offset >> 5).astype(jnp.int32)
     shift = offset & jnp.uint32(31)
     lo = v << shift
     spill = (shift + jnp.uint32(width)) > 32
     hi = jnp.where(spill, v >> jnp.where(spill, jnp.uint32(32) - shift, jnp.uint32(0)), jnp.uint32(0))
-    out = jnp.zeros(num_words(n, width), jnp.uint32)
+    if out is None:
+        out = jnp.zeros(num_words(n, width), jnp.uint32)
     # fields occupy disjoint bits, so adding is the same as OR-ing
-    out = out.at[word].add(lo)
+    out = out.at[word].add(lo, mode="drop")
     return out.at[word + 1].add(hi, mode="drop")
 
 
-def unpack_fixed(words: jax.Array, num_fields: int, width: int) -> jax.Array:
-    """Inverse of :func:`pack_fixed`: the first ``num_fields`` fields as ``uint32``."""
+def unpack_fixed(words: jax.Array, num_fields: int, width: int, *, bit_offset=0) -> jax.Array:
+    """Inverse of :func:`pack_fixed`: ``num_fields`` fields as ``uint32``, starting at bit ``bit_offset``.
+
+    With the default offset 0 a buffer too short for the fields raises ``ValueError``; with a (traced)
+    offset, fields past the end of the buffer read as 0.
+    """
     _check_width(width)
     need = num_words(num_fields, width)
-    if words.shape[0] < need:
+    if isinstance(bit_offset, int) and bit_offset == 0 and words.shape[0] < need:
         raise ValueError(
             f"truncated bitstream: {num_fields} fields of {width} bits need {need} words, "
             f"got {words.shape[0]}"
         )
-    offset = jnp.arange(num_fields, dtype=jnp.uint32) * jnp.uint32(width)
+    offset = jnp.asarray(bit_offset, jnp.uint32) + jnp.arange(num_fields, dtype=jnp.uint32) * jnp.uint32(
+        width
+    )
     word = (offset >> 5).astype(jnp.int32)
     shift = offset & jnp.uint32(31)
-    lo = words[word] >> shift
+    inside = word < words.shape[0]
+    lo = jnp.where(inside, words[jnp.minimum(word, words.shape[0] - 1)], jnp.uint32(0)) >> shift
     spill = (shift + jnp.uint32(width)) > 32
-    nxt = jnp.where(spill, words[jnp.minimum(word + 1, words.shape[0] - 1)], jnp.uint32(0))
+    nxt = jnp.where(spill & (word + 1 < words.shape[0]), words[jnp.minimum(word + 1, words.shape[0] - 1)], 0)
+    nxt = nxt.astype(jnp.uint32)
     hi = jnp.where(spill, nxt << jnp.where(spill, jnp.uint32(32) - shift, jnp.uint32(0)), jnp.uint32(0))
     v = lo | hi
     if width < 32:

@@ -1,0 +1,53 @@
+"""Compressed and Bayesian federated algorithms built on the round engine (one module per method).
+
+- :func:`fedpm`: FedPM and FedPM-KLMS (probability masks over a frozen random network).
+- :func:`qsgd`: QSGD and QSGD-KLMS.
+- :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
+- :func:`langevin`: QLSD and SGLD-KLMS (Bayesian FL).
+- :func:`distributed_mean`: the KLMS paper's App. F toy.
+"""
+
+from sidejax.algorithms.common import (
+    FlatLayout,
+    elias_gamma_bits,
+    enumerative_mask_bits,
+    flat_layout,
+)
+from sidejax.algorithms.fedpm import FedPMState, bayes_agg, bernoulli_mask, fedpm, signed_constant_init
+from sidejax.algorithms.langevin import LangevinState, langevin, sgld_klms_sigma
+from sidejax.algorithms.qsgd import (
+    QSGDState,
+    qsgd,
+    qsgd_dequantize,
+    qsgd_elias_bound_bits,
+    qsgd_quantize,
+    qsgd_symbol_probs,
+)
+from sidejax.algorithms.signsgd import SignSGDState, signsgd, stochastic_sign_probs
+from sidejax.algorithms.toy import distributed_mean, log2_candidates_for_overhead
+
+__all__ = [
+    "FlatLayout",
+    "elias_gamma_bits",
+    "enumerative_mask_bits",
+    "flat_layout",
+    "FedPMState",
+    "bayes_agg",
+    "bernoulli_mask",
+    "fedpm",
+    "signed_constant_init",
+    "LangevinState",
+    "langevin",
+    "sgld_klms_sigma",
+    "QSGDState",
+    "qsgd",
+    "qsgd_dequantize",
+    "qsgd_elias_bound_bits",
+    "qsgd_quantize",
+    "qsgd_symbol_probs",
+    "SignSGDState",
+    "signsgd",
+    "stochastic_sign_probs",
+    "distributed_mean",
+    "log2_candidates_for_overhead",
+]

@@ -1,0 +1,308 @@
+"""FedPM (Isik et al., ICLR 2023) and FedPM-KLMS (KLMS paper Alg. 1, 2 and 9; spec ``klms.md`` §4.1-4.2).
+
+The network weights are frozen random signed constants :math:`w \\in \\{\\pm c_l\\}^d`
+(:math:`c_l = e \\sqrt{1/\\mathrm{fan\\_in}_l}`, biases included, [C] "ME_init"); what is learned is a
+probability mask :math:`\\theta \\in [0.01, 0.99]^d` and the model is :math:`m \\odot w` with
+:math:`m \\sim \\mathrm{Bern}(\\theta)`.
+
+Round ``t`` (Alg. 1):
+
+1. the client starts its scores at :math:`s = \\mathrm{logit}(\\theta^{(t-1)})` and trains them with its
+   optimizer ([C] Adam, lr 0.1). Each step samples :math:`m \\sim \\mathrm{Bern}(\\sigma(s))` and
+   backpropagates through the sample with FedPM's estimator (``"fedpm"``: :math:`\\partial/\\partial p
+   = p \\cdot g`, [C]) or the straight-through identity (``"ste"``);
+2. it sends one mask sample :math:`m^{(c)} \\sim \\mathrm{Bern}(\\phi)`, :math:`\\phi = \\sigma(s)`:
+
+   - **FedPM**: the mask itself. The reported length is the two-part enumerative code of the mask
+     (:func:`sidejax.algorithms.common.enumerative_mask_bits`), the cost of the arithmetic code FedPM
+     reports; FedPM's own formula :math:`d H_b(k/d) + \\log_2 d` is logged beside it (``paper_bits``).
+   - **FedPM-KLMS** (Alg. 9): the KLMS message of :math:`q = \\mathrm{Bern}(\\phi)` against the side
+     information :math:`p = \\mathrm{Bern}(\\theta^{(t-1)})` (:mod:`sidejax.klms`), about
+     :math:`D_{KL}(q \\| p)` bits instead of about :math:`d` bits;
+3. the server clips every received mask to {0.01, 0.99} ([C]) and runs BayesAgg (Alg. 2) with
+   :math:`\\lambda_0 = 1`: :math:`\\alpha \\mathrel{+}= \\sum_c m^{(c)}`, :math:`\\beta \\mathrel{+}= C -
+   \\sum_c m^{(c)}`, :math:`\\theta = (\\alpha - 1)/(\\alpha + \\beta - 2)` (the paper prints
+   :math:`\\alpha^{(t-1)}` in the numerator, a typo the spec corrects). With ``reset_priors=True`` ([C]
+   default) the priors are reset every round, so :math:`\\theta` is the mean of the clipped masks.
+
+Evaluation uses one mask :math:`m = 1[u < \\theta]` with uniforms ``u`` fixed at initialisation (so the
+evaluated network is a deterministic function of the server state), or ``eval_mask="threshold"``
+(:math:`\\theta > 1/2`, FedPM's ``pruned_ths``).
+
+Downlink: :math:`\\theta` as float32 (32 bits per parameter; the frozen weights are a seed, 0 bits), plus
+the KLMS protocol bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.flatten_util import ravel_pytree
+
+from sidejax.algorithms.common import binary_entropy_bits, client_streams, enumerative_mask_bits, flat_layout
+from sidejax.coding.base import Message
+from sidejax.coding.bitstream import pack_fixed, unpack_fixed
+from sidejax.distributions import Bernoulli
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.local import build_local_trainer
+from sidejax.fl.rounds import build_round_step
+from sidejax.keys import EVAL, ClientKeys
+from sidejax.klms import (
+    KLMSClientInfo,
+    KLMSConfig,
+    KLMSServerInfo,
+    KLMSState,
+    klms_decode_clients,
+    klms_downlink_bits,
+    klms_encode,
+    klms_init,
+    klms_server_update,
+)
+from sidejax.types import Params
+
+__all__ = [
+    "MASK_CLIP",
+    "ESTIMATORS",
+    "FedPMState",
+    "FedPMClientExtra",
+    "FedPMServerInfo",
+    "signed_constant_init",
+    "bernoulli_mask",
+    "bayes_agg",
+    "fedpm",
+]
+
+MASK_CLIP = 0.01
+ESTIMATORS = ("fedpm", "ste")
+
+
+class FedPMState(NamedTuple):
+    """Server state.
+
+    Attributes:
+      weights: the frozen signed-constant network (regenerated from the seed on every machine).
+      theta: float32 ``[d]`` global probability mask, in [0.01, 0.99].
+      alpha, beta: float32 ``[d]`` Beta-posterior parameters of BayesAgg.
+      eval_uniforms: float32 ``[d]``: fixed uniforms of the evaluation mask.
+      klms: :class:`sidejax.klms.KLMSState` (``EmptyState()`` for plain FedPM).
+    """
+
+    weights: Params
+    theta: jax.Array
+    alpha: jax.Array
+    beta: jax.Array
+    eval_uniforms: jax.Array
+    klms: KLMSState | EmptyState
+
+
+class FedPMClientExtra(NamedTuple):
+    """Per-client diagnostics: ``kl_bits`` is the ideal KLMS rate :math:`\\sum_j D_{KL}(\\phi_j\\|\\theta_j)`
+    in bits (reported for both variants); ``paper_bits`` is FedPM's formula :math:`d H_b(k/d) + \\log_2 d` for
+    the mask it would send; ``klms`` holds the coder's diagnostics (FedPM-KLMS only)."""
+
+    kl_bits: jax.Array
+    paper_bits: jax.Array
+    klms: KLMSClientInfo | EmptyState
+
+
+class FedPMServerInfo(NamedTuple):
+    """``theta_mean``: mean of the new global mask; ``klms``: protocol diagnostics (FedPM-KLMS only)."""
+
+    theta_mean: jax.Array
+    klms: KLMSServerInfo | EmptyState
+
+
+def signed_constant_init(key, params: Params) -> Params:
+    """FedPM's frozen "ME_init" network [C]: every weight and bias is :math:`\\pm c`, sign Bernoulli(1/2),
+    :math:`c = e \\sqrt{1/\\mathrm{fan\\_in}}`.
+
+    ``fan_in`` is the product of a kernel's shape without its last (output) axis: ``in_features`` for a
+    Dense kernel ``[in, out]``, ``kh * kw * in_channels`` for a Conv kernel ``[kh, kw, in, out]``. A bias
+    (or any other leaf) uses the fan-in of the ``kernel`` in the same module; a leaf without a sibling
+    kernel (e.g. a normalisation scale) uses its own size.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    fan_by_module = {}
+    for path, leaf in leaves:
+        if getattr(path[-1], "key", None) == "kernel":
+            fan_by_module[tuple(str(p) for p in path[:-1])] = int(math.prod(leaf.shape[:-1]))
+    out = []
+    for i, (path, leaf) in enumerate(leaves):
+        fan_in = fan_by_module.get(tuple(str(p) for p in path[:-1]), int(max(1, leaf.size)))
+        c = math.e * math.sqrt(1.0 / fan_in)
+        sign = jax.random.rademacher(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
+        out.append(c * sign)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def bernoulli_mask(probs: jax.Array, uniforms: jax.Array, estimator: str = "fedpm") -> jax.Array:
+    """``1[uniforms < probs]`` with FedPM's gradient estimator w.r.t. ``probs``.
+
+    ``"fedpm"`` ([C], the spec's faithful default): the backward pass returns ``probs * g``; ``"ste"``:
+    the straight-through identity ``g``.
+    """
+    return (uniforms < probs).astype(probs.dtype)
+
+
+def _mask_fwd(probs, uniforms, estimator):
+    return bernoulli_mask(probs, uniforms, estimator), probs
+
+
+def _mask_bwd(estimator, probs, g):
+    gp = probs * g if estimator == "fedpm" else g
+    return gp, None
+
+
+bernoulli_mask.defvjp(_mask_fwd, _mask_bwd)
+
+
+def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.0):
+    """BayesAgg (Alg. 2, typo fixed): clipped masks ``masks[C, d]`` in {0.01, 0.99} update Beta counts;
+    returns ``(alpha, beta, theta)`` with :math:`\\theta = (\\alpha - 1)/(\\alpha + \\beta - 2)`."""
+    if reset:
+        alpha = jnp.full_like(alpha, lambda0)
+        beta = jnp.full_like(beta, lambda0)
+    agg = jnp.sum(masks, axis=0)
+    alpha = alpha + agg
+    beta = beta + masks.shape[0] - agg
+    theta = (alpha - 1.0) / (alpha + beta - 2.0)
+    return alpha, beta, theta
+
+
+def fedpm(
+    loss_fn: Callable,
+    client_optimizer: optax.GradientTransformation,
+    *,
+    clients_per_round: int,
+    batch_size: int,
+    local_epochs: int = 1,
+    klms: KLMSConfig | None = None,
+    estimator: str = "fedpm",
+    reset_priors: bool = True,
+    eval_mask: str = "sample",
+    client_strategy: str = "vmap",
+    map_batch_size: int | None = None,
+) -> Algorithm:
+    """Builds FedPM, or FedPM-KLMS when ``klms`` is given.
+
+    Args:
+      loss_fn: the model's ``loss_fn(params, batch, key)``; it is applied to :math:`m \\odot w`.
+      client_optimizer: optimizer of the mask scores ([C]: ``optax.adam(0.1)``).
+      clients_per_round: participants per round.
+      batch_size: local minibatch size.
+      local_epochs: local epochs per round.
+      klms: KLMS settings for FedPM-KLMS ([C]: ``KLMSConfig(log2_num_candidates=2, max_block_size=256)``);
+        ``None`` for plain FedPM.
+      estimator: ``"fedpm"`` or ``"ste"`` (see :func:`bernoulli_mask`).
+      reset_priors: reset BayesAgg's Beta priors every round ([C]).
+      eval_mask: ``"sample"`` (one fixed-uniform sample of the mask) or ``"threshold"``
+        (:math:`\\theta > 1/2`).
+      client_strategy, map_batch_size: see :func:`sidejax.fl.build_round_step`.
+
+    Returns:
+      An :class:`sidejax.fl.Algorithm` whose ``eval_params`` is the masked network.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if eval_mask not in ("sample", "threshold"):
+        raise ValueError(f"eval_mask must be 'sample' or 'threshold', got {eval_mask!r}")
+
+    def masked(weights, scores_or_probs, uniforms_tree, from_scores=True):
+        def leaf(w, s, u):
+            probs = jax.nn.sigmoid(s) if from_scores else s
+            return w * bernoulli_mask(probs, u, estimator)
+
+        return jax.tree.map(leaf, weights, scores_or_probs, uniforms_tree)
+
+    def init(key, params: Params, num_clients: int) -> RoundState:
+        del num_clients
+        weights = signed_constant_init(key, params)
+        layout = flat_layout(params)
+        # mask scores s ~ N(0, 1) [C]; theta = sigmoid(s), clipped like every later theta
+        scores = jax.random.normal(jax.random.fold_in(key, 1), (layout.dim,))
+        theta = jnp.clip(jax.nn.sigmoid(scores), MASK_CLIP, 1 - MASK_CLIP)
+        u = jax.random.uniform(jax.random.fold_in(key, EVAL), (layout.dim,))
+        ones = jnp.ones(layout.dim, jnp.float32)
+        kstate = klms_init(layout.dim, klms) if klms is not None else EmptyState()
+        return RoundState(jnp.int32(0), FedPMState(weights, theta, ones, ones, u, kstate), EmptyState())
+
+    def broadcast_fn(key, server: FedPMState, client_ids):
+        del key
+        bits = 32.0 * server.theta.shape[0]
+        if klms is not None:
+            bits = bits + klms_downlink_bits(server.klms, klms)
+        return server, jnp.full(client_ids.shape, bits, jnp.float32)
+
+    def client_update(keys: ClientKeys, server: FedPMState, state, data):
+        _, unravel = ravel_pytree(server.weights)
+        theta = server.theta
+        scores0 = unravel(jnp.log(theta) - jnp.log1p(-theta))
+
+        def score_loss(scores, batch, key):
+            u = jax.random.uniform(key, theta.shape)
+            net = masked(server.weights, scores, unravel(u))
+            return loss_fn(net, batch, jax.random.fold_in(key, 1))
+
+        trainer = build_local_trainer(
+            score_loss, client_optimizer, batch_size=batch_size, num_epochs=local_epochs
+        )
+        train_key, sample_key = client_streams(keys.private)
+        scores, linfo = trainer(train_key, scores0, data)
+        phi = jax.nn.sigmoid(ravel_pytree(scores)[0])
+        q, p = Bernoulli(phi), Bernoulli(theta)
+        kl = jnp.sum(q.kl_bits(p))
+        d = phi.shape[0]
+        if klms is None:
+            mask = q.sample(sample_key)
+            k = jnp.sum(mask)
+            paper = d * binary_entropy_bits(k / d) + math.log2(d)
+            message = Message(
+                payload=pack_fixed(mask.astype(jnp.uint32), 1), num_bits=enumerative_mask_bits(mask)
+            )
+            kinfo = EmptyState()
+        else:
+            message, kinfo = klms_encode(ClientKeys(keys.shared, sample_key), q, p, server.klms, klms)
+            paper = jnp.float32(jnp.nan)
+        finite = linfo.finite & jnp.all(jnp.isfinite(phi))
+        extra = FedPMClientExtra(kl_bits=kl, paper_bits=jnp.asarray(paper, jnp.float32), klms=kinfo)
+        return state, message, ClientInfo(loss=linfo.loss, finite=finite, extra=extra)
+
+    def server_update(rkey, server: FedPMState, client_ids, messages, weights):
+        del weights  # unweighted 1/C aggregation [P]
+        d = server.theta.shape[0]
+        if klms is None:
+            masks = jax.vmap(lambda w: unpack_fixed(w, d, 1).astype(jnp.float32))(messages.payload)
+            kstate, kinfo = server.klms, EmptyState()
+        else:
+            prior = Bernoulli(server.theta)
+            masks, decoded = klms_decode_clients(rkey, client_ids, prior, server.klms, messages, klms)
+            kstate, kinfo = klms_server_update(server.klms, decoded, klms)
+        clipped = jnp.where(masks > 0.5, 1.0 - MASK_CLIP, MASK_CLIP)
+        alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors)
+        new = server._replace(theta=theta, alpha=alpha, beta=beta, klms=kstate)
+        return new, FedPMServerInfo(theta_mean=jnp.mean(theta), klms=kinfo)
+
+    def eval_params(server: FedPMState) -> Params:
+        _, unravel = ravel_pytree(server.weights)
+        if eval_mask == "threshold":
+            m = (server.theta > 0.5).astype(jnp.float32)
+        else:
+            m = (server.eval_uniforms < server.theta).astype(jnp.float32)
+        return jax.tree.map(lambda w, mm: w * mm, server.weights, unravel(m))
+
+    round_step = build_round_step(
+        broadcast_fn,
+        client_update,
+        server_update,
+        clients_per_round=clients_per_round,
+        client_strategy=client_strategy,
+        map_batch_size=map_batch_size,
+    )
+    return Algorithm(init=init, round_step=round_step, eval_params=eval_params)

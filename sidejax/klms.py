@@ -1,0 +1,405 @@
+"""The KLMS uplink protocol: Fixed-/Adaptive-KLMS messages and the block-update protocol.
+
+Isik, Pase et al., "Adaptive Compression in Federated Learning via Side Information" (AISTATS 2024):
+Alg. 5 (Fixed-KLMS), Alg. 6 (Adaptive-KLMS), Alg. 7 (Aggregate-Block-Locations), Alg. 8 (decoder) and the
+update protocol shared by Alg. 9-12 (spec ``klms.md`` §3.2-3.7). Framework-agnostic: a framework supplies
+the client-only distribution ``q`` and the shared prior ``p`` (:mod:`sidejax.distributions`); this module
+turns them into a real bitstream and back.
+
+**Protocol** (adaptive mode). The server holds a partition :math:`I^{(t)}` and a flag ``update``.
+
+- Client: if ``update``, it re-partitions with :func:`sidejax.blocks.kl_blocks` so that every block's KL is
+  about :math:`D_{target} = \\log_2 K` bits (capped at ``max_block_size`` coordinates), else it uses
+  :math:`I^{(t)}`. It encodes one index per block (:func:`sidejax.coding.importance_encode`) and sends
+  the trigger statistic: :math:`\\bar D^{(t,c)} = \\frac1M \\sum_m D_{KL}(q_{I_m} \\| p_{I_m})`
+  (``"thresholds"``)
+  or the reference code's :math:`\\bar\\rho = \\frac1M\\sum_m \\min(\\log_2 K / D_m, 100)` (``"rho"``).
+- Server: decodes every client with the client's own partition in update rounds, then sets
+  :math:`I^{(t+1)} =` Aggregate-Block-Locations of the clients' partitions and clears ``update``; in other
+  rounds it sets ``update`` when the mean statistic leaves :math:`[\\bar D_{min}, \\bar D_{max}]`
+  (defaults :math:`D_{target}/3` and :math:`2 D_{target}`, spec §3.6 [R]) or, with ``"rho"``, when
+  :math:`\\bar\\rho > 3` ([C]).
+
+Deviation [R]: the lower trigger (and the rho trigger) is suppressed when the partition is *cap-bound*
+(every block already has ``max_block_size`` coordinates). A re-partition cannot enlarge such blocks, so the
+paper's rule would re-partition every other round for nothing once the KL is small, and pay
+:math:`M \\log_2(\\text{MAX\\_BLOCK\\_SIZE})` bits each time.
+
+**Bitstream** (one ``uint32`` buffer per client, LSB first; :mod:`sidejax.coding.bitstream`):
+
+====================  ===========================================  ========================
+field                 width                                        present
+====================  ===========================================  ========================
+block lengths - 1     ``M * log2(max_block_size)``                 update rounds (adaptive)
+indices               ``M * log2 K``                               always
+statistic (float32)   32                                           adaptive
+====================  ===========================================  ========================
+
+The message length is exactly the sum of the present fields (spec §3.7; the paper's Alg. 9-12 print
+``K*M``, corrected to ``M log2 K``). In update rounds the server learns ``M`` from the lengths (they sum to
+``dim``), so no header is needed; otherwise ``M`` is the number of blocks of :math:`I^{(t)}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sidejax.blocks import (
+    Blocks,
+    aggregate_block_locations,
+    block_sizes,
+    blocks_from_boundaries,
+    blocks_from_starts,
+    kl_blocks,
+)
+from sidejax.coding.base import Message
+from sidejax.coding.bitstream import pack_fixed, unpack_fixed
+from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, importance_decode, importance_encode
+from sidejax.keys import ClientKeys, client_keys
+
+__all__ = [
+    "TRIGGERS",
+    "KLMSConfig",
+    "KLMSState",
+    "KLMSClientInfo",
+    "KLMSDecoded",
+    "KLMSServerInfo",
+    "klms_init",
+    "klms_encode",
+    "klms_decode",
+    "klms_decode_clients",
+    "klms_server_update",
+    "klms_downlink_bits",
+]
+
+TRIGGERS = ("thresholds", "rho")
+_RHO_CAP = 100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class KLMSConfig:
+    """Static settings of the KLMS coder (hashable, so it can be closed over by jitted functions).
+
+    Attributes:
+      log2_num_candidates: :math:`\\log_2 K` (K candidates per block). In adaptive mode it is also the
+        target KL per block :math:`D_{target}` in bits ([C] ``kl_rate``; default 2, so K = 4).
+      adaptive: Adaptive-KLMS (Alg. 6 + update protocol) if True, Fixed-KLMS (Alg. 5) if False.
+      block_size: the fixed block size S (Fixed-KLMS), and the initial partition of Adaptive-KLMS ([C]: 8).
+      max_block_size: the cap MAX_BLOCK_SIZE, a power of two >= 2 ([C]: 256 for FedPM, 16 for SGLD).
+      trigger: ``"thresholds"`` (paper) or ``"rho"`` (reference code).
+      dbar_min: lower threshold on the mean block KL in bits (default ``D_target / 3``).
+      dbar_max: upper threshold (default ``2 * D_target``).
+      rho_threshold: re-partition when the mean rho exceeds this (``"rho"`` trigger; [C] 3).
+      max_blocks: static bound on the number of blocks (default ``dim`` in adaptive mode: never overflows).
+      memory_budget_bytes: encoder working-set budget (chunking over coordinates).
+    """
+
+    log2_num_candidates: int = 2
+    adaptive: bool = True
+    block_size: int = 8
+    max_block_size: int = 256
+    trigger: str = "thresholds"
+    dbar_min: float | None = None
+    dbar_max: float | None = None
+    rho_threshold: float = 3.0
+    max_blocks: int | None = None
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+
+    def __post_init__(self):
+        b = self.log2_num_candidates
+        lo = 1 if self.adaptive else 0
+        if not isinstance(b, int) or not lo <= b <= 24:
+            raise ValueError(
+                f"log2_num_candidates must be an int in {lo}..24 (K = 2**log2_num_candidates; adaptive mode "
+                f"needs K >= 2 because the target KL per block is log2 K bits), got {b!r}"
+            )
+        m = self.max_block_size
+        if not isinstance(m, int) or m < 2 or m & (m - 1):
+            raise ValueError(f"max_block_size must be a power of two >= 2, got {m!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if self.adaptive and self.block_size > m:
+            raise ValueError(f"block_size={self.block_size} exceeds max_block_size={m}")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be None or >= 1, got {self.max_blocks}")
+        if not self.dbar_lo < self.dbar_hi:
+            raise ValueError(f"need dbar_min < dbar_max, got {self.dbar_lo} and {self.dbar_hi}")
+
+    @property
+    def target_bits(self) -> float:
+        return float(self.log2_num_candidates)
+
+    @property
+    def length_bits(self) -> int:
+        return int(math.log2(self.max_block_size))
+
+    @property
+    def dbar_lo(self) -> float:
+        return self.target_bits / 3 if self.dbar_min is None else float(self.dbar_min)
+
+    @property
+    def dbar_hi(self) -> float:
+        return 2 * self.target_bits if self.dbar_max is None else float(self.dbar_max)
+
+    def num_max_blocks(self, dim: int) -> int:
+        """The static bound on the number of blocks for a vector of length ``dim``."""
+        if not self.adaptive:
+            return -(-dim // self.block_size)
+        return min(dim, self.max_blocks) if self.max_blocks else dim
+
+    def capacity_words(self, dim: int) -> int:
+        """Words of the message buffer (the longest possible message)."""
+        mb = self.num_max_blocks(dim)
+        per_block = self.log2_num_candidates + (self.length_bits if self.adaptive else 0)
+        return max(1, -(-(mb * per_block + (32 if self.adaptive else 0)) // 32))
+
+
+class KLMSState(NamedTuple):
+    """The protocol's server state (broadcast to the clients).
+
+    Attributes:
+      blocks: the current global partition :math:`I^{(t)}`.
+      update: bool, clients re-partition in the coming round.
+      changed: bool, ``blocks`` changed in the last server step (so the downlink must carry them).
+    """
+
+    blocks: Blocks
+    update: jax.Array
+    changed: jax.Array
+
+
+class KLMSClientInfo(NamedTuple):
+    """Client-side diagnostics (ideal rates are labelled as such; the message length is in the Message).
+
+    Attributes:
+      kl_bits: the ideal rate :math:`\\sum_j D_{KL}(q_j \\| p_j)` in bits (not a code length).
+      num_blocks: blocks used this round.
+      num_fallback_blocks: blocks where every candidate had ``q = 0`` (uniform index sent).
+      overflow: the partition needed more than ``max_blocks`` blocks (the tail was merged).
+      statistic: the reported trigger statistic (mean block KL in bits, or mean rho).
+    """
+
+    kl_bits: jax.Array
+    num_blocks: jax.Array
+    num_fallback_blocks: jax.Array
+    overflow: jax.Array
+    statistic: jax.Array
+
+
+class KLMSDecoded(NamedTuple):
+    """What the server reads from one client's stream besides the sample."""
+
+    starts: jax.Array
+    num_blocks: jax.Array
+    statistic: jax.Array
+    valid: jax.Array
+
+
+class KLMSServerInfo(NamedTuple):
+    """Server-side protocol diagnostics.
+
+    Attributes:
+      updated: this round was an update round (clients sent their partitions).
+      next_update: the next round will be an update round.
+      statistic: mean of the clients' statistics.
+      num_blocks: blocks of the partition for the next round.
+      streams_valid: every client's stream parsed consistently (lengths summed to ``dim``).
+    """
+
+    updated: jax.Array
+    next_update: jax.Array
+    statistic: jax.Array
+    num_blocks: jax.Array
+    streams_valid: jax.Array
+
+
+def klms_init(dim: int, config: KLMSConfig) -> KLMSState:
+    """Initial state: fixed blocks of ``config.block_size``; adaptive mode starts with an update round."""
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    mb = config.num_max_blocks(dim)
+    blocks = blocks_from_boundaries(jnp.arange(dim) % config.block_size == 0, mb)
+    return KLMSState(blocks, jnp.asarray(config.adaptive), jnp.asarray(False))
+
+
+def _statistic(config: KLMSConfig, kl_total, block_kl, num_blocks):
+    m = jnp.maximum(num_blocks, 1).astype(jnp.float32)
+    if config.trigger == "thresholds":
+        return kl_total / m
+    live = jnp.arange(block_kl.shape[0]) < num_blocks
+    rho = jnp.minimum(config.target_bits / jnp.maximum(block_kl, 1e-12), _RHO_CAP)
+    return jnp.sum(jnp.where(live, rho, 0.0)) / m
+
+
+def klms_encode(
+    keys: ClientKeys, q, p, state: KLMSState, config: KLMSConfig
+) -> tuple[Message, KLMSClientInfo]:
+    """One client's KLMS message (Alg. 5, or Alg. 6 inside the update protocol).
+
+    Args:
+      keys: the client's keys for this round (shared: candidates; private: index choice).
+      q: the client-only distribution over the flat vector (``dim`` coordinates).
+      p: the shared prior, same type and shape.
+      state: the broadcast :class:`KLMSState`.
+      config: static settings.
+
+    Returns:
+      ``(message, info)``; ``message.num_bits`` is the stream's exact length.
+    """
+    blocks0 = state.blocks
+    dim, mb = blocks0.dim, blocks0.max_blocks
+    b, L = config.log2_num_candidates, config.length_bits
+    if config.adaptive:
+        kl = q.kl_bits(p)
+        blocks = jax.lax.cond(
+            state.update,
+            lambda: kl_blocks(kl, config.target_bits, max_block_size=config.max_block_size, max_blocks=mb),
+            lambda: blocks0,
+        )
+    else:
+        blocks = blocks0
+    indices, info = importance_encode(
+        keys.shared,
+        keys.private,
+        q,
+        p,
+        blocks,
+        log2_num_candidates=b,
+        memory_budget_bytes=config.memory_budget_bytes,
+    )
+    M = blocks.num_blocks
+    live = jnp.arange(mb) < M
+    words = jnp.zeros(config.capacity_words(dim), jnp.uint32)
+    offset = jnp.int32(0)
+    if config.adaptive:
+        lengths = jnp.where(live & state.update, block_sizes(blocks) - 1, 0)
+        words = pack_fixed(lengths, L, out=words)
+        offset = jnp.where(state.update, M * L, 0)
+    if b > 0:
+        words = pack_fixed(jnp.where(live, indices, 0), b, bit_offset=offset, out=words)
+        offset = offset + M * b
+    stat = _statistic(config, info.kl_bits, info.block_kl_bits, M)
+    if config.adaptive:
+        word = jax.lax.bitcast_convert_type(stat.astype(jnp.float32), jnp.uint32)
+        words = pack_fixed(word[None], 32, bit_offset=offset, out=words)
+        offset = offset + 32
+    cinfo = KLMSClientInfo(
+        kl_bits=info.kl_bits,
+        num_blocks=M,
+        num_fallback_blocks=info.num_fallback_blocks,
+        overflow=blocks.overflow,
+        statistic=stat,
+    )
+    return Message(payload=words, num_bits=offset.astype(jnp.float32)), cinfo
+
+
+def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSConfig):
+    """The server's side for one client (Alg. 8): parse the stream, regenerate the chosen candidates.
+
+    Args:
+      shared_key: the client's shared key (re-derived by the server from the round key and client id).
+      p: the shared prior.
+      state: the :class:`KLMSState` the client encoded against.
+      message: the client's message.
+      config: static settings.
+
+    Returns:
+      ``(sample[dim], KLMSDecoded)``.
+    """
+    blocks0 = state.blocks
+    dim, mb = blocks0.dim, blocks0.max_blocks
+    b, L = config.log2_num_candidates, config.length_bits
+    words = message.payload
+    offset = jnp.int32(0)
+    valid = jnp.asarray(True)
+    if config.adaptive:
+
+        def from_stream():
+            lengths = unpack_fixed(words, mb, L).astype(jnp.int32) + 1
+            cum = jnp.cumsum(lengths)
+            M = jnp.minimum(jnp.searchsorted(cum, dim, side="left") + 1, mb).astype(jnp.int32)
+            ok = cum[M - 1] == dim
+            starts = jnp.concatenate([jnp.zeros(1, jnp.int32), cum[:-1]])
+            return blocks_from_starts(starts, M, dim, mb), ok
+
+        blocks, ok = jax.lax.cond(state.update, from_stream, lambda: (blocks0, jnp.asarray(True)))
+        valid = valid & ok
+        offset = jnp.where(state.update, blocks.num_blocks * L, 0)
+    else:
+        blocks = blocks0
+    M = blocks.num_blocks
+    live = jnp.arange(mb) < M
+    if b > 0:
+        indices = unpack_fixed(words, mb, b, bit_offset=offset).astype(jnp.int32)
+        indices = jnp.where(live, indices, 0)
+        offset = offset + M * b
+    else:
+        indices = jnp.zeros(mb, jnp.int32)
+    if config.adaptive:
+        stat = jax.lax.bitcast_convert_type(unpack_fixed(words, 1, 32, bit_offset=offset)[0], jnp.float32)
+        offset = offset + 32
+    else:
+        stat = jnp.float32(0.0)
+    valid = valid & (offset.astype(jnp.float32) == message.num_bits)
+    sample = importance_decode(shared_key, p, blocks, indices)
+    return sample, KLMSDecoded(blocks.starts, M, stat, valid)
+
+
+def klms_server_update(
+    state: KLMSState, decoded: KLMSDecoded, config: KLMSConfig
+) -> tuple[KLMSState, KLMSServerInfo]:
+    """The server's protocol step, given every participant's :class:`KLMSDecoded` (stacked on axis 0)."""
+    blocks = state.blocks
+    dim, mb = blocks.dim, blocks.max_blocks
+    stat = jnp.mean(decoded.statistic)
+    valid = jnp.all(decoded.valid)
+    if not config.adaptive:
+        info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid)
+        return state._replace(changed=jnp.asarray(False)), info
+    agg = aggregate_block_locations(
+        decoded.starts[:, :mb],
+        decoded.num_blocks,
+        dim=dim,
+        max_block_size=config.max_block_size,
+        max_blocks=mb,
+    )
+    cap_bound = blocks.num_blocks <= -(-dim // config.max_block_size)
+    if config.trigger == "thresholds":
+        trigger = (stat > config.dbar_hi) | ((stat < config.dbar_lo) & ~cap_bound)
+    else:
+        trigger = (stat > config.rho_threshold) & ~cap_bound
+    new_blocks = jax.tree.map(lambda a, o: jnp.where(state.update, a, o), agg, blocks)
+    next_update = jnp.where(state.update, False, trigger)
+    new_state = KLMSState(new_blocks, next_update, state.update)
+    info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid)
+    return new_state, info
+
+
+def klms_downlink_bits(state: KLMSState, config: KLMSConfig) -> jax.Array:
+    """Protocol bits on the downlink: the ``update`` flag, and the new partition after an update round
+    (``M * log2(max_block_size)`` bits of block lengths)."""
+    if not config.adaptive:
+        return jnp.float32(0.0)
+    part = jnp.where(state.changed, state.blocks.num_blocks * config.length_bits, 0)
+    return (1 + part).astype(jnp.float32)
+
+
+def klms_decode_clients(round_key, client_ids, p, state: KLMSState, messages: Message, config: KLMSConfig):
+    """:func:`klms_decode` for every participant (vmapped): each client's shared key is re-derived from the
+    round key and its global id (:func:`sidejax.keys.client_keys`), never received.
+
+    Returns:
+      ``(samples[C, dim], KLMSDecoded stacked over C)``.
+    """
+
+    def one(cid, msg):
+        return klms_decode(client_keys(round_key, cid).shared, p, state, msg, config)
+
+    return jax.vmap(one)(client_ids, messages)
