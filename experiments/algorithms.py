@@ -46,6 +46,7 @@ def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
     """The :class:`sidejax.klms.KLMSConfig` described by the config's KLMS fields."""
     values = dict(
         log2_num_candidates=config.log2_candidates,
+        overhead_bits=config.klms_overhead_bits,
         adaptive=config.klms_adaptive,
         block_size=config.block_size,
         max_block_size=config.max_block_size,

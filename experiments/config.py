@@ -41,6 +41,7 @@ class ExperimentConfig:
       client_strategy: ``map`` (sequential, best on CPU) or ``vmap`` (best on accelerators).
       stop_at_accuracy: if > 0, stop once test accuracy reaches it.
       log2_candidates: KLMS ``log2 K`` (candidates per block), also the target KL per block in bits.
+      klms_overhead_bits: KLMS overhead r: blocks carry ``log2_candidates - r`` bits of KL.
       klms_adaptive: Adaptive-KLMS (KL-sized blocks, update protocol) if true, Fixed-KLMS if false.
       block_size: Fixed-KLMS block size, and the initial Adaptive-KLMS partition.
       max_block_size: Adaptive-KLMS cap on block length (power of two).
@@ -77,6 +78,7 @@ class ExperimentConfig:
     client_strategy: str = "map"
     stop_at_accuracy: float = 0.0
     log2_candidates: int = 2
+    klms_overhead_bits: float = 0.0
     klms_adaptive: bool = True
     block_size: int = 8
     max_block_size: int = 256

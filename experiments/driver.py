@@ -47,6 +47,7 @@ METRIC_COLUMNS = (
     "downlink_bpp",
     "uplink_bits",
     "downlink_bits",
+    "kl_bpp",
     "cumulative_bits",
     "wall_time_s",
 )
@@ -76,6 +77,11 @@ def _partition_kwargs(config: ExperimentConfig) -> dict[str, Any]:
     if config.partition == "fixed":
         return {"examples_per_client": config.examples_per_client}
     return {}
+
+
+def _mean_or_none(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
 
 
 def prepare(config: ExperimentConfig):
@@ -114,6 +120,15 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
         f"The last good state (round {last_good_round}) is checkpointed in {ckpt_dir}; lower the learning "
         f"rate or check the data, then run again (with --resume to continue from that checkpoint)."
     )
+
+
+def _ideal_kl_bits(infos) -> np.ndarray | None:
+    """Mean over participants of the ideal KLMS rate (``ClientInfo.extra.kl_bits``) per round, if logged."""
+    kl = getattr(infos.clients.extra, "kl_bits", None)
+    if kl is None:
+        return None
+    kl = np.asarray(kl, np.float64)
+    return None if np.isnan(kl).all() else kl.mean(axis=1)
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -257,6 +272,7 @@ def run_experiment(
         up = np.asarray(infos.uplink_bits, np.float64)
         down = np.asarray(infos.downlink_bits, np.float64)
         train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
+        kl_bits = _ideal_kl_bits(infos)
         new_rows = []
         for s in range(chunk):
             cum_bits += up[s].sum() + down[s].sum()
@@ -271,6 +287,7 @@ def run_experiment(
                     "downlink_bpp": float(down[s].mean() / num_params),
                     "uplink_bits": float(up[s].sum()),
                     "downlink_bits": float(down[s].sum()),
+                    "kl_bpp": None if kl_bits is None else float(kl_bits[s] / num_params),
                     "cumulative_bits": float(cum_bits),
                     "wall_time_s": round(time.perf_counter() - t_start, 3),
                 }
@@ -313,6 +330,7 @@ def run_experiment(
                 "total_bits": summary.total_bits,
                 "mean_uplink_bpp": summary.mean_uplink_bpp if rows else None,
                 "mean_downlink_bpp": summary.mean_downlink_bpp if rows else None,
+                "mean_kl_bpp": _mean_or_none([r.get("kl_bpp") for r in rows]),
                 "num_params": num_params,
                 "wall_time_s": round(time.perf_counter() - t_start, 2),
                 "backend": jax.default_backend(),

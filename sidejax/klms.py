@@ -86,8 +86,11 @@ class KLMSConfig:
     """Static settings of the KLMS coder (hashable, so it can be closed over by jitted functions).
 
     Attributes:
-      log2_num_candidates: :math:`\\log_2 K` (K candidates per block). In adaptive mode it is also the
-        target KL per block :math:`D_{target}` in bits ([C] ``kl_rate``; default 2, so K = 4).
+      log2_num_candidates: :math:`\\log_2 K` (K candidates per block). In adaptive mode the target KL per
+        block is :math:`D_{target} = \\log_2 K - r` bits ([C] ``kl_rate``; default 2, so K = 4).
+      overhead_bits: the overhead :math:`r` in bits (default 0, as the paper and [C]): blocks are sized to
+        :math:`\\log_2 K - r` bits of KL, so each block has :math:`2^r` times more candidates than its KL
+        asks for and the sample is closer to ``q`` (Thm 4.1's :math:`K = e^{KL + r}`; spec §8 #15, #21).
       adaptive: Adaptive-KLMS (Alg. 6 + update protocol) if True, Fixed-KLMS (Alg. 5) if False.
       block_size: the fixed block size S (Fixed-KLMS), and the initial partition of Adaptive-KLMS ([C]: 8).
       max_block_size: the cap MAX_BLOCK_SIZE, a power of two >= 2 ([C]: 256 for FedPM, 16 for SGLD).
@@ -100,6 +103,7 @@ class KLMSConfig:
     """
 
     log2_num_candidates: int = 2
+    overhead_bits: float = 0.0
     adaptive: bool = True
     block_size: int = 8
     max_block_size: int = 256
@@ -118,6 +122,11 @@ class KLMSConfig:
                 f"log2_num_candidates must be an int in {lo}..24 (K = 2**log2_num_candidates; adaptive mode "
                 f"needs K >= 2 because the target KL per block is log2 K bits), got {b!r}"
             )
+        if not 0 <= self.overhead_bits < max(b, 1):
+            raise ValueError(
+                f"overhead_bits must be in [0, log2_num_candidates={b}) (the target KL per block is "
+                f"log2 K - overhead > 0), got {self.overhead_bits}"
+            )
         m = self.max_block_size
         if not isinstance(m, int) or m < 2 or m & (m - 1):
             raise ValueError(f"max_block_size must be a power of two >= 2, got {m!r}")
@@ -134,7 +143,7 @@ class KLMSConfig:
 
     @property
     def target_bits(self) -> float:
-        return float(self.log2_num_candidates)
+        return float(self.log2_num_candidates) - float(self.overhead_bits)
 
     @property
     def length_bits(self) -> int:
@@ -234,7 +243,7 @@ def _statistic(config: KLMSConfig, kl_total, block_kl, num_blocks):
     if config.trigger == "thresholds":
         return kl_total / m
     live = jnp.arange(block_kl.shape[0]) < num_blocks
-    rho = jnp.minimum(config.target_bits / jnp.maximum(block_kl, 1e-12), _RHO_CAP)
+    rho = jnp.minimum(config.log2_num_candidates / jnp.maximum(block_kl, 1e-12), _RHO_CAP)
     return jnp.sum(jnp.where(live, rho, 0.0)) / m
 
 

@@ -1,0 +1,150 @@
+"""Results tables: accuracy, average bits per parameter and compression factors of finished runs.
+
+Examples::
+
+    # run the reduced-scale KLMS presets (skipping finished ones), then write the table
+    python -m experiments.table results/klms_fmnist --run klms_fmnist_fedpm klms_fmnist_fedpm_klms
+    # just tabulate every run folder under a directory
+    python -m experiments.table results/klms_fmnist
+
+A run folder is any directory with ``summary.json`` and ``config.json`` (written by
+:func:`experiments.driver.run_experiment`). The table is written as ``table.md`` and ``table.csv`` in the
+directory and printed. Columns:
+
+- ``uplink bpp``: mean over rounds and participants of the uplink message length (bits) / parameters;
+- ``x vs 32-bit``: ``32 / uplink bpp``;
+- ``x vs host``: the host method's uplink bpp / this run's, for a KLMS run whose host (e.g. ``fedpm`` for
+  ``fedpm_klms``) is in the same table with the same dataset and model;
+- ``KL bpp (ideal)``: the mean ideal rate :math:`\\sum_j D_{KL}(q_j\\|p_j)` / parameters, a bound, not a
+  code length (FedPM logs the KL against the global mask even without KLMS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from experiments.algorithms import KLMS_HOSTS
+
+__all__ = ["collect_runs", "results_table", "main"]
+
+COLUMNS = (
+    "run",
+    "algorithm",
+    "dataset",
+    "model",
+    "rounds",
+    "final acc (%)",
+    "best acc (%)",
+    "uplink bpp",
+    "x vs 32-bit",
+    "x vs host",
+    "KL bpp (ideal)",
+)
+
+
+def collect_runs(directory: Path) -> list[dict[str, Any]]:
+    """Reads every run folder directly under ``directory`` (sorted by name)."""
+    runs = []
+    for sub in sorted(p for p in directory.iterdir() if p.is_dir()):
+        if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
+            continue
+        runs.append(
+            {
+                "name": sub.name,
+                "summary": json.loads((sub / "summary.json").read_text()),
+                "config": json.loads((sub / "config.json").read_text()),
+            }
+        )
+    return runs
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """One row per run, as strings, in :data:`COLUMNS` order."""
+    host_bpp = {}
+    for r in runs:
+        c = r["config"]
+        host_bpp[(c["algorithm"], c["dataset"], c["model"])] = r["summary"]["mean_uplink_bpp"]
+    rows = []
+    for r in runs:
+        c, s = r["config"], r["summary"]
+        bpp = s["mean_uplink_bpp"]
+        host = KLMS_HOSTS.get(c["algorithm"])
+        hb = host_bpp.get((host, c["dataset"], c["model"])) if host else None
+        rows.append(
+            {
+                "run": r["name"],
+                "algorithm": c["algorithm"],
+                "dataset": c["dataset"],
+                "model": c["model"],
+                "rounds": str(s["rounds_run"]),
+                "final acc (%)": _fmt(100 * s["final_accuracy"], ".2f"),
+                "best acc (%)": _fmt(100 * s["best_accuracy"], ".2f"),
+                "uplink bpp": _fmt(bpp, ".4f"),
+                "x vs 32-bit": _fmt(32 / bpp if bpp else None, ".0f"),
+                "x vs host": _fmt(hb / bpp if (hb and bpp) else None, ".1f"),
+                "KL bpp (ideal)": _fmt(s.get("mean_kl_bpp"), ".4f"),
+            }
+        )
+    return rows
+
+
+def _markdown(rows: list[dict[str, str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.table", description=__doc__.split("\n")[0])
+    parser.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
+    parser.add_argument("--run", nargs="*", default=[], metavar="PRESET", help="run these presets first")
+    parser.add_argument("--force", action="store_true", help="re-run presets that already have a summary")
+    parser.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
+    args = parser.parse_args(argv)
+
+    if args.run:
+        from experiments.config import load_preset
+        from experiments.driver import run_experiment
+
+        for preset in args.run:
+            config = load_preset(preset)
+            if args.rounds:
+                config = config.replace(rounds=args.rounds)
+            out = args.directory / preset
+            if (out / "summary.json").is_file() and not args.force:
+                print(f"{preset}: finished run found in {out}, skipped (use --force to re-run)")
+                continue
+            print(f"\n=== {preset}")
+            run_experiment(config, out, label=preset)
+    if not args.directory.is_dir():
+        print(f"error: {args.directory} is not a directory", file=sys.stderr)
+        return 2
+    runs = collect_runs(args.directory)
+    if not runs:
+        print(
+            f"error: no run folders (with summary.json and config.json) in {args.directory}", file=sys.stderr
+        )
+        return 2
+    rows = results_table(runs)
+    md = _markdown(rows)
+    (args.directory / "table.md").write_text(md)
+    with (args.directory / "table.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    print(md)
+    print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""KLMS protocol, the framework algorithms and their statistical properties (spec klms.md §3.6-§4.8, §7).
+
+Statistical tests use fixed keys and sample sizes where the tolerance is several standard errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import tree_equal
+
+from sidejax.algorithms import (
+    bayes_agg,
+    distributed_mean,
+    elias_gamma_bits,
+    enumerative_mask_bits,
+    fedpm,
+    flat_layout,
+    langevin,
+    log2_candidates_for_overhead,
+    qsgd,
+    qsgd_dequantize,
+    qsgd_elias_bound_bits,
+    qsgd_quantize,
+    qsgd_symbol_probs,
+    sgld_klms_sigma,
+    signed_constant_init,
+    signsgd,
+    stochastic_sign_probs,
+)
+from sidejax.blocks import block_sizes
+from sidejax.coding.base import Message
+from sidejax.coding.importance import importance_encode
+from sidejax.distributions import Bernoulli, Ternary
+from sidejax.fl import run_rounds
+from sidejax.keys import client_keys
+from sidejax.klms import (
+    KLMSConfig,
+    KLMSDecoded,
+    klms_decode,
+    klms_downlink_bits,
+    klms_encode,
+    klms_init,
+    klms_server_update,
+)
+
+D = 1000
+CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16)
+Q = Bernoulli(jax.random.uniform(jax.random.key(1), (D,), minval=0.01, maxval=0.99))
+P = Bernoulli(jnp.full((D,), 0.5))
+KEYS = client_keys(jax.random.key(3), 5)
+
+
+@jax.jit
+def _roundtrip(state):
+    msg, info = klms_encode(KEYS, Q, P, state, CFG)
+    y, dec = klms_decode(KEYS.shared, P, state, msg, CFG)
+    return msg, info, y, dec
+
+
+# ----------------------------------------------------------------------------------------------------
+# protocol and bitstream (spec §3.6-3.7, §7 items 1-2)
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_stream_decodes_to_the_encoders_choice_and_has_the_exact_length(update):
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
+    msg, info, y, dec = _roundtrip(state)
+    M = int(info.num_blocks)
+    # the partition actually used: adaptive in update rounds, the broadcast one otherwise
+    if update:
+        assert M > int(state.blocks.num_blocks) // 4  # a real re-partition, not the initial blocks
+    else:
+        assert M == int(state.blocks.num_blocks)
+    expected = M * CFG.log2_num_candidates + 32 + (M * CFG.length_bits if update else 0)
+    assert float(msg.num_bits) == expected
+    assert bool(dec.valid) and int(dec.num_blocks) == M
+    assert float(dec.statistic) == pytest.approx(float(info.kl_bits) / M, rel=1e-6)
+    # the decoded sample is the candidate the encoder chose, bit for bit
+    from sidejax.blocks import blocks_from_starts, kl_blocks
+
+    blocks = (
+        kl_blocks(Q.kl_bits(P), 2.0, max_block_size=16, max_blocks=D)
+        if update
+        else blocks_from_starts(state.blocks.starts, state.blocks.num_blocks, D, D)
+    )
+    idx, _ = importance_encode(KEYS.shared, KEYS.private, Q, P, blocks, log2_num_candidates=2)
+    from sidejax.coding.importance import importance_decode
+
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(importance_decode(KEYS.shared, P, blocks, idx)))
+
+
+def test_corrupted_stream_is_flagged():
+    state = klms_init(D, CFG)
+    msg, _, _, _ = _roundtrip(state)
+    short = Message(msg.payload, msg.num_bits - 1)
+    _, dec = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, CFG))(short)
+    assert not bool(dec.valid)
+    # block lengths that do not sum to dim (an all-zero stream: every length 1, indices 0)
+    zeros = Message(jnp.zeros_like(msg.payload), msg.num_bits)
+    _, dec2 = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, CFG))(zeros)
+    assert not bool(dec2.valid)
+
+
+def test_fixed_mode_sends_indices_only():
+    cfg = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+    state = klms_init(D, cfg)
+    msg, info = klms_encode(KEYS, Q, P, state, cfg)
+    assert float(msg.num_bits) == 100 * 3
+    y, dec = klms_decode(KEYS.shared, P, state, msg, cfg)
+    assert bool(dec.valid)
+    assert float(klms_downlink_bits(state, cfg)) == 0.0
+
+
+def _decoded(starts, nums, stat):
+    C = starts.shape[0]
+    return KLMSDecoded(starts, nums, jnp.full((C,), stat, jnp.float32), jnp.ones(C, bool))
+
+
+def test_update_round_aggregates_partitions_and_triggers_fire():
+    state = klms_init(D, CFG)
+    _, info, _, dec = _roundtrip(state)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a, a]), dec)
+    new, sinfo = klms_server_update(state, stacked, CFG)
+    # identical client partitions aggregate to themselves (Alg. 7 idempotence)
+    np.testing.assert_array_equal(np.asarray(new.blocks.starts), np.asarray(dec.starts))
+    assert bool(sinfo.updated) and not bool(new.update) and bool(new.changed)
+    # downlink carries the new partition once: flag bit + M * log2(MAX_BLOCK_SIZE)
+    assert float(klms_downlink_bits(new, CFG)) == 1 + int(new.blocks.num_blocks) * CFG.length_bits
+    starts = jnp.stack([new.blocks.starts] * 2)
+    nums = jnp.stack([new.blocks.num_blocks] * 2)
+    # in range: no re-partition; too high or too low: re-partition next round
+    for stat, fires in [(1.0, False), (4.5, True), (0.5, True)]:
+        nxt, _ = klms_server_update(
+            new._replace(update=jnp.asarray(False)), _decoded(starts, nums, stat), CFG
+        )
+        assert bool(nxt.update) == fires, stat
+    # cap-bound partition (every block has max_block_size coordinates): the low trigger is suppressed
+    capped = klms_init(D, KLMSConfig(log2_num_candidates=2, max_block_size=16, block_size=16))
+    c_st = jnp.stack([capped.blocks.starts] * 2)
+    c_n = jnp.stack([capped.blocks.num_blocks] * 2)
+    nxt, _ = klms_server_update(capped._replace(update=jnp.asarray(False)), _decoded(c_st, c_n, 0.1), CFG)
+    assert not bool(nxt.update)
+    # the reference code's rho rule
+    rho_cfg = KLMSConfig(log2_num_candidates=2, max_block_size=16, trigger="rho")
+    nxt, _ = klms_server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, 3.5), rho_cfg)
+    assert bool(nxt.update)
+
+
+def test_adaptive_blocks_track_kl():
+    """In an update round the blocks' KL is near the target except where the cap binds (spec §7 item 18)."""
+    state = klms_init(D, CFG)
+    _, info, _, dec = _roundtrip(state)
+    from sidejax.blocks import blocks_from_starts, block_sums
+
+    blocks = blocks_from_starts(dec.starts, dec.num_blocks, D, D)
+    kl = np.asarray(block_sums(Q.kl_bits(P), blocks))[: int(dec.num_blocks)]
+    sizes = np.asarray(block_sizes(blocks))[: int(dec.num_blocks)]
+    assert np.all(kl[sizes > 1] <= 2.0 + 1e-5)
+    interior = (sizes < 16)[:-1]
+    assert np.mean(kl[:-1][interior]) > 1.0  # blocks are filled up to about the target
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(log2_num_candidates=0), "log2_num_candidates"),
+        (dict(max_block_size=100), "power of two"),
+        (dict(trigger="never"), "trigger"),
+        (dict(block_size=512, max_block_size=256), "block_size"),
+        (dict(dbar_min=3.0, dbar_max=1.0), "dbar_min"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KLMSConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# framework pieces (spec §7 items 13-17)
+
+
+def test_qsgd_is_unbiased_and_symbol_law_sums_to_one():
+    layout = flat_layout({"a": jnp.zeros(6), "b": jnp.zeros(4)})
+    v = jnp.array([0.3, -1.2, 0.0, 2.0, -0.1, 0.7, 5.0, -3.0, 0.2, 1.0])
+    n = 20000
+    for s in (1, 2):
+        signed, norms = jax.vmap(lambda k: qsgd_quantize(k, v, layout, s))(
+            jax.random.split(jax.random.key(0), n)
+        )
+        vhat = jax.vmap(lambda a, b: qsgd_dequantize(a, b, layout, s))(signed, norms)
+        mean = np.asarray(vhat.mean(0))
+        se = np.asarray(vhat.std(0)) / math.sqrt(n) + 1e-9
+        assert np.all(np.abs(mean - np.asarray(v)) <= 5 * se), (s, mean)
+    q, _ = qsgd_symbol_probs(v, layout)
+    np.testing.assert_allclose(np.asarray(q.probs.sum(-1)), 1.0, atol=1e-6)
+    assert float(jnp.min(q.probs)) >= 0.0
+
+
+def test_qsgd_elias_bound_reproduces_the_papers_bug():
+    """spec §4.3: per-tensor CONV6 accounting gives 0.0722 / 0.1399 bpp with the reference code's precedence
+    bug (Table 8's QSGD numbers) and 0.029 / 0.053 bpp with the correct bound."""
+    from sidejax.models import get_model, init_params
+
+    spec = get_model("conv6", num_classes=10, input_shape=(32, 32, 3))
+    layout = flat_layout(init_params(jax.random.key(0), spec))
+    d = layout.dim
+    got = {
+        (s, pc): qsgd_elias_bound_bits(s, layout.tensor_sizes, paper_compat=pc) / d
+        for s in (1, 2)
+        for pc in (True, False)
+    }
+    assert got[(1, True)] == pytest.approx(0.0722, abs=5e-4)
+    assert got[(2, True)] == pytest.approx(0.1399, abs=5e-4)
+    assert got[(1, False)] == pytest.approx(0.029, abs=1e-3)
+    assert got[(2, False)] == pytest.approx(0.053, abs=1e-3)
+
+
+def test_elias_stream_length_by_hand():
+    layout = flat_layout({"a": jnp.zeros(6), "b": jnp.zeros(3)})
+    levels = jnp.array([0, 2, 0, 0, -1, 0, 0, 0, 5])
+    # tensor a: gaps 2 (3 bits), 3 (3 bits); levels 2 (3 bits), 1 (1 bit); 2 sign bits; 32 norm bits
+    # tensor b: gap 3 (3 bits), level 5 (5 bits), sign 1; 32 norm bits
+    expected = (3 + 3 + 3 + 1 + 2 + 32) + (3 + 5 + 1 + 32)
+    assert float(elias_gamma_bits(levels, layout)) == expected
+
+
+def test_enumerative_mask_bits_matches_exact_binomial():
+    for d, k in [(50, 0), (50, 7), (200, 100), (1000, 13)]:
+        mask = jnp.zeros(d).at[:k].set(1.0)
+        exact = math.ceil(math.log2(d + 1)) + (
+            math.ceil(math.log2(math.comb(d, k))) if k not in (0, d) else 0
+        )
+        assert abs(float(enumerative_mask_bits(mask)) - exact) <= 1, (d, k)
+
+
+def test_stochastic_sign_mean():
+    layout = flat_layout({"a": jnp.zeros(5)})
+    v = jnp.array([0.5, -0.2, 0.0, 1.0, -1.0])
+    q = stochastic_sign_probs(v, layout, 2.0)
+    n = 40000
+    samples = q.sample(jax.random.key(0), (n,))
+    expect = 2 * jax.nn.sigmoid(2.0 * v) - 1
+    se = np.sqrt((1 - np.asarray(expect) ** 2) / n)
+    assert np.all(np.abs(np.asarray(samples.mean(0) - expect)) <= 5 * se + 1e-9)
+    assert np.all(np.sign(np.asarray(expect))[v != 0] == np.sign(np.asarray(v))[v != 0])
+
+
+def test_bayes_agg_reset_is_the_mean_and_without_reset_counts_accumulate():
+    masks = jnp.array([[0.99, 0.01, 0.99], [0.99, 0.99, 0.01]])
+    ones = jnp.ones(3)
+    a, b, theta = bayes_agg(ones, ones, masks, reset=True)
+    np.testing.assert_allclose(np.asarray(theta), np.asarray(masks.mean(0)), rtol=1e-6)
+    a2, b2, theta2 = bayes_agg(a, b, masks, reset=False)
+    np.testing.assert_allclose(np.asarray(a2), 1 + 2 * np.asarray(masks.sum(0)), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(theta2), (np.asarray(a2) - 1) / (np.asarray(a2 + b2) - 2), rtol=1e-6
+    )
+
+
+def test_sgld_klms_noise_calibration():
+    """With exact samples from q, the aggregate step noise has variance 2*gamma (spec §7 item 17)."""
+    gamma, N, C = 1e-4, 50, 10
+    sigma = sgld_klms_sigma(gamma, N, C)
+    a = N / C
+    n = 20000
+    y = sigma * jax.random.normal(jax.random.key(0), (n, C))  # y_c - H_c
+    noise = np.asarray(gamma * a * y.sum(1), np.float64)
+    var = noise.var()
+    # chi-square CI: relative SE of a variance estimate is sqrt(2/n)
+    assert abs(var / (2 * gamma) - 1) < 5 * math.sqrt(2 / n)
+
+
+def test_signed_constant_init_uses_fan_in():
+    params = {
+        "Dense_0": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)},
+        "Conv_0": {"kernel": jnp.zeros((3, 3, 2, 5))},
+    }
+    w = signed_constant_init(jax.random.key(0), params)
+    np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["kernel"])), math.e / math.sqrt(8), rtol=1e-6)
+    np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["bias"])), math.e / math.sqrt(8), rtol=1e-6)
+    np.testing.assert_allclose(np.abs(np.asarray(w["Conv_0"]["kernel"])), math.e / math.sqrt(18), rtol=1e-6)
+    assert 0.3 < float(jnp.mean(w["Dense_0"]["kernel"] > 0)) < 0.7
+
+
+# ----------------------------------------------------------------------------------------------------
+# App. F toy (spec §4.8, §7 item 11)
+
+
+def test_toy_error_shrinks_with_clients_and_overhead():
+    mu = 0.8
+    b = log2_candidates_for_overhead(mu * mu / 2, 6.0)
+    assert b == 10  # e^{6.32} = 556 -> 1024 candidates
+    runs = 400
+    err = {}
+    for n in (1, 16):
+        est = np.asarray(distributed_mean(jax.random.key(0), jnp.full((n,), mu), 4, runs), np.float64)
+        err[n] = est - mu
+    # the std of the estimate falls roughly like 1/sqrt(N): 1/4 from N=1 to N=16 (allow 0.4)
+    assert err[16].std() < 0.4 * err[1].std()
+    # with overhead r = 6 nats the bias is small (spec §7 item 10: < 0.03 at r >= 4)
+    est = np.asarray(distributed_mean(jax.random.key(1), jnp.full((16,), mu), b, runs), np.float64)
+    assert abs(est.mean() - mu) < 0.03 + 4 * est.std() / math.sqrt(runs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the algorithms in the round engine (integration, determinism: spec §7 item 19)
+
+SMALL = KLMSConfig(log2_num_candidates=2, max_block_size=64)
+
+
+def _algorithms(loss, clients):
+    common = dict(clients_per_round=clients, batch_size=32, client_strategy="map")
+    return {
+        "fedpm": fedpm(loss, optax.adam(0.1), **common),
+        "fedpm_klms": fedpm(loss, optax.adam(0.1), klms=SMALL, **common),
+        "qsgd": qsgd(loss, optax.sgd(0.1), server_lr=1.0, **common),
+        "qsgd_klms": qsgd(loss, optax.sgd(0.1), server_lr=1.0, klms=SMALL, **common),
+        "signsgd": signsgd(loss, optax.sgd(0.1), server_lr=0.01, **common),
+        "signsgd_klms": signsgd(loss, optax.sgd(0.1), server_lr=0.01, klms=SMALL, **common),
+        "qlsd": langevin(
+            loss, num_clients=10, clients_per_round=clients, batch_size=32, client_strategy="map"
+        ),
+        "sgld_klms": langevin(
+            loss, num_clients=10, clients_per_round=clients, batch_size=32, klms=SMALL, client_strategy="map"
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def algorithm_runs(digits_fed, small_model):
+    spec, params, loss = small_model
+    out = {}
+    for name, algo in _algorithms(loss, 5).items():
+        state = algo.init(jax.random.key(0), params, 10)
+        final, infos = run_rounds(algo, jax.random.key(1), state, digits_fed, 3)
+        out[name] = (algo, state, final, infos)
+    return out
+
+
+def test_every_algorithm_runs_finite_and_klms_sends_fewer_bits(algorithm_runs, small_model):
+    d = flat_layout(small_model[1]).dim
+    bpp = {}
+    for name, (_, _, final, infos) in algorithm_runs.items():
+        assert bool(np.all(np.asarray(infos.clients.finite))), name
+        assert bool(np.all(np.asarray(infos.server_finite))), name
+        bits = np.asarray(infos.uplink_bits)
+        assert np.all(bits > 0), name
+        bpp[name] = bits.mean() / d
+        if name.endswith("_klms"):
+            kinfo = infos.server.klms
+            assert bool(np.all(np.asarray(kinfo.streams_valid))), name
+            assert bool(np.asarray(kinfo.updated)[0])  # adaptive mode starts with an update round
+    assert bpp["signsgd"] == pytest.approx(1.0)
+    for host in ("fedpm", "qsgd", "signsgd"):
+        assert bpp[host + "_klms"] < bpp[host], (host, bpp)
+
+
+def test_a_whole_run_is_deterministic_including_the_bit_log(algorithm_runs, digits_fed):
+    algo, state, final, infos = algorithm_runs["fedpm_klms"]
+    final2, infos2 = run_rounds(algo, jax.random.key(1), state, digits_fed, 3)
+    assert tree_equal(final, final2)
+    assert tree_equal(infos, infos2)
+    # and the KLMS messages decode to masks that BayesAgg turns into the new theta
+    assert (
+        float(jnp.min(final.server.theta)) >= 0.01 - 1e-7
+        and float(jnp.max(final.server.theta)) <= 0.99 + 1e-7
+    )
+
+
+def test_langevin_rejects_a_mismatched_federation(small_model):
+    _, params, loss = small_model
+    algo = langevin(loss, num_clients=7, clients_per_round=3)
+    with pytest.raises(ValueError, match="num_clients=7"):
+        algo.init(jax.random.key(0), params, 10)
+
+
+def test_qsgd_klms_requires_one_level(small_model):
+    with pytest.raises(ValueError, match="s = 1"):
+        qsgd(small_model[2], optax.sgd(0.1), clients_per_round=2, batch_size=8, levels=2, klms=SMALL)
+
+
+def test_ternary_prior_has_full_support_after_a_round(algorithm_runs):
+    _, _, final, _ = algorithm_runs["qsgd_klms"]
+    prior = np.asarray(final.server.prior)
+    assert prior.min() > 0 and np.allclose(prior.sum(-1), 1, atol=1e-5)
+    kl = Ternary(jnp.asarray(prior)).kl_bits(Ternary(jnp.asarray(prior)))
+    assert float(jnp.max(jnp.abs(kl))) < 1e-5
