@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     plot_runs(runs, args.output)
     table = "\n".join(
         [
-            "| run | final acc (%) | best acc (%) | uplink bpp | uplink vs 32-bit | downlink bpp | total bits |",
+            "| run | final acc (%) | best acc (%) | uplink bpp | uplink vs 32-bit | downlink bpp "
+            "| total bits |",
             "|---|---|---|---|---|---|---|",
             *lines,
         ]

@@ -33,9 +33,9 @@ from sidejax.algorithms import (
     signsgd,
     stochastic_sign_probs,
 )
-from sidejax.blocks import block_sizes
+from sidejax.blocks import block_sizes, block_sums, blocks_from_starts, kl_blocks
 from sidejax.coding.base import Message
-from sidejax.coding.importance import importance_encode
+from sidejax.coding.importance import importance_decode, importance_encode
 from sidejax.distributions import Bernoulli, Ternary
 from sidejax.fl import run_rounds
 from sidejax.keys import client_keys
@@ -82,16 +82,12 @@ def test_stream_decodes_to_the_encoders_choice_and_has_the_exact_length(update):
     assert bool(dec.valid) and int(dec.num_blocks) == M
     assert float(dec.statistic) == pytest.approx(float(info.kl_bits) / M, rel=1e-6)
     # the decoded sample is the candidate the encoder chose, bit for bit
-    from sidejax.blocks import blocks_from_starts, kl_blocks
-
     blocks = (
         kl_blocks(Q.kl_bits(P), 2.0, max_block_size=16, max_blocks=D)
         if update
         else blocks_from_starts(state.blocks.starts, state.blocks.num_blocks, D, D)
     )
     idx, _ = importance_encode(KEYS.shared, KEYS.private, Q, P, blocks, log2_num_candidates=2)
-    from sidejax.coding.importance import importance_decode
-
     np.testing.assert_array_equal(np.asarray(y), np.asarray(importance_decode(KEYS.shared, P, blocks, idx)))
 
 
@@ -156,8 +152,6 @@ def test_adaptive_blocks_track_kl():
     """In an update round the blocks' KL is near the target except where the cap binds (spec §7 item 18)."""
     state = klms_init(D, CFG)
     _, info, _, dec = _roundtrip(state)
-    from sidejax.blocks import blocks_from_starts, block_sums
-
     blocks = blocks_from_starts(dec.starts, dec.num_blocks, D, D)
     kl = np.asarray(block_sums(Q.kl_bits(P), blocks))[: int(dec.num_blocks)]
     sizes = np.asarray(block_sizes(blocks))[: int(dec.num_blocks)]
@@ -190,10 +184,10 @@ def test_qsgd_is_unbiased_and_symbol_law_sums_to_one():
     v = jnp.array([0.3, -1.2, 0.0, 2.0, -0.1, 0.7, 5.0, -3.0, 0.2, 1.0])
     n = 20000
     for s in (1, 2):
-        signed, norms = jax.vmap(lambda k: qsgd_quantize(k, v, layout, s))(
+        signed, norms = jax.vmap(lambda k, s=s: qsgd_quantize(k, v, layout, s))(
             jax.random.split(jax.random.key(0), n)
         )
-        vhat = jax.vmap(lambda a, b: qsgd_dequantize(a, b, layout, s))(signed, norms)
+        vhat = jax.vmap(lambda a, b, s=s: qsgd_dequantize(a, b, layout, s))(signed, norms)
         mean = np.asarray(vhat.mean(0))
         se = np.asarray(vhat.std(0)) / math.sqrt(n) + 1e-9
         assert np.all(np.abs(mean - np.asarray(v)) <= 5 * se), (s, mean)
@@ -346,7 +340,7 @@ def algorithm_runs(digits_fed, small_model):
 def test_every_algorithm_runs_finite_and_klms_sends_fewer_bits(algorithm_runs, small_model):
     d = flat_layout(small_model[1]).dim
     bpp = {}
-    for name, (_, _, final, infos) in algorithm_runs.items():
+    for name, (_, _, _final, infos) in algorithm_runs.items():
         assert bool(np.all(np.asarray(infos.clients.finite))), name
         assert bool(np.all(np.asarray(infos.server_finite))), name
         bits = np.asarray(infos.uplink_bits)
