@@ -132,3 +132,18 @@ def client_streams(private_key: PRNGKey) -> tuple[PRNGKey, PRNGKey]:
     """``(train_key, sample_key)``: the client's private key split by ``fold_in`` into local training and
     message sampling (index choice or stochastic quantisation)."""
     return jax.random.fold_in(private_key, 0), jax.random.fold_in(private_key, 1)
+
+
+def broadcast_params(server, client_ids: jax.Array, klms_config=None, extra_bits=0.0):
+    """The dense methods' downlink: ``server.params`` sent as float32 words (clients use the decoded copy),
+    plus the KLMS protocol bits of ``server.klms`` when ``klms_config`` is given and ``extra_bits`` of other
+    side information. Returns ``(server_as_received, bits[clients])``."""
+    from sidejax.coding.base import decode_float32, encode_float32
+    from sidejax.klms import klms_downlink_bits
+
+    flat, unravel = ravel_pytree(server.params)
+    msg = encode_float32(flat)
+    bits = msg.num_bits + extra_bits
+    if klms_config is not None:
+        bits = bits + klms_downlink_bits(server.klms, klms_config)
+    return server._replace(params=unravel(decode_float32(msg))), jnp.full(client_ids.shape, bits, jnp.float32)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from sidejax.algorithms.common import client_streams, flat_layout
+from sidejax.algorithms.common import broadcast_params, client_streams, flat_layout
 from sidejax.algorithms.qsgd import (
     CompressedExtra,
     CompressedServerInfo,
@@ -48,7 +48,6 @@ from sidejax.algorithms.qsgd import (
     qsgd_message,
     qsgd_quantize,
 )
-from sidejax.coding.base import decode_float32, encode_float32
 from sidejax.distributions import DiagGaussian
 from sidejax.fl.base import Algorithm, Batch, ClientInfo, EmptyState, RoundState
 from sidejax.fl.local import epoch_order
@@ -58,7 +57,6 @@ from sidejax.klms import (
     KLMSConfig,
     KLMSState,
     klms_decode_clients,
-    klms_downlink_bits,
     klms_encode,
     klms_init,
     klms_server_update,
@@ -142,10 +140,7 @@ def langevin(
 
     def broadcast_fn(key, server: LangevinState, client_ids):
         del key
-        flat, unravel = ravel_pytree(server.params)
-        msg = encode_float32(flat)
-        bits = msg.num_bits + (klms_downlink_bits(server.klms, klms) if klms is not None else 0.0)
-        return server._replace(params=unravel(decode_float32(msg))), jnp.full(client_ids.shape, bits)
+        return broadcast_params(server, client_ids, klms)
 
     def client_update(keys: ClientKeys, server: LangevinState, state, data):
         layout = flat_layout(server.params)

@@ -51,7 +51,14 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from sidejax.algorithms.common import FlatLayout, client_streams, elias_gamma_bits, flat_layout, tensor_norms
+from sidejax.algorithms.common import (
+    FlatLayout,
+    broadcast_params,
+    client_streams,
+    elias_gamma_bits,
+    flat_layout,
+    tensor_norms,
+)
 from sidejax.coding.base import Message, decode_float32, encode_float32
 from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.distributions import Ternary
@@ -65,7 +72,6 @@ from sidejax.klms import (
     KLMSServerInfo,
     KLMSState,
     klms_decode_clients,
-    klms_downlink_bits,
     klms_encode,
     klms_init,
     klms_server_update,
@@ -255,12 +261,10 @@ def qsgd(
 
     def broadcast_fn(key, server: QSGDState, client_ids):
         del key
-        flat, unravel = ravel_pytree(server.params)
-        msg = encode_float32(flat)
-        bits = msg.num_bits
-        if klms is not None:
-            bits = bits + 2 * count_bits * flat.shape[0] + klms_downlink_bits(server.klms, klms)
-        return server._replace(params=unravel(decode_float32(msg))), jnp.full(client_ids.shape, bits)
+        if klms is None:
+            return broadcast_params(server, client_ids)
+        counts = 2 * count_bits * flat_layout(server.params).dim  # the symbol counts behind the prior
+        return broadcast_params(server, client_ids, klms, extra_bits=counts)
 
     def client_update(keys: ClientKeys, server: QSGDState, state, data):
         layout = flat_layout(server.params)

@@ -28,9 +28,15 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from sidejax.algorithms.common import FlatLayout, client_streams, flat_layout, tensor_max_abs
+from sidejax.algorithms.common import (
+    FlatLayout,
+    broadcast_params,
+    client_streams,
+    flat_layout,
+    tensor_max_abs,
+)
 from sidejax.algorithms.qsgd import CompressedExtra, CompressedServerInfo
-from sidejax.coding.base import Message, decode_float32, encode_float32
+from sidejax.coding.base import Message
 from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.distributions import Sign
 from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
@@ -41,7 +47,6 @@ from sidejax.klms import (
     KLMSConfig,
     KLMSState,
     klms_decode_clients,
-    klms_downlink_bits,
     klms_encode,
     klms_init,
     klms_server_update,
@@ -103,10 +108,7 @@ def signsgd(
 
     def broadcast_fn(key, server: SignSGDState, client_ids):
         del key
-        flat, unravel = ravel_pytree(server.params)
-        msg = encode_float32(flat)
-        bits = msg.num_bits + (klms_downlink_bits(server.klms, klms) if klms is not None else 0.0)
-        return server._replace(params=unravel(decode_float32(msg))), jnp.full(client_ids.shape, bits)
+        return broadcast_params(server, client_ids, klms)
 
     def client_update(keys: ClientKeys, server: SignSGDState, state, data):
         layout = flat_layout(server.params)
