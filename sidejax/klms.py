@@ -372,19 +372,23 @@ def klms_server_update(
     if not config.adaptive:
         info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid)
         return state._replace(changed=jnp.asarray(False)), info
-    agg = aggregate_block_locations(
-        decoded.starts[:, :mb],
-        decoded.num_blocks,
-        dim=dim,
-        max_block_size=config.max_block_size,
-        max_blocks=mb,
-    )
     cap_bound = blocks.num_blocks <= -(-dim // config.max_block_size)
     if config.trigger == "thresholds":
         trigger = (stat > config.dbar_hi) | ((stat < config.dbar_lo) & ~cap_bound)
     else:
         trigger = (stat > config.rho_threshold) & ~cap_bound
-    new_blocks = jax.tree.map(lambda a, o: jnp.where(state.update, a, o), agg, blocks)
+    # Alg. 7 only after an update round (a real branch: the server step is not vmapped)
+    new_blocks = jax.lax.cond(
+        state.update,
+        lambda: aggregate_block_locations(
+            decoded.starts[:, :mb],
+            decoded.num_blocks,
+            dim=dim,
+            max_block_size=config.max_block_size,
+            max_blocks=mb,
+        ),
+        lambda: blocks,
+    )
     next_update = jnp.where(state.update, False, trigger)
     new_state = KLMSState(new_blocks, next_update, state.update)
     info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid)

@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
+from jax.scipy.special import xlogy
 
 from sidejax.bits import LN2
+from sidejax.coding.base import decode_float32, encode_float32
+from sidejax.klms import klms_downlink_bits
 from sidejax.types import Params, PRNGKey
 
 __all__ = [
@@ -32,6 +35,7 @@ __all__ = [
     "enumerative_mask_bits",
     "binary_entropy_bits",
     "client_streams",
+    "broadcast_params",
 ]
 
 
@@ -123,8 +127,6 @@ def enumerative_mask_bits(mask: jax.Array) -> jax.Array:
 
 def binary_entropy_bits(x: jax.Array) -> jax.Array:
     """:math:`H_b(x)` in bits (0 at 0 and 1)."""
-    from jax.scipy.special import xlogy
-
     return -(xlogy(x, x) + xlogy(1 - x, 1 - x)) / LN2
 
 
@@ -138,9 +140,6 @@ def broadcast_params(server, client_ids: jax.Array, klms_config=None, extra_bits
     """The dense methods' downlink: ``server.params`` sent as float32 words (clients use the decoded copy),
     plus the KLMS protocol bits of ``server.klms`` when ``klms_config`` is given and ``extra_bits`` of other
     side information. Returns ``(server_as_received, bits[clients])``."""
-    from sidejax.coding.base import decode_float32, encode_float32
-    from sidejax.klms import klms_downlink_bits
-
     flat, unravel = ravel_pytree(server.params)
     msg = encode_float32(flat)
     bits = msg.num_bits + extra_bits

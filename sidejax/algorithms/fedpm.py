@@ -214,12 +214,11 @@ def fedpm(
     if eval_mask not in ("sample", "threshold"):
         raise ValueError(f"eval_mask must be 'sample' or 'threshold', got {eval_mask!r}")
 
-    def masked(weights, scores_or_probs, uniforms_tree, from_scores=True):
+    def masked(weights, scores, uniforms_tree):
         def leaf(w, s, u):
-            probs = jax.nn.sigmoid(s) if from_scores else s
-            return w * bernoulli_mask(probs, u, estimator)
+            return w * bernoulli_mask(jax.nn.sigmoid(s), u, estimator)
 
-        return jax.tree.map(leaf, weights, scores_or_probs, uniforms_tree)
+        return jax.tree.map(leaf, weights, scores, uniforms_tree)
 
     def init(key, params: Params, num_clients: int) -> RoundState:
         del num_clients
@@ -257,9 +256,9 @@ def fedpm(
         scores, linfo = trainer(train_key, scores0, data)
         phi = jax.nn.sigmoid(ravel_pytree(scores)[0])
         q, p = Bernoulli(phi), Bernoulli(theta)
-        kl = jnp.sum(q.kl_bits(p))
         d = phi.shape[0]
         if klms is None:
+            kl = jnp.sum(q.kl_bits(p))
             mask = q.sample(sample_key)
             k = jnp.sum(mask)
             paper = d * binary_entropy_bits(k / d) + math.log2(d)
@@ -269,6 +268,7 @@ def fedpm(
             kinfo = EmptyState()
         else:
             message, kinfo = klms_encode(ClientKeys(keys.shared, sample_key), q, p, server.klms, klms)
+            kl = kinfo.kl_bits
             paper = jnp.float32(jnp.nan)
         finite = linfo.finite & jnp.all(jnp.isfinite(phi))
         extra = FedPMClientExtra(kl_bits=kl, paper_bits=jnp.asarray(paper, jnp.float32), klms=kinfo)
