@@ -51,6 +51,8 @@ def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
         block_size=config.block_size,
         max_block_size=config.max_block_size,
         trigger=config.klms_trigger,
+        dbar_min=config.klms_dbar_min or None,
+        dbar_max=config.klms_dbar_max or None,
     )
     values.update(overrides)
     return KLMSConfig(**values)

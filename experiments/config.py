@@ -46,6 +46,9 @@ class ExperimentConfig:
       block_size: Fixed-KLMS block size, and the initial Adaptive-KLMS partition.
       max_block_size: Adaptive-KLMS cap on block length (power of two).
       klms_trigger: ``thresholds`` (paper) or ``rho`` (reference code) re-partition rule.
+      klms_dbar_min: ``thresholds`` trigger: re-partition when the mean block KL (bits) falls below this;
+        0 means the default ``D_target / 3``.
+      klms_dbar_max: re-partition when it rises above this; 0 means the default ``2 * D_target``.
       fedpm_estimator: FedPM's gradient estimator through the mask sample, ``fedpm`` or ``ste``.
       qsgd_levels: QSGD quantisation levels s (QSGD baseline; QLSD uses it too).
       sign_temperature: stochastic SignSGD uses ``P(+1) = sigmoid(temperature * v / max|v|)`` per tensor.
@@ -83,6 +86,8 @@ class ExperimentConfig:
     block_size: int = 8
     max_block_size: int = 256
     klms_trigger: str = "thresholds"
+    klms_dbar_min: float = 0.0
+    klms_dbar_max: float = 0.0
     fedpm_estimator: str = "fedpm"
     qsgd_levels: int = 1
     sign_temperature: float = 20.0
@@ -105,6 +110,8 @@ class ExperimentConfig:
             "stop_at_accuracy": 0.0 <= self.stop_at_accuracy <= 1.0,
             "log2_candidates": 0 <= self.log2_candidates <= 24,
             "block_size": self.block_size >= 1,
+            "klms_dbar_min": self.klms_dbar_min >= 0,
+            "klms_dbar_max": self.klms_dbar_max >= 0,
             "max_block_size": self.max_block_size >= 2
             and self.max_block_size & (self.max_block_size - 1) == 0,
             "qsgd_levels": self.qsgd_levels >= 1,

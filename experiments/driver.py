@@ -5,7 +5,7 @@ Output folder layout::
     config.json             the ExperimentConfig (plus the derived clients_per_round and num_params)
     metrics.jsonl           one JSON object per round (appended as rounds finish)
     metrics.csv             the same table as CSV (rewritten after every chunk)
-    summary.json            final/best accuracy, total bits, wall time
+    summary.json            final/best/last-5-mean accuracy, total bits, wall time
     accuracy_vs_round.png   test accuracy against round
     accuracy_vs_bits.png    test accuracy against cumulative communicated bits (uplink + downlink)
     checkpoint/             the last good RoundState (see experiments.checkpoint)
@@ -53,6 +53,12 @@ METRIC_COLUMNS = (
 )
 
 
+TAIL_EVALS = 5
+"""``tail_accuracy`` is the mean test accuracy of the last this-many evaluations: methods that evaluate a
+sampled network (FedPM's ``m ~ Bern(theta)``) move by several points from one evaluation to the next, so a
+single final number is a poor basis for comparing two runs."""
+
+
 class NonFiniteError(FloatingPointError):
     """Raised when a loss or a parameter becomes NaN/inf; names the first round and clients affected."""
 
@@ -63,6 +69,7 @@ class RunSummary:
     rounds_run: int
     final_accuracy: float
     best_accuracy: float
+    tail_accuracy: float
     total_bits: float
     mean_uplink_bpp: float
     mean_downlink_bpp: float
@@ -315,6 +322,7 @@ def run_experiment(
         rounds_run=done,
         final_accuracy=accs[-1] if accs else math.nan,
         best_accuracy=max(accs) if accs else math.nan,
+        tail_accuracy=float(np.mean(accs[-TAIL_EVALS:])) if accs else math.nan,
         total_bits=cum_bits,
         mean_uplink_bpp=float(np.mean([r["uplink_bpp"] for r in rows])) if rows else math.nan,
         mean_downlink_bpp=float(np.mean([r["downlink_bpp"] for r in rows])) if rows else math.nan,
@@ -327,6 +335,8 @@ def run_experiment(
                 "rounds_run": done,
                 "final_accuracy": summary.final_accuracy,
                 "best_accuracy": summary.best_accuracy,
+                "tail_accuracy": summary.tail_accuracy,
+                "tail_evals": min(TAIL_EVALS, len(accs)),
                 "total_bits": summary.total_bits,
                 "mean_uplink_bpp": summary.mean_uplink_bpp if rows else None,
                 "mean_downlink_bpp": summary.mean_downlink_bpp if rows else None,

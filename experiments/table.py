@@ -11,6 +11,8 @@ A run folder is any directory with ``summary.json`` and ``config.json`` (written
 :func:`experiments.driver.run_experiment`). The table is written as ``table.md`` and ``table.csv`` in the
 directory and printed. Columns:
 
+- ``last-5 mean acc``: mean test accuracy of the last five evaluations (less noisy than the final one
+  for methods that evaluate a sampled network, such as FedPM);
 - ``uplink bpp``: mean over rounds and participants of the uplink message length (bits) / parameters;
 - ``x vs 32-bit``: ``32 / uplink bpp``;
 - ``x vs host``: the host method's uplink bpp / this run's, for a KLMS run whose host (e.g. ``fedpm`` for
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.algorithms import KLMS_HOSTS
+from experiments.driver import TAIL_EVALS
 
 __all__ = ["collect_runs", "results_table", "main"]
 
@@ -40,6 +43,7 @@ COLUMNS = (
     "rounds",
     "final acc (%)",
     "best acc (%)",
+    "last-5 mean acc (%)",
     "uplink bpp",
     "x vs 32-bit",
     "x vs host",
@@ -53,14 +57,20 @@ def collect_runs(directory: Path) -> list[dict[str, Any]]:
     for sub in sorted(p for p in directory.iterdir() if p.is_dir()):
         if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
             continue
+        summary = json.loads((sub / "summary.json").read_text())
+        if "tail_accuracy" not in summary and (sub / "metrics.jsonl").is_file():
+            # folders written before the driver recorded it: recompute from the per-round log
+            rows = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines() if line]
+            accs = [r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None]
+            summary["tail_accuracy"] = sum(accs[-TAIL_EVALS:]) / len(accs[-TAIL_EVALS:]) if accs else None
         runs.append(
-            {
-                "name": sub.name,
-                "summary": json.loads((sub / "summary.json").read_text()),
-                "config": json.loads((sub / "config.json").read_text()),
-            }
+            {"name": sub.name, "summary": summary, "config": json.loads((sub / "config.json").read_text())}
         )
     return runs
+
+
+def _pct(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -88,6 +98,7 @@ def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "rounds": str(s["rounds_run"]),
                 "final acc (%)": _fmt(100 * s["final_accuracy"], ".2f"),
                 "best acc (%)": _fmt(100 * s["best_accuracy"], ".2f"),
+                "last-5 mean acc (%)": _fmt(_pct(s.get("tail_accuracy")), ".2f"),
                 "uplink bpp": _fmt(bpp, ".4f"),
                 "x vs 32-bit": _fmt(32 / bpp if bpp else None, ".0f"),
                 "x vs host": _fmt(hb / bpp if (hb and bpp) else None, ".1f"),

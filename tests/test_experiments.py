@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from experiments.checkpoint import checkpoint_exists
 from experiments.config import ExperimentConfig, config_from_dict, list_presets, load_preset
 from experiments.driver import NonFiniteError, run_experiment
 from experiments.run import main as cli_main
+from experiments.table import main as table_main
 from sidejax.data import load_dataset, partition
 from sidejax.models import get_model
 
@@ -84,6 +86,25 @@ def test_cli_writes_results_folder(full_run):
     assert rows[-1]["cumulative_bits"] == 4 * 2 * 4 * 32 * d
     csv_lines = (full_run / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("round,test_accuracy") and len(csv_lines) == 5
+    summary = json.loads((full_run / "summary.json").read_text())
+    accs = [rows[1]["test_accuracy"], rows[3]["test_accuracy"]]
+    assert summary["final_accuracy"] == accs[-1] and summary["best_accuracy"] == max(accs)
+    assert summary["tail_accuracy"] == pytest.approx(np.mean(accs)) and summary["tail_evals"] == 2
+
+
+def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
+    run_dir = tmp_path / "runs" / "fedavg_small"
+    shutil.copytree(full_run, run_dir)
+    assert table_main([str(tmp_path / "runs")]) == 0
+    lines = (tmp_path / "runs" / "table.md").read_text().splitlines()
+    assert lines[0].startswith("| run | algorithm |") and len(lines) == 3
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    row = dict(zip([c.strip() for c in lines[0].strip("|").split("|")], cells, strict=True))
+    summary = json.loads((full_run / "summary.json").read_text())
+    assert row["run"] == "fedavg_small" and row["uplink bpp"] == "32.0000" and row["x vs 32-bit"] == "1"
+    assert row["last-5 mean acc (%)"] == f"{100 * summary['tail_accuracy']:.2f}"
+    assert (tmp_path / "runs" / "table.csv").is_file()
+    assert table_main([str(tmp_path / "empty_dir_that_does_not_exist")]) == 2
 
 
 def test_resume_continues_exactly(full_run, tmp_path):

@@ -21,6 +21,7 @@ from sidejax.algorithms import (
     enumerative_mask_bits,
     fedpm,
     flat_layout,
+    gaussian_log_ratio_tail,
     langevin,
     log2_candidates_for_overhead,
     qsgd,
@@ -32,6 +33,7 @@ from sidejax.algorithms import (
     signed_constant_init,
     signsgd,
     stochastic_sign_probs,
+    theorem41_epsilon,
 )
 from sidejax.blocks import block_sizes, block_sums, blocks_from_starts, kl_blocks
 from sidejax.coding.base import Message
@@ -158,6 +160,54 @@ def test_adaptive_blocks_track_kl():
     assert np.all(kl[sizes > 1] <= 2.0 + 1e-5)
     interior = (sizes < 16)[:-1]
     assert np.mean(kl[:-1][interior]) > 1.0  # blocks are filled up to about the target
+
+
+def _protocol_run(cfg, rounds=10, dim=1000):
+    """One client, ``rounds`` rounds of a falling KL: q_t = Bern(0.5 +- 0.4 * 0.8^t), p = Bern(0.5)."""
+    signs = jnp.where(jax.random.bernoulli(jax.random.key(5), 0.5, (dim,)), 1.0, -1.0)
+    p = Bernoulli(jnp.full((dim,), 0.5))
+
+    @jax.jit
+    def step(state, t):
+        q = Bernoulli(0.5 + 0.4 * 0.8**t * signs)
+        keys = client_keys(jax.random.fold_in(jax.random.key(0), t), 0)
+        msg, info = klms_encode(keys, q, p, state, cfg)
+        _, dec = klms_decode(keys.shared, p, state, msg, cfg)
+        new, _ = klms_server_update(state, jax.tree.map(lambda a: a[None], dec), cfg)
+        return new, (msg.num_bits, info.kl_bits, info.num_blocks, state.update)
+
+    state, rows = klms_init(dim, cfg), []
+    for t in range(rounds):
+        state, out = step(state, jnp.float32(t))
+        rows.append([float(x) for x in out])
+    bits, kl, blocks, update = np.array(rows).T
+    return bits, kl, blocks, update.astype(bool)
+
+
+def test_adaptive_bits_track_a_falling_kl_while_fixed_bits_stay_flat():
+    """Fig. 3 (bottom) analogue through the whole protocol (spec §7 item 18): the KL falls by 0.64x a
+    round; Fixed-KLMS pays the same bits every round, so bits/KL climbs; Adaptive-KLMS re-partitions
+    whenever the mean block KL leaves [D/3, 2D], so its index bits stay within a bounded factor of the KL."""
+    cfg = KLMSConfig(log2_num_candidates=2, max_block_size=256)
+    bits, kl, blocks, update = _protocol_run(cfg)
+    f_bits, f_kl, _, _ = _protocol_run(KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=8))
+    np.testing.assert_allclose(kl, f_kl, rtol=1e-6)  # same q, p sequence
+    decay = 0.8**2  # KL ~ delta^2 near p = 0.5
+    assert np.all(np.diff(kl) < 0)
+    # fixed: constant bits, so bits/KL grows by ~1/decay every round (Fig. 3 bottom, left)
+    assert np.all(f_bits == f_bits[0])
+    f_ratio = f_bits / f_kl
+    assert np.all(np.diff(f_ratio) > 0) and f_ratio[-1] > 50 * f_ratio[0]
+    # adaptive: re-partitions happened after round 1 and the blocks grew as the KL fell
+    assert update[0] and update[1:].sum() >= 2 and blocks[-1] < blocks[0] / 10
+    # the index bits never exceed log2 K / (D_min * decay) per bit of KL: a round with mean block KL
+    # below D_min = D/3 is followed by a re-partition
+    index_ratio = blocks * cfg.log2_num_candidates / kl
+    assert np.all(index_ratio <= cfg.log2_num_candidates / (cfg.dbar_lo * decay) + 1e-6), index_ratio
+    # and in update rounds the new blocks hold about D each (ratio near 1, never below: block KL <= D)
+    assert np.all((index_ratio[update] >= 1.0) & (index_ratio[update] < 1.5)), index_ratio[update]
+    # at the end the adaptive message is several times shorter than the fixed one
+    assert bits[-1] < f_bits[-1] / 4
 
 
 @pytest.mark.parametrize(
@@ -300,6 +350,28 @@ def test_toy_error_shrinks_with_clients_and_overhead():
     # with overhead r = 6 nats the bias is small (spec §7 item 10: < 0.03 at r >= 4)
     est = np.asarray(distributed_mean(jax.random.key(1), jnp.full((16,), mu), b, runs), np.float64)
     assert abs(est.mean() - mu) < 0.03 + 4 * est.std() / math.sqrt(runs)
+
+
+def test_theorem41_epsilon_calculator_and_single_client_bound():
+    # spec §7 item 12: Gaussian toy, mu = 0.8, r = 6 nats
+    mu, r = 0.8, 6.0
+    tail = gaussian_log_ratio_tail(mu, r)
+    assert tail == pytest.approx(0.5 * math.erfc(3.75 / math.sqrt(2)), rel=1e-12)
+    assert theorem41_epsilon([tail], r) == pytest.approx(0.492, abs=5e-4)
+    assert theorem41_epsilon([tail] * 10, r) == pytest.approx(5.5e-4, rel=0.01)
+    # the N = 1 bound against the self-normalised estimate J_K(f), f(x) = x, K = ceil(e^{KL + r}) = 556
+    eps = theorem41_epsilon([tail], r)
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((2000, 556))
+    logw = mu * y - mu * mu / 2
+    w = np.exp(logw - logw.max(axis=1, keepdims=True))
+    j = (w * y).sum(axis=1) / w.sum(axis=1)
+    threshold = 2 * math.sqrt(mu * mu + 1) * eps / (1 - eps)
+    assert np.mean(np.abs(j - mu) >= threshold) <= 2 * eps
+    with pytest.raises(ValueError, match="tail_probs"):
+        theorem41_epsilon([1.5], r)
+    with pytest.raises(ValueError, match="overhead_nats"):
+        theorem41_epsilon([0.1], -1.0)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 - :func:`qsgd`: QSGD and QSGD-KLMS.
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
 - :func:`langevin`: QLSD and SGLD-KLMS (Bayesian FL).
-- :func:`distributed_mean`: the KLMS paper's App. F toy.
+- :func:`distributed_mean`: the KLMS paper's App. F toy; :func:`theorem41_epsilon`, the Thm 4.1 bound.
 """
 
 from sidejax.algorithms.common import (
@@ -24,7 +24,12 @@ from sidejax.algorithms.qsgd import (
     qsgd_symbol_probs,
 )
 from sidejax.algorithms.signsgd import SignSGDState, signsgd, stochastic_sign_probs
-from sidejax.algorithms.toy import distributed_mean, log2_candidates_for_overhead
+from sidejax.algorithms.toy import (
+    distributed_mean,
+    gaussian_log_ratio_tail,
+    log2_candidates_for_overhead,
+    theorem41_epsilon,
+)
 
 __all__ = [
     "FlatLayout",
@@ -49,5 +54,7 @@ __all__ = [
     "signsgd",
     "stochastic_sign_probs",
     "distributed_mean",
+    "gaussian_log_ratio_tail",
+    "theorem41_epsilon",
     "log2_candidates_for_overhead",
 ]
