@@ -11,6 +11,7 @@ import pytest
 from experiments.checkpoint import checkpoint_exists
 from experiments.config import ExperimentConfig, config_from_dict, list_presets, load_preset
 from experiments.driver import NonFiniteError, run_experiment
+from experiments.mask_eval import evaluate_final_mask
 from experiments.run import main as cli_main
 from experiments.table import main as table_main
 from sidejax.data import load_dataset, partition
@@ -179,3 +180,19 @@ def test_cli_reports_bad_input_without_traceback(capsys, tmp_path):
     assert cli_main(["fedavg", "--dataset", "nope", "--output", str(tmp_path), "--no-progress"]) == 2
     assert "fashion_mnist" in capsys.readouterr().err  # the valid names are listed
     assert cli_main([]) == 2
+
+
+def test_mask_eval_reports_sampled_and_threshold_accuracy(tmp_path):
+    config = ExperimentConfig(**{**SMALL, "algorithm": "fedpm", "rounds": 2, "client_optimizer": "adam"})
+    run_experiment(config, tmp_path, progress=False, verbose=False)
+    result = evaluate_final_mask(tmp_path, num_samples=3)
+    assert result["round"] == 2 and result["num_samples"] == 3
+    assert 0.0 <= result["sampled_mean"] <= 1.0 and 0.0 <= result["threshold"] <= 1.0
+    assert result["sampled_se"] == pytest.approx(result["sampled_std"] / 3**0.5)
+    assert json.loads((tmp_path / "mask_eval.json").read_text()) == result
+    with pytest.raises(ValueError, match="no probability mask"):
+        (tmp_path / "fedavg").mkdir()
+        (tmp_path / "fedavg" / "config.json").write_text(
+            json.dumps({**config.to_dict(), "algorithm": "fedavg"})
+        )
+        evaluate_final_mask(tmp_path / "fedavg")
