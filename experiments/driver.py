@@ -59,6 +59,18 @@ sampled network (FedPM's ``m ~ Bern(theta)``) move by several points from one ev
 single final number is a poor basis for comparing two runs."""
 
 
+def tail_accuracy(accuracies: list[float]) -> float | None:
+    """Mean of the last :data:`TAIL_EVALS` test accuracies (``None`` if there are none)."""
+    tail = accuracies[-TAIL_EVALS:]
+    return float(np.mean(tail)) if tail else None
+
+
+def run_config(saved: dict[str, Any]) -> ExperimentConfig:
+    """The :class:`ExperimentConfig` of a run folder's ``config.json`` (derived fields dropped)."""
+    fields = ExperimentConfig().to_dict()
+    return config_from_dict({k: v for k, v in saved.items() if k in fields})
+
+
 class NonFiniteError(FloatingPointError):
     """Raised when a loss or a parameter becomes NaN/inf; names the first round and clients affected."""
 
@@ -146,7 +158,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
             w.writerow(row)
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -237,13 +249,13 @@ def run_experiment(
         if not checkpoint_exists(ckpt_dir):
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume first")
         saved = json.loads((out / "config.json").read_text())
-        saved_cfg = config_from_dict({k: v for k, v in saved.items() if k in config.to_dict()})
+        saved_cfg = run_config(saved)
         if saved_cfg.replace(rounds=config.rounds) != config:
             diff = {k: (v, saved[k]) for k, v in config.to_dict().items() if k != "rounds" and saved[k] != v}
             raise ValueError(f"--resume: config differs from the checkpointed run (now, saved): {diff}")
         state, meta = load_checkpoint(ckpt_dir, state)
         done = int(meta["round_index"])
-        rows = [r for r in _read_jsonl(out / "metrics.jsonl") if r["round"] <= done]  # 1-based rounds
+        rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["round"] <= done]  # 1-based rounds
         t_start -= float(meta.get("wall_time_s", 0.0))
     else:
         (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -322,7 +334,7 @@ def run_experiment(
         rounds_run=done,
         final_accuracy=accs[-1] if accs else math.nan,
         best_accuracy=max(accs) if accs else math.nan,
-        tail_accuracy=float(np.mean(accs[-TAIL_EVALS:])) if accs else math.nan,
+        tail_accuracy=tail_accuracy(accs) if accs else math.nan,
         total_bits=cum_bits,
         mean_uplink_bpp=float(np.mean([r["uplink_bpp"] for r in rows])) if rows else math.nan,
         mean_downlink_bpp=float(np.mean([r["downlink_bpp"] for r in rows])) if rows else math.nan,

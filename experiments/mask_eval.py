@@ -25,11 +25,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from experiments.checkpoint import checkpoint_exists, load_checkpoint
-from experiments.config import config_from_dict
-from experiments.driver import prepare
+from experiments.driver import prepare, run_config
+from sidejax.algorithms import masked_network
 from sidejax.fl import build_evaluator
 from sidejax.keys import run_keys
 from sidejax.models import init_params
@@ -44,21 +43,17 @@ def evaluate_final_mask(run_dir: Path, num_samples: int = 32, seed: int = 12345)
         raise ValueError(f"{run_dir}: algorithm {saved.get('algorithm')!r} has no probability mask")
     if not checkpoint_exists(run_dir / "checkpoint"):
         raise FileNotFoundError(f"{run_dir}: no checkpoint; run the experiment first")
-    config = config_from_dict(
-        {k: v for k, v in saved.items() if k not in ("clients_per_round", "num_params")}
-    )
+    config = run_config(saved)
     algorithm, spec, fed, (x_test, y_test) = prepare(config)
     init_key, _ = run_keys(config.seed)
     state = algorithm.init(init_key, init_params(init_key, spec), int(fed.num_examples.shape[0]))
     state, meta = load_checkpoint(run_dir / "checkpoint", state)
     server = state.server
-    _, unravel = ravel_pytree(server.weights)
     evaluate = build_evaluator(spec.module.apply, batch_size=config.eval_batch_size)
 
     @jax.jit
     def accuracy(mask):
-        params = jax.tree.map(lambda w, m: w * m, server.weights, unravel(mask))
-        return evaluate(params, x_test, y_test).accuracy
+        return evaluate(masked_network(server.weights, mask), x_test, y_test).accuracy
 
     keys = jax.random.split(jax.random.key(seed), num_samples)
     sampled = np.array(

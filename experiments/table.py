@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.algorithms import KLMS_HOSTS
-from experiments.driver import TAIL_EVALS
+from experiments.driver import read_jsonl, tail_accuracy
 
 __all__ = ["collect_runs", "results_table", "main"]
 
@@ -60,9 +60,10 @@ def collect_runs(directory: Path) -> list[dict[str, Any]]:
         summary = json.loads((sub / "summary.json").read_text())
         if "tail_accuracy" not in summary and (sub / "metrics.jsonl").is_file():
             # folders written before the driver recorded it: recompute from the per-round log
-            rows = [json.loads(line) for line in (sub / "metrics.jsonl").read_text().splitlines() if line]
-            accs = [r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None]
-            summary["tail_accuracy"] = sum(accs[-TAIL_EVALS:]) / len(accs[-TAIL_EVALS:]) if accs else None
+            rows = read_jsonl(sub / "metrics.jsonl")
+            summary["tail_accuracy"] = tail_accuracy(
+                [r["test_accuracy"] for r in rows if r.get("test_accuracy") is not None]
+            )
         runs.append(
             {"name": sub.name, "summary": summary, "config": json.loads((sub / "config.json").read_text())}
         )

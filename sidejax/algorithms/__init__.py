@@ -13,7 +13,14 @@ from sidejax.algorithms.common import (
     enumerative_mask_bits,
     flat_layout,
 )
-from sidejax.algorithms.fedpm import FedPMState, bayes_agg, bernoulli_mask, fedpm, signed_constant_init
+from sidejax.algorithms.fedpm import (
+    FedPMState,
+    bayes_agg,
+    bernoulli_mask,
+    fedpm,
+    masked_network,
+    signed_constant_init,
+)
 from sidejax.algorithms.langevin import LangevinState, langevin, sgld_klms_sigma
 from sidejax.algorithms.qsgd import (
     QSGDState,
@@ -40,6 +47,7 @@ __all__ = [
     "bayes_agg",
     "bernoulli_mask",
     "fedpm",
+    "masked_network",
     "signed_constant_init",
     "LangevinState",
     "langevin",

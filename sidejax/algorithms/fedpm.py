@@ -75,6 +75,7 @@ __all__ = [
     "signed_constant_init",
     "bernoulli_mask",
     "bayes_agg",
+    "masked_network",
     "fedpm",
 ]
 
@@ -161,6 +162,12 @@ def _mask_bwd(estimator, probs, g):
 
 
 bernoulli_mask.defvjp(_mask_fwd, _mask_bwd)
+
+
+def masked_network(weights: Params, mask: jax.Array) -> Params:
+    """The network :math:`m \\odot w_{init}` for a flat 0/1 mask ``mask`` (float ``[d]``) over ``weights``."""
+    _, unravel = ravel_pytree(weights)
+    return jax.tree.map(lambda w, m: w * m, weights, unravel(mask))
 
 
 def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.0):
@@ -290,12 +297,11 @@ def fedpm(
         return new, FedPMServerInfo(theta_mean=jnp.mean(theta), klms=kinfo)
 
     def eval_params(server: FedPMState) -> Params:
-        _, unravel = ravel_pytree(server.weights)
         if eval_mask == "threshold":
             m = (server.theta > 0.5).astype(jnp.float32)
         else:
             m = (server.eval_uniforms < server.theta).astype(jnp.float32)
-        return jax.tree.map(lambda w, mm: w * mm, server.weights, unravel(m))
+        return masked_network(server.weights, m)
 
     round_step = build_round_step(
         broadcast_fn,
