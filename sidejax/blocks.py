@@ -9,8 +9,9 @@ static bound, so partitions computed inside ``jit`` keep fixed shapes.
 - :func:`kl_blocks`: the KL-adaptive partition (Adaptive-KLMS, Alg. 6), the spec's deterministic reference
   rule [R]: a block closes before coordinate i when adding it would push the block's KL over the target, or
   when the block has ``max_block_size`` coordinates; a single coordinate whose KL alone exceeds the target
-  forms an *overflow* singleton. It runs inside jit as a ``lax.while_loop`` over blocks (not coordinates):
-  each step finds the next start with one ``searchsorted`` on the cumulative KL.
+  forms an *overflow* singleton. It runs inside jit without a data-dependent loop: one ``searchsorted`` on
+  the cumulative KL gives every coordinate's next block start, and pointer doubling follows that chain from
+  0 (``O(dim log max_blocks)``, the same cost under ``vmap`` over clients).
 - :func:`aggregate_block_locations`: Alg. 7 (element-wise ceil-mean of the clients' block starts) with the
   spec's [R] post-processing: strictly increasing, clipped to [0, dim], first start 0, blocks longer than
   the cap split.
@@ -123,23 +124,28 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
         raise ValueError(f"target_bits must be > 0, got {target_bits}")
     dim = kl_bits.shape[0]
     cum = jnp.concatenate([jnp.zeros(1, jnp.float32), jnp.cumsum(kl_bits.astype(jnp.float32))])  # [dim + 1]
+    # nxt[s]: where a block starting at s ends (= the next start); nxt[dim] = dim is the fixed point
+    s = jnp.arange(dim + 1, dtype=jnp.int32)
+    j = jnp.searchsorted(cum, cum + target_bits, side="right")  # first j with cum[j] > cum[s] + t
+    e = jnp.maximum(s + 1, j - 1)
+    nxt = jnp.minimum(jnp.minimum(e, s + max_block_size), dim).astype(jnp.int32)
+    # starts[n] = nxt^n(0) for n = 0..max_blocks by pointer doubling: level k applies nxt^(2^k) where bit k
+    # of n is set. O((dim + max_blocks) log max_blocks) gathers and no data-dependent loop, so it stays
+    # linear-log under vmap (a while_loop with a batched predicate would select its whole carry per step).
+    n = jnp.arange(max_blocks + 1, dtype=jnp.int32)
 
-    def next_start(s):
-        j = jnp.searchsorted(cum, cum[s] + target_bits, side="right")  # first j with cum[j] > cum[s] + t
-        e = jnp.maximum(s + 1, j - 1)
-        return jnp.minimum(jnp.minimum(e, s + max_block_size), dim).astype(jnp.int32)
+    def level(carry, k):
+        x, f = carry
+        x = jnp.where((n >> k) & 1 == 1, f[x], x)
+        return (x, f[f]), None
 
-    def cond(carry):
-        s, m, _ = carry
-        return (s < dim) & (m < max_blocks)
-
-    def body(carry):
-        s, m, mask = carry
-        return next_start(s), m + 1, mask.at[s].set(True)
-
-    s, _, mask = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), jnp.zeros(dim, bool)))
-    blocks = blocks_from_boundaries(mask, max_blocks)
-    return blocks._replace(overflow=blocks.overflow | (s < dim))
+    levels = max(1, int(max_blocks).bit_length())
+    (x, _), _ = jax.lax.scan(
+        level, (jnp.zeros(max_blocks + 1, jnp.int32), nxt), jnp.arange(levels, dtype=jnp.int32)
+    )
+    num = jnp.sum(x[:max_blocks] < dim).astype(jnp.int32)
+    blocks = blocks_from_starts(x[:max_blocks], num, dim, max_blocks)
+    return blocks._replace(overflow=blocks.overflow | (x[max_blocks] < dim))
 
 
 def block_sizes(blocks: Blocks) -> jax.Array:
@@ -173,8 +179,13 @@ def aggregate_block_locations(
     """
     valid = jnp.arange(starts.shape[1])[None, :] < num_blocks[:, None]
     count = jnp.sum(valid, axis=0)
-    total = jnp.sum(jnp.where(valid, starts, 0).astype(jnp.float32), axis=0)
-    ibar = jnp.ceil(total / jnp.maximum(count, 1)).astype(jnp.int32)
+    # exact integer ceil-mean: with n = count, sum_c s_c = n * sum_c (s_c // n) + sum_c (s_c % n), so
+    # ceil(mean) = sum_c (s_c // n) + ceil(sum_c (s_c % n) / n); int32 never exceeds dim + n**2 (a float32
+    # sum would round once clients * dim passes 2**24)
+    n = jnp.maximum(count, 1)[None, :]
+    s = jnp.where(valid, starts, 0).astype(jnp.int32)
+    rem = jnp.sum(s % n, axis=0)
+    ibar = jnp.sum(s // n, axis=0) + (rem + n[0] - 1) // n[0]
     ibar = jnp.where(count > 0, jnp.clip(ibar, 0, dim), dim)
     prev_max = jnp.concatenate([jnp.array([-1], jnp.int32), jax.lax.cummax(ibar)[:-1]])
     keep = (ibar > prev_max) & (ibar < dim) & (count > 0)

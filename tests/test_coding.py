@@ -6,6 +6,7 @@ few standard errors of n draws; closed forms or float64 numpy are the references
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -121,6 +122,39 @@ def test_kl_partition_invariants(seed):
     assert ((sizes == cap) | (bkl + nxt > target - 1e-4) | (starts[1:] == d)).all()
 
 
+def _chain_starts(cum, target, cap, max_blocks):
+    """Numpy oracle of the reference rule: follow block ends from 0, one block at a time."""
+    d, s, starts = len(cum) - 1, 0, []
+    while s < d and len(starts) < max_blocks:
+        starts.append(s)
+        j = np.searchsorted(cum, np.float32(cum[s] + np.float32(target)), side="right")
+        s = min(max(s + 1, j - 1), s + cap, d)
+    return starts, s < d
+
+
+def test_kl_partition_matches_chain_oracle_and_vmap():
+    """Pointer doubling gives exactly the block-by-block chain (on the same float32 cumulative KL), also
+    when ``max_blocks`` truncates it, and vmapping over clients changes nothing."""
+    rng = np.random.default_rng(7)
+    d, cap, target = 1500, 32, 2.5
+    kls = np.stack([rng.exponential(s, d) * (rng.random(d) < 0.8) for s in (0.02, 0.3, 3.0)]).astype(
+        np.float32
+    )
+    for max_blocks in (d, 40):
+        f = functools.partial(kl_blocks, target_bits=target, max_block_size=cap, max_blocks=max_blocks)
+        batched = jax.jit(jax.vmap(f))(jnp.asarray(kls))
+        for c in range(3):
+            cum = np.concatenate([[0], np.asarray(jnp.cumsum(jnp.asarray(kls[c])))]).astype(np.float32)
+            starts, overflow = _chain_starts(cum, target, cap, max_blocks)
+            m = int(batched.num_blocks[c])
+            assert m == len(starts) and np.asarray(batched.starts[c])[:m].tolist() == starts
+            assert bool(batched.overflow[c]) == overflow
+            ids = np.searchsorted(np.array(starts), np.arange(d), side="right") - 1
+            assert np.array_equal(np.asarray(batched.block_ids[c]), ids)
+        # d / cap > 40: a bound of 40 blocks truncates every client (flagged), a bound of d none
+        assert np.asarray(batched.overflow).tolist() == [max_blocks == 40] * 3
+
+
 def test_kl_partition_edge_cases():
     b = kl_blocks(jnp.zeros(1000), 2.0, max_block_size=256, max_blocks=1000)
     assert np.asarray(block_sizes(b))[: int(b.num_blocks)].tolist() == [256, 256, 256, 232]
@@ -154,6 +188,16 @@ def test_aggregate_block_locations():
         jnp.array([[0, 3, 10], [0, 5, 13]]), jnp.array([3, 2]), dim=13, max_block_size=4, max_blocks=13
     )
     assert np.asarray(hand.starts)[: int(hand.num_blocks) + 1].tolist() == [0, 4, 8, 10, 13]
+    # exact integer ceil-mean past float32's 2**24: float32 reads 2**24 + 1 as 2**24 and would give 2**24 + 1
+    big = 2**24 + 8
+    exact = aggregate_block_locations(
+        jnp.array([[0, 2**24 + 1], [0, 2**24 + 2]]),
+        jnp.array([2, 2]),
+        dim=big,
+        max_block_size=2**25,
+        max_blocks=4,
+    )
+    assert np.asarray(exact.starts)[:3].tolist() == [0, 2**24 + 2, big]
     # random clients: strictly increasing, within [0, d], no block over the cap
     rng = np.random.default_rng(4)
     parts = [
