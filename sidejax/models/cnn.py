@@ -15,6 +15,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from sidejax.models.conv import Conv
+
 __all__ = ["LeNet5", "Conv4", "Conv6", "KLMSLeNet", "CEPAMCNN", "BPCFLConvNet"]
 
 
@@ -39,7 +41,7 @@ def _two_conv_pool_mlp(
     Called from a compact ``__call__``, so the layers (conv1, conv2, fc1, fc2) belong to the calling module.
     """
     for i, features in enumerate(conv_features, start=1):
-        x = _max_pool2(nn.relu(nn.Conv(features, (5, 5), padding="VALID", name=f"conv{i}")(x)))
+        x = _max_pool2(nn.relu(Conv(features, (5, 5), padding="VALID", name=f"conv{i}")(x)))
     x = nn.relu(nn.Dense(hidden, name="fc1")(_flatten(x)))
     return nn.Dense(num_classes, name="fc2")(x)
 
@@ -86,9 +88,9 @@ class LeNet5(nn.Module):
             Logits of shape ``[batch, num_classes]``.
         """
         del train
-        x = nn.relu(nn.Conv(6, (5, 5), padding=2, name="conv1")(x))
+        x = nn.relu(Conv(6, (5, 5), padding=2, name="conv1")(x))
         x = _avg_pool2(x)
-        x = nn.relu(nn.Conv(16, (5, 5), padding="VALID", name="conv2")(x))
+        x = nn.relu(Conv(16, (5, 5), padding="VALID", name="conv2")(x))
         x = _avg_pool2(x)
         x = _flatten(x)
         x = nn.relu(nn.Dense(120, name="fc1")(x))
@@ -139,11 +141,11 @@ class Conv4(nn.Module):
             Logits of shape ``[batch, num_classes]``.
         """
         del train
-        x = nn.relu(nn.Conv(64, (3, 3), padding=1, name="conv1")(x))
-        x = nn.relu(nn.Conv(64, (3, 3), padding=1, name="conv2")(x))
+        x = nn.relu(Conv(64, (3, 3), padding=1, name="conv1")(x))
+        x = nn.relu(Conv(64, (3, 3), padding=1, name="conv2")(x))
         x = _max_pool2(x)
-        x = nn.relu(nn.Conv(128, (3, 3), padding=1, name="conv3")(x))
-        x = nn.relu(nn.Conv(128, (3, 3), padding=1, name="conv4")(x))
+        x = nn.relu(Conv(128, (3, 3), padding=1, name="conv3")(x))
+        x = nn.relu(Conv(128, (3, 3), padding=1, name="conv4")(x))
         x = _max_pool2(x)
         x = _flatten(x)
         x = nn.relu(nn.Dense(256, name="fc1")(x))
@@ -195,8 +197,8 @@ class Conv6(nn.Module):
         """
         del train
         for i, features in enumerate((64, 128, 256)):
-            x = nn.relu(nn.Conv(features, (3, 3), padding=1, name=f"conv{2 * i + 1}")(x))
-            x = nn.relu(nn.Conv(features, (3, 3), padding=1, name=f"conv{2 * i + 2}")(x))
+            x = nn.relu(Conv(features, (3, 3), padding=1, name=f"conv{2 * i + 1}")(x))
+            x = nn.relu(Conv(features, (3, 3), padding=1, name=f"conv{2 * i + 2}")(x))
             x = _max_pool2(x)
         x = _flatten(x)
         x = nn.relu(nn.Dense(256, name="fc1")(x))
@@ -334,8 +336,8 @@ class BPCFLConvNet(nn.Module):
             Logits of shape ``[batch, num_classes]``.
         """
         del train
-        x = nn.relu(nn.Conv(32, (3, 3), padding="VALID", name="conv1")(x))
-        x = nn.relu(nn.Conv(64, (3, 3), padding="VALID", name="conv2")(x))
+        x = nn.relu(Conv(32, (3, 3), padding="VALID", name="conv1")(x))
+        x = nn.relu(Conv(64, (3, 3), padding="VALID", name="conv2")(x))
         x = _max_pool2(x)
         x = _flatten(x)
         x = nn.relu(nn.Dense(128, name="fc1")(x))

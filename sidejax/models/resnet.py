@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sidejax.models.conv import Conv
+
 __all__ = ["BatchStatNorm", "BasicBlock", "ResNet18", "NORMS"]
 
 #: Valid values of the ``norm`` field of :class:`ResNet18` / :class:`BasicBlock`.
@@ -123,13 +125,13 @@ class BasicBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the block to NHWC features ``x``."""
         make_norm = _norm_factory(self.norm)
-        y = nn.Conv(self.features, (3, 3), strides=self.strides, padding=1, use_bias=False, name="conv1")(x)
+        y = Conv(self.features, (3, 3), strides=self.strides, padding=1, use_bias=False, name="conv1")(x)
         y = nn.relu(make_norm(name="norm1")(y))
-        y = nn.Conv(self.features, (3, 3), strides=1, padding=1, use_bias=False, name="conv2")(y)
+        y = Conv(self.features, (3, 3), strides=1, padding=1, use_bias=False, name="conv2")(y)
         y = make_norm(name="norm2")(y)
         shortcut = x
         if self.strides != 1 or x.shape[-1] != self.features:
-            shortcut = nn.Conv(
+            shortcut = Conv(
                 self.features, (1, 1), strides=self.strides, padding=0, use_bias=False, name="shortcut_conv"
             )(x)
             shortcut = make_norm(name="shortcut_norm")(shortcut)
@@ -206,7 +208,7 @@ class ResNet18(nn.Module):
         """
         del train
         make_norm = _norm_factory(self.norm)
-        x = nn.Conv(64, (3, 3), strides=1, padding=1, use_bias=False, name="conv1")(x)
+        x = Conv(64, (3, 3), strides=1, padding=1, use_bias=False, name="conv1")(x)
         x = nn.relu(make_norm(name="norm1")(x))
         for stage, features in enumerate((64, 128, 256, 512)):
             for block in range(2):
