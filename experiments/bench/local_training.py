@@ -1,18 +1,23 @@
-"""Benchmark: client-epochs per second of LeNet5 local training, ``vmap`` vs sequential ``map`` strategy.
+"""Benchmark: client-epochs per second of LeNet5 local training, ``vmap`` vs sequential ``map`` strategy, and
+sidejax's loop-friendly convolution (:mod:`sidejax.models.conv`) vs plain ``lax.conv_general_dilated``.
 
 Setting (issue #2): Fashion-MNIST (real files; falls back to random images of the same shape, flagged in
 the JSON, if they are not installed), 10 iid clients of 6,000 examples, batch 32, SGD, 1 local epoch per
 round, FedAvg rounds through :func:`sidejax.fl.run_rounds`. Each strategy is compiled and warmed up once,
 then timed over ``--repeats`` calls of ``--rounds`` rounds; a client-epoch is one client's pass over its
-data. Writes JSON (default ``results/bench/local_training.json``) with the per-strategy throughput and the
-``map / vmap`` ratio measured in the same run.
+data. Every strategy runs twice: with the models' convolution (``sidejax``, whose kernel gradient stays on
+XLA CPU's fast path inside the local-training scan) and with plain ``lax`` (the baseline, traced inside
+:func:`sidejax.models.conv.plain_lax_convolution`). Writes JSON (default
+``results/bench/local_training.json``) with the throughput of each (strategy, convolution), the
+``map / vmap`` ratio and the ``sidejax / lax`` speed-up measured in the same run.
 
-Run: ``python -m experiments.bench.local_training [--clients 10] [--rounds 1] [--repeats 3]``.
+Run: ``python -m experiments.bench.local_training [--clients 10] [--rounds 1] [--repeats 2]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,6 +32,7 @@ from sidejax.data import dataset_available, iid_partition, load_dataset, make_fe
 from sidejax.fl import classification_loss, fedavg, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import get_model, init_params
+from sidejax.models.conv import plain_lax_convolution
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -35,8 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--examples-per-client", type=int, default=6000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1, help="rounds per timed call")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--strategies", default="vmap,map")
+    p.add_argument(
+        "--convs", default="sidejax,lax", help="convolutions to time: sidejax (the models') and/or lax"
+    )
     p.add_argument("--output", type=Path, default=Path("results/bench/local_training.json"))
     args = p.parse_args(argv)
 
@@ -57,37 +66,46 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {}
     for strategy in args.strategies.split(","):
-        algo = fedavg(
-            loss,
-            optax.sgd(0.05, momentum=0.9),
-            clients_per_round=args.clients,
-            batch_size=args.batch_size,
-            local_epochs=1,
-            client_strategy=strategy,
-        )
-        state = algo.init(init_key, params, args.clients)
-        t0 = time.perf_counter()
-        warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
-        jax.block_until_ready(warm)
-        compile_and_first = time.perf_counter() - t0
-        times = []
-        for _ in range(args.repeats):
+        for conv in args.convs.split(","):
+            if conv not in ("sidejax", "lax"):
+                raise ValueError(f"--convs takes sidejax and/or lax, got {conv!r}")
+            name = f"{strategy}/{conv}"
+            algo = fedavg(
+                loss,
+                optax.sgd(0.05, momentum=0.9),
+                clients_per_round=args.clients,
+                batch_size=args.batch_size,
+                local_epochs=1,
+                client_strategy=strategy,
+            )
+            state = algo.init(init_key, params, args.clients)
+            trace_ctx = plain_lax_convolution() if conv == "lax" else contextlib.nullcontext()
             t0 = time.perf_counter()
-            out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - t0)
-        best = min(times)
-        results[strategy] = {
-            "client_epochs_per_s": args.clients * args.rounds / best,
-            "examples_per_s": args.clients * args.rounds * args.examples_per_client / best,
-            "seconds_per_round_best": best / args.rounds,
-            "seconds_per_round_all": [t / args.rounds for t in times],
-            "first_call_s_incl_compile": compile_and_first,
-        }
-        print(
-            f"{strategy:>5}: {results[strategy]['client_epochs_per_s']:.3f} client-epochs/s "
-            f"({best / args.rounds:.2f} s/round)"
-        )
+            with trace_ctx:  # tracing and compilation happen in this first call
+                warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
+                jax.block_until_ready(warm)
+            compile_and_first = time.perf_counter() - t0
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
+                jax.block_until_ready(out)
+                times.append(time.perf_counter() - t0)
+            best = min(times)
+            results[name] = {
+                "strategy": strategy,
+                "conv": conv,
+                "client_epochs_per_s": args.clients * args.rounds / best,
+                "examples_per_s": args.clients * args.rounds * args.examples_per_client / best,
+                "seconds_per_round_best": best / args.rounds,
+                "seconds_per_round_all": [t / args.rounds for t in times],
+                "first_call_s_incl_compile": compile_and_first,
+            }
+            print(
+                f"{name:>12}: {results[name]['client_epochs_per_s']:.3f} client-epochs/s "
+                f"({best / args.rounds:.2f} s/round)",
+                flush=True,
+            )
     report = {
         "benchmark": "lenet5_local_training",
         "data": "fashion_mnist" if real else "random (fashion_mnist not installed)",
@@ -103,11 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
         "jax_version": jax.__version__,
         "results": results,
     }
-    if "vmap" in results and "map" in results:
-        report["map_over_vmap_speedup"] = (
-            results["map"]["client_epochs_per_s"] / results["vmap"]["client_epochs_per_s"]
-        )
-        print(f"map / vmap throughput ratio: {report['map_over_vmap_speedup']:.2f}")
+    rate = {k: v["client_epochs_per_s"] for k, v in results.items()}
+    for conv in args.convs.split(","):
+        if f"vmap/{conv}" in rate and f"map/{conv}" in rate:
+            report[f"map_over_vmap_speedup_{conv}"] = rate[f"map/{conv}"] / rate[f"vmap/{conv}"]
+            print(f"map / vmap throughput ratio ({conv} conv): {report[f'map_over_vmap_speedup_{conv}']:.2f}")
+    for strategy in args.strategies.split(","):
+        if f"{strategy}/sidejax" in rate and f"{strategy}/lax" in rate:
+            ratio = rate[f"{strategy}/sidejax"] / rate[f"{strategy}/lax"]
+            report[f"sidejax_over_lax_conv_speedup_{strategy}"] = ratio
+            print(f"sidejax / lax conv throughput ({strategy}): {ratio:.2f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output}")
