@@ -182,10 +182,9 @@ def aggregate_block_locations(
     # exact integer ceil-mean: with n = count, sum_c s_c = n * sum_c (s_c // n) + sum_c (s_c % n), so
     # ceil(mean) = sum_c (s_c // n) + ceil(sum_c (s_c % n) / n); int32 never exceeds dim + n**2 (a float32
     # sum would round once clients * dim passes 2**24)
-    n = jnp.maximum(count, 1)[None, :]
+    n = jnp.maximum(count, 1)  # [M], broadcasts over the clients axis of s
     s = jnp.where(valid, starts, 0).astype(jnp.int32)
-    rem = jnp.sum(s % n, axis=0)
-    ibar = jnp.sum(s // n, axis=0) + (rem + n[0] - 1) // n[0]
+    ibar = jnp.sum(s // n, axis=0) + (jnp.sum(s % n, axis=0) + n - 1) // n
     ibar = jnp.where(count > 0, jnp.clip(ibar, 0, dim), dim)
     prev_max = jnp.concatenate([jnp.array([-1], jnp.int32), jax.lax.cummax(ibar)[:-1]])
     keep = (ibar > prev_max) & (ibar < dim) & (count > 0)

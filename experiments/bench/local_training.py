@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--output", type=Path, default=Path("results/bench/local_training.json"))
     args = p.parse_args(argv)
+    bad = sorted(set(args.convs.split(",")) - {"sidejax", "lax"})
+    if bad:
+        p.error(f"--convs takes sidejax and/or lax, got {','.join(bad)}")
 
     real = dataset_available("fashion_mnist")
     n = args.clients * args.examples_per_client
@@ -67,8 +70,6 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for strategy in args.strategies.split(","):
         for conv in args.convs.split(","):
-            if conv not in ("sidejax", "lax"):
-                raise ValueError(f"--convs takes sidejax and/or lax, got {conv!r}")
             name = f"{strategy}/{conv}"
             algo = fedavg(
                 loss,
