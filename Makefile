@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast test-floor lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,18 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest
 
+# The declared minimum versions of the jax family (.ci/floor-requirements.txt) in their own environment,
+# on the library's fast tests.
+FLOOR := .venv-floor
+$(FLOOR)/.installed: pyproject.toml .ci/floor-requirements.txt
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR)/bin/python -m pip install -q -c .ci/floor-requirements.txt -e ".[dev]"
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -m pytest -m "not slow" --ignore=tests/test_notebooks.py --ignore=tests/test_readme.py
+
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -m "not slow"
 
@@ -34,4 +46,4 @@ bench: $(VENV)/.installed
 	$(BIN)/python -m experiments.bench.local_training
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR) results .pytest_cache .ruff_cache
