@@ -21,7 +21,18 @@ from sidejax.fl import (
     run_rounds,
     sample_clients,
 )
-from sidejax.keys import PRIVATE, SHARED, client_keys, round_key, run_keys
+from sidejax.keys import (
+    CLIENTS,
+    ORDER,
+    PRIVATE,
+    SHARED,
+    client_keys,
+    client_streams,
+    epoch_key,
+    round_key,
+    run_keys,
+    stream_key,
+)
 
 BASE = jax.random.key(42)
 
@@ -61,7 +72,8 @@ def test_fedavg_one_client_one_step_equals_centralized_sgd(small_model, digits):
 
     # The same step, centrally: one SGD step on the full batch, in the client's epoch order.
     keys = client_keys(round_key(BASE, 0), 0)
-    order = epoch_order(jax.random.fold_in(keys.private, 0), jnp.int32(64), 64)
+    ekey = epoch_key(client_streams(keys.private).train, 0)
+    order = epoch_order(stream_key(ekey, ORDER), jnp.int32(64), 64)
     batch = Batch(jnp.asarray(x)[order], jnp.asarray(y)[order], jnp.ones(64))
     grads = jax.jit(jax.grad(loss))(params, batch, None)
     expected = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a - lr * b, p, g))(params, grads)
@@ -156,7 +168,7 @@ def test_client_keys_follow_global_id_and_streams_differ():
     batch = jax.vmap(client_keys, (None, 0))(rk, jnp.array([9, 3, 1]))
     assert np.array_equal(jax.random.key_data(batch.shared[1]), jax.random.key_data(k3.shared))
     assert not np.array_equal(jax.random.key_data(k3.shared), jax.random.key_data(k3.private))
-    base = jax.random.fold_in(rk, 3)
+    base = jax.random.fold_in(jax.random.fold_in(rk, CLIENTS), 3)  # the documented schedule
     assert np.array_equal(
         jax.random.key_data(k3.shared), jax.random.key_data(jax.random.fold_in(base, SHARED))
     )

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from sidejax.algorithms import distributed_mean, fedpm, langevin, qsgd, signsgd
 from sidejax.fl import fedavg
@@ -49,8 +48,8 @@ def test_fedpm_frozen_signs_scores_and_eval_uniforms_are_independent():
     5 standard errors (``5 * 0.5 / sqrt(n)``) of 1/2. Compared both aligned at the front of the flat vector
     (where the same key drawing another shape would reuse the same bits) and at the leaf's own coordinates.
 
-    Before the fix, leaf 1's signs and the scores came from the same key (agreement 0.0 at the front: perfectly
-    anti-correlated), and leaf 4's signs and the evaluation uniforms too (agreement 1.0)."""
+    Before the fix, leaf 1's signs and the scores came from the same key (agreement 0.0 at the front:
+    perfectly anti-correlated), and leaf 4's signs and the evaluation uniforms too (agreement 1.0)."""
     n, num_leaves = 1000, 6
     params = [jnp.zeros((n,), jnp.float32) for _ in range(num_leaves)]  # only shapes are used
     algo = fedpm(lambda p, b, k: 0.0, optax.adam(0.1), clients_per_round=1, batch_size=1)
@@ -114,8 +113,8 @@ def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digi
     value) give the same key. The same derivation repeated (the server re-deriving a client's shared key, or
     two algorithms deriving the same client key) is the same stream, not a collision.
 
-    Before the fix, client 2's key equalled the round's sampling key (``fold_in(round_key, 2)``, SAMPLING = 2),
-    client 3's the downlink key and client 7's the server key, and FedAvg's second-epoch key
+    Before the fix, client 2's key equalled the round's sampling key (``fold_in(round_key, 2)``,
+    SAMPLING = 2), client 3's the downlink key and client 7's the server key, and FedAvg's second-epoch key
     ``fold_in(private, 1)`` equalled the sampling stream of the compressed methods."""
     _, params, loss = small_model
     init_key, rounds_key = run_keys(0)
@@ -138,7 +137,9 @@ def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digi
     for name, expected in _EXPECTED.items():
         assert expected <= names_by_algorithm[name], (name, expected - names_by_algorithm[name])
     collisions = {
-        child.hex(): sorted((n, d) for _, n, d in ways) for child, ways in derivations.items() if len(ways) > 1
+        child.hex(): sorted((n, d) for _, n, d in ways)
+        for child, ways in derivations.items()
+        if len(ways) > 1
     }
     assert not collisions, collisions
     roots = {p for ways in derivations.values() for p, _, _ in ways} - set(derivations)

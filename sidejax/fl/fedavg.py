@@ -30,6 +30,7 @@ from sidejax.coding.base import decode_float32, encode_float32
 from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
+from sidejax.keys import client_streams
 from sidejax.types import Params
 
 __all__ = ["FedAvgState", "FedAvgServerInfo", "weighted_mean", "fedavg"]
@@ -107,7 +108,7 @@ def fedavg(
         return unravel(decode_float32(message)), jnp.full(client_ids.shape, message.num_bits)
 
     def client_update(keys, broadcast: Params, state, data):
-        params, info = local_train(keys.private, broadcast, data)
+        params, info = local_train(client_streams(keys.private).train, broadcast, data)
         flat, _ = ravel_pytree(params)
         return (
             state,

@@ -2,14 +2,15 @@
 
 One round (:func:`build_round_step`):
 
-1. **Sample.** ``client_ids = sample_clients(fold_in(round_key, SAMPLING), num_clients, clients_per_round)``:
-   uniformly without replacement, inside jit.
-2. **Broadcast.** ``broadcast_fn(fold_in(round_key, DOWNLINK), server, client_ids)`` returns what the
+1. **Sample.** ``client_ids = sample_clients(stream_key(round_key, SAMPLING), num_clients,
+   clients_per_round)``: uniformly without replacement, inside jit.
+2. **Broadcast.** ``broadcast_fn(stream_key(round_key, DOWNLINK), server, client_ids)`` returns what the
    participants receive and the downlink bits of each.
 3. **Clients.** Each participant runs ``client_update(client_keys(round_key, id), broadcast, state, data)``,
-   with keys derived from its *global* id. The participants run under ``jax.vmap`` (``"vmap"``, best on
-   accelerators) or sequentially under ``jax.lax.map`` (``"map"``; on 2 CPU cores a sequential map of LeNet5
-   clients is about 1.5x faster than vmap, and it needs memory for one client at a time). ``map_batch_size``
+   with keys derived from its *global* id (every key comes from :mod:`sidejax.keys`). The participants run
+   under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under ``jax.lax.map`` (``"map"``; on
+   2 CPU cores a sequential map of LeNet5 clients is about 1.5x faster than vmap, and it needs memory for one
+   client at a time). ``map_batch_size``
    vmaps groups of that many clients inside the map (blackjax's ``map_fn`` trade-off).
 4. **Server.** ``server_update(round_key, server, client_ids, messages, weights)`` with the stacked uplink
    messages and the participants' example counts as weights.
@@ -41,7 +42,7 @@ def sample_clients(key: PRNGKey, num_clients: int, clients_per_round: int) -> ja
     """Samples ``clients_per_round`` distinct client ids uniformly, returned in ascending order.
 
     Args:
-      key: the round's sampling key (``fold_in(round_key, SAMPLING)``).
+      key: the round's sampling key (``stream_key(round_key, SAMPLING)``).
       num_clients: total number of clients (static).
       clients_per_round: participants per round (static), ``1 <= clients_per_round <= num_clients``.
 
