@@ -37,6 +37,29 @@ from sidejax.keys import (
 BASE = jax.random.key(42)
 
 
+def assert_trees_close_across_programs(a, b, ulps: int) -> None:
+    """``a`` and ``b`` come from two differently compiled programs computing the same thing.
+
+    XLA may fuse, vectorise and order float reductions differently in two programs (and differently on
+    another CPU), so their floats agree to a few units in the last place, not bit for bit: on another
+    machine of the same kind the one-step FedAvg test below differed by 1-3 ULP on 9 of its 2,778 weights.
+    Float leaves must agree within ``ulps`` ULPs of the leaf's largest magnitude (rounding errors are
+    absolute at the scale of the sums that produce them, so an entry near zero is not held to its own, much
+    finer, spacing); integer and bool leaves (client ids, step counts, flags) and key leaves must be equal.
+    """
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        if jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.floating):
+            scale = np.spacing(np.max(np.abs(y), initial=np.finfo(y.dtype).tiny).astype(y.dtype))
+            np.testing.assert_allclose(x, y, rtol=0, atol=ulps * float(scale))
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
 @pytest.fixture(scope="module")
 def algo_map(small_model):
     _, _, loss = small_model
@@ -77,8 +100,23 @@ def test_fedavg_one_client_one_step_equals_centralized_sgd(small_model, digits):
     batch = Batch(jnp.asarray(x)[order], jnp.asarray(y)[order], jnp.ones(64))
     grads = jax.jit(jax.grad(loss))(params, batch, None)
     expected = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a - lr * b, p, g))(params, grads)
-    assert tree_equal(new_state.server.params, expected)
+    # Two differently compiled programs (the round, and a separate grad + update): equal to a few ULP, not bit
+    # for bit (on another machine of the same kind: 1-3 ULP on 9 of 2,778 weights; 0 on this one).
+    for got, want in zip(jax.tree.leaves(new_state.server.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(got), np.asarray(want), maxulp=8)
     assert int(info.clients.extra[0]) == 1  # exactly one local step
+
+
+def test_cross_program_tolerance_is_tight():
+    w = np.linspace(-0.5, 1.0, 101, dtype=np.float32)
+    one_ulp = np.nextafter(w, np.float32(2.0))
+    assert_trees_close_across_programs({"w": one_ulp, "ids": np.arange(3)}, {"w": w, "ids": np.arange(3)}, 16)
+    off = w.copy()
+    off[7] += 20 * np.spacing(np.float32(1.0))  # 20 ULPs of the leaf's scale
+    with pytest.raises(AssertionError):
+        assert_trees_close_across_programs({"w": off}, {"w": w}, 16)
+    with pytest.raises(AssertionError):
+        assert_trees_close_across_programs({"ids": np.array([0, 2])}, {"ids": np.array([0, 1])}, 16)
 
 
 def test_scan_equals_python_loop_of_rounds(algo_map, small_model, digits_fed, ten_rounds):
@@ -90,9 +128,12 @@ def test_scan_equals_python_loop_of_rounds(algo_map, small_model, digits_fed, te
         state, info = step(round_key(BASE, t), state, digits_fed)
         infos.append(info)
     scanned, sinfos = run_rounds(algo_map, BASE, algo_map.init(BASE, params, 10), digits_fed, 3)
-    assert tree_equal(state, scanned)  # bit for bit
+    # The jitted round called from Python and the scan of it are two compiled programs: a few ULP apart at
+    # most (bit-equal on this machine); client ids, step counts and bit counts exactly equal.
+    assert_trees_close_across_programs(state, scanned, ulps=16)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *infos)
-    assert tree_equal(stacked, sinfos)
+    assert_trees_close_across_programs(stacked, sinfos, ulps=16)
+    np.testing.assert_array_equal(stacked.uplink_bits, sinfos.uplink_bits)
 
 
 def test_five_plus_five_rounds_equal_ten_bit_for_bit(algo_map, small_model, digits_fed, ten_rounds):
