@@ -250,3 +250,23 @@ def test_builder_argument_errors(small_model):
         fedavg(loss, optax.sgd(0.1), clients_per_round=2, batch_size=0)
     with pytest.raises(ValueError, match="clients_per_round"):
         fedavg(loss, optax.sgd(0.1), clients_per_round=0, batch_size=4)
+
+
+def test_state_for_another_number_of_clients_is_refused(algo_map, small_model, digits_fed):
+    """init for 7 clients, then 10-client data: before, run_rounds silently sampled clients 7-9."""
+    _, params, _ = small_model
+    state = algo_map.init(BASE, params, 7)
+    assert int(state.num_clients) == 7
+    with pytest.raises(ValueError, match=r"num_clients=7 but the data has 10 clients"):
+        run_rounds(algo_map, BASE, state, digits_fed, 1)
+    with pytest.raises(ValueError, match=r"num_clients=7 but the data has 10 clients"):
+        algo_map.round_step(round_key(BASE, 0), state, digits_fed)  # eager call: checked too
+    # a per-client state is checked by its (static) leading axis, also under jit
+    stacked = state._replace(clients=jnp.zeros((7, 3)), num_clients=None)
+    with pytest.raises(ValueError, match=r"stacked over 7 clients but the data has 10"):
+        jax.jit(algo_map.round_step)(round_key(BASE, 0), stacked, digits_fed)
+    with pytest.raises(ValueError, match="num_clients must be an integer >= 1"):
+        algo_map.init(BASE, params, 0)
+    # the matching federation runs, and num_clients is carried through the rounds
+    final, _ = run_rounds(algo_map, BASE, algo_map.init(BASE, params, 10), digits_fed, 1)
+    assert int(final.num_clients) == 10

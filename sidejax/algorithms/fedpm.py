@@ -49,7 +49,7 @@ from sidejax.algorithms.common import binary_entropy_bits, client_streams, enume
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.distributions import Bernoulli
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
 from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, leaf_key, stream_key
@@ -231,7 +231,6 @@ def fedpm(
         return jax.tree.map(leaf, weights, scores, uniforms_tree)
 
     def init(key, params: Params, num_clients: int) -> RoundState:
-        del num_clients
         weights = signed_constant_init(key, params)
         layout = flat_layout(params)
         # mask scores s ~ N(0, 1) [C]; theta = sigmoid(s), clipped like every later theta
@@ -240,7 +239,8 @@ def fedpm(
         u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
         ones = jnp.ones(layout.dim, jnp.float32)
         kstate = klms_init(layout.dim, klms) if klms is not None else EmptyState()
-        return RoundState(jnp.int32(0), FedPMState(weights, theta, ones, ones, u, kstate), EmptyState())
+        state = FedPMState(weights, theta, ones, ones, u, kstate)
+        return initial_round_state(state, EmptyState(), num_clients)
 
     def broadcast_fn(key, server: FedPMState, client_ids):
         del key

@@ -49,7 +49,7 @@ from sidejax.algorithms.qsgd import (
     qsgd_quantize,
 )
 from sidejax.distributions import DiagGaussian
-from sidejax.fl.base import Algorithm, Batch, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, Batch, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import epoch_order
 from sidejax.fl.rounds import build_round_step
 from sidejax.keys import ORDER, SERVER, ClientKeys, epoch_key, step_key, stream_key
@@ -141,7 +141,7 @@ def langevin(
         if n != num_clients:
             raise ValueError(f"langevin was built for num_clients={num_clients} but the data has {n} clients")
         kstate = klms_init(flat_layout(params).dim, klms) if klms is not None else EmptyState()
-        return RoundState(jnp.int32(0), LangevinState(params, kstate), EmptyState())
+        return initial_round_state(LangevinState(params, kstate), EmptyState(), n)
 
     def broadcast_fn(key, server: LangevinState, client_ids):
         del key

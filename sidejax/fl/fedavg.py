@@ -27,7 +27,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.coding.base import decode_float32, encode_float32
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
 from sidejax.keys import client_streams
@@ -95,11 +95,11 @@ def fedavg(
     )
 
     def init(key, params: Params, num_clients: int) -> RoundState:
-        del key, num_clients  # FedAvg clients hold no state
+        del key  # FedAvg clients hold no state
         opt_state = (
             server_optimizer.init(ravel_pytree(params)[0]) if server_optimizer is not None else EmptyState()
         )
-        return RoundState(jnp.int32(0), FedAvgState(params, opt_state), EmptyState())
+        return initial_round_state(FedAvgState(params, opt_state), EmptyState(), num_clients)
 
     def broadcast_fn(key, server: FedAvgState, client_ids):
         del key

@@ -33,7 +33,7 @@ from sidejax.keys import DOWNLINK, SAMPLING, client_keys, round_key, stream_key
 from sidejax.types import PRNGKey, PyTree
 from sidejax.utils import tree_all_finite
 
-__all__ = ["CLIENT_STRATEGIES", "sample_clients", "build_round_step", "run_rounds"]
+__all__ = ["CLIENT_STRATEGIES", "sample_clients", "check_federation", "build_round_step", "run_rounds"]
 
 CLIENT_STRATEGIES = ("vmap", "map")
 
@@ -57,6 +57,32 @@ def sample_clients(key: PRNGKey, num_clients: int, clients_per_round: int) -> ja
         return jnp.arange(num_clients, dtype=jnp.int32)
     ids = jax.random.permutation(key, num_clients)[:clients_per_round]
     return jnp.sort(ids).astype(jnp.int32)
+
+
+def check_federation(state: RoundState, data) -> None:
+    """Raises a ``ValueError`` if ``data`` does not hold the number of clients ``state`` was built for.
+
+    Compares ``data.num_examples.shape[0]`` (static) with the leading axis of every per-client state leaf
+    (static) and, when it is concrete (outside ``jit``), with ``state.num_clients``. Without this, ``init``
+    for 7 clients and data of 10 would sample clients 7-9, whose client-state rows do not exist (JAX clamps
+    the gather and drops the scatter, silently).
+    """
+    num_clients = int(data.num_examples.shape[0])
+    fix = "call algorithm.init(key, params, num_clients) with the data's number of clients, or pass the data"
+    for leaf in jax.tree.leaves(state.clients):
+        if leaf.ndim == 0 or leaf.shape[0] != num_clients:
+            raise ValueError(
+                f"the client state is stacked over {leaf.shape[0] if leaf.ndim else 'no'} clients but the data has "
+                f"{num_clients} clients (data.num_examples.shape[0]); {fix} the state was built for"
+            )
+    n = state.num_clients
+    if n is None or isinstance(n, jax.core.Tracer):
+        return
+    if int(n) != num_clients:
+        raise ValueError(
+            f"the state was initialised for num_clients={int(n)} but the data has {num_clients} clients "
+            f"(data.num_examples.shape[0]); {fix} the state was built for"
+        )
 
 
 def _take(tree: PyTree, ids: jax.Array) -> PyTree:
@@ -97,6 +123,7 @@ def build_round_step(
         raise ValueError(f"map_batch_size must be None or >= 1, got {map_batch_size}")
 
     def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
+        check_federation(state, data)
         num_clients = data.num_examples.shape[0]
         ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, clients_per_round)
         broadcast, downlink_bits = broadcast_fn(stream_key(rkey, DOWNLINK), state.server, ids)
@@ -132,6 +159,7 @@ def build_round_step(
             round_index=state.round_index + 1,
             server=server,
             clients=_put(state.clients, ids, new_cstates),
+            num_clients=state.num_clients,
         )
         return new_state, info
 
@@ -139,6 +167,14 @@ def build_round_step(
 
 
 @functools.partial(jax.jit, static_argnames=("algorithm", "num_rounds"))
+def _run_rounds(algorithm: Algorithm, base_key: PRNGKey, state: RoundState, data, num_rounds: int):
+    def body(st, _):
+        rkey = round_key(base_key, st.round_index)
+        return algorithm.round_step(rkey, st, data)
+
+    return jax.lax.scan(body, state, None, length=num_rounds)
+
+
 def run_rounds(
     algorithm: Algorithm, base_key: PRNGKey, state: RoundState, data, num_rounds: int
 ) -> tuple[RoundState, RoundInfo]:
@@ -155,10 +191,13 @@ def run_rounds(
 
     Returns:
       ``(final_state, infos)`` with every :class:`RoundInfo` leaf stacked along a leading rounds axis.
+
+    Raises:
+      ValueError: if ``data`` holds another number of clients than ``state`` was initialised for
+        (:func:`check_federation`, on the host before compiling).
     """
+    check_federation(state, data)
+    return _run_rounds(algorithm, base_key, state, data, num_rounds)
 
-    def body(st, _):
-        rkey = round_key(base_key, st.round_index)
-        return algorithm.round_step(rkey, st, data)
 
-    return jax.lax.scan(body, state, None, length=num_rounds)
+run_rounds._cache_size = _run_rounds._cache_size  # compilations so far (tests check chunks do not recompile)
