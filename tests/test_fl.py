@@ -15,6 +15,8 @@ from sidejax.data import make_federated_data
 from sidejax.fl import (
     Batch,
     build_local_trainer,
+    build_round_step,
+    default_client_strategy,
     epoch_order,
     fedavg,
     num_local_steps,
@@ -270,3 +272,34 @@ def test_state_for_another_number_of_clients_is_refused(algo_map, small_model, d
     # the matching federation runs, and num_clients is carried through the rounds
     final, _ = run_rounds(algo_map, BASE, algo_map.init(BASE, params, 10), digits_fed, 1)
     assert int(final.num_clients) == 10
+
+
+def test_client_strategy_defaults_to_map_on_cpu_and_vmap_on_accelerators(small_model, monkeypatch):
+    """Builders take client_strategy=None and resolve it in one place (default_client_strategy): "map" on
+    CPU (2.2-2.4x faster than vmap at 50-100 clients), "vmap" on GPU/TPU. Before, every builder defaulted
+    to "vmap"."""
+    from sidejax.algorithms import fedpm, langevin, qsgd, signsgd
+
+    _, _, loss = small_model
+    common = dict(clients_per_round=2, batch_size=8)
+
+    def builders():
+        return [
+            fedavg(loss, optax.sgd(0.1), **common),
+            fedpm(loss, optax.adam(0.1), **common),
+            qsgd(loss, optax.sgd(0.1), **common),
+            signsgd(loss, optax.sgd(0.1), **common),
+            langevin(loss, num_clients=10, clients_per_round=2),
+        ]
+
+    expected = "map" if jax.default_backend() == "cpu" else "vmap"
+    assert default_client_strategy() == expected
+    assert all(a.round_step.client_strategy == expected for a in builders())
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert default_client_strategy() == "vmap"
+    assert all(a.round_step.client_strategy == "vmap" for a in builders())
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert all(a.round_step.client_strategy == "map" for a in builders())
+    explicit = fedavg(loss, optax.sgd(0.1), client_strategy="vmap", **common)
+    assert explicit.round_step.client_strategy == "vmap"
+    assert build_round_step(None, None, None, clients_per_round=1).client_strategy == "map"

@@ -197,7 +197,7 @@ def fedpm(
     estimator: str = "fedpm",
     reset_priors: bool = True,
     eval_mask: str = "sample",
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds FedPM, or FedPM-KLMS when ``klms`` is given.

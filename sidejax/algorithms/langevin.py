@@ -110,7 +110,7 @@ def langevin(
     levels: int = 5,
     klms: KLMSConfig | None = None,
     paper_compat: bool = False,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds QLSD (``klms=None``) or SGLD-KLMS.

@@ -218,7 +218,7 @@ def qsgd(
     klms: KLMSConfig | None = None,
     prior_smoothing: float = 1.0,
     paper_compat: bool = False,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds QSGD, or QSGD-KLMS when ``klms`` is given (then ``levels`` must be 1).

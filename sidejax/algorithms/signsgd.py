@@ -80,7 +80,7 @@ def signsgd(
     stochastic: bool = True,
     temperature: float = 20.0,
     klms: KLMSConfig | None = None,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds (stochastic) SignSGD, or SignSGD-KLMS when ``klms`` is given.

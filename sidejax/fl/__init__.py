@@ -27,6 +27,7 @@ from sidejax.fl.rounds import (
     CLIENT_STRATEGIES,
     build_round_step,
     check_federation,
+    default_client_strategy,
     run_rounds,
     sample_clients,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "CLIENT_STRATEGIES",
     "build_round_step",
     "check_federation",
+    "default_client_strategy",
     "run_rounds",
     "sample_clients",
 ]

@@ -63,7 +63,7 @@ def fedavg(
     batch_size: int,
     local_epochs: int = 1,
     server_optimizer: optax.GradientTransformation | None = None,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds FedAvg.
@@ -75,7 +75,8 @@ def fedavg(
       batch_size: local minibatch size.
       local_epochs: local epochs per round.
       server_optimizer: optional FedOpt server optimizer on the pseudo-gradient; ``None`` = plain averaging.
-      client_strategy: ``"vmap"`` or ``"map"`` (see :func:`sidejax.fl.build_round_step`).
+      client_strategy: ``"vmap"``, ``"map"``, or ``None`` for the backend's default (see
+        :func:`sidejax.fl.build_round_step`).
       map_batch_size: clients vmapped per ``lax.map`` step with ``"map"``.
 
     Returns:
