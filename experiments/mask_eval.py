@@ -30,7 +30,7 @@ from experiments.checkpoint import checkpoint_exists, load_checkpoint
 from experiments.driver import prepare, run_config
 from sidejax.algorithms import masked_network
 from sidejax.fl import build_evaluator
-from sidejax.keys import run_keys
+from sidejax.keys import draw_key, run_keys
 from sidejax.models import init_params
 
 __all__ = ["evaluate_final_mask", "main"]
@@ -55,7 +55,7 @@ def evaluate_final_mask(run_dir: Path, num_samples: int = 32, seed: int = 12345)
     def accuracy(mask):
         return evaluate(masked_network(server.weights, mask), x_test, y_test).accuracy
 
-    keys = jax.random.split(jax.random.key(seed), num_samples)
+    keys = [draw_key(jax.random.key(seed), j) for j in range(num_samples)]
     sampled = np.array(
         [
             float(accuracy((jax.random.uniform(k, server.theta.shape) < server.theta).astype(jnp.float32)))

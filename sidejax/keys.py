@@ -1,57 +1,149 @@
-"""The key schedule: the only place where sidejax derives PRNG keys.
+"""The key schedule: the only module where sidejax derives PRNG keys.
 
-Every random draw in a federated run is a pure function of one ``base_key`` and of *where* it happens:
+Every random draw in a federated run is a pure function of the run's seed and of *where* it happens. Keys
+form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module constant) or of an
+**index** (round, client, epoch, step, leaf, draw):
 
-.. math::
+.. code-block:: text
 
-    k_t = \\mathrm{fold\\_in}(k_{\\text{base}}, t), \\qquad
-    k_{t,i} = \\mathrm{fold\\_in}(k_t, i), \\qquad
-    k^{\\text{shared}}_{t,i} = \\mathrm{fold\\_in}(k_{t,i}, \\texttt{SHARED}), \\quad
-    k^{\\text{private}}_{t,i} = \\mathrm{fold\\_in}(k_{t,i}, \\texttt{PRIVATE})
+    key(seed)
+    ├─ INIT ─ init_key                 model init; FedPM's init: SIGNS ─ leaf l, SCORES, EVAL
+    └─ ROUNDS ─ rounds_key             the base_key of run_rounds
+       └─ ROUND ─ round t
+          ├─ SAMPLING                  the participants
+          ├─ DOWNLINK                  the broadcast
+          ├─ SERVER                    the server's noise (QLSD)
+          └─ CLIENTS ─ client i        i = global client id
+             ├─ SHARED                 candidates, dithers (the server re-derives it)
+             └─ PRIVATE
+                ├─ SAMPLE              the message: index choice, quantisation, mask sample
+                └─ TRAIN ─ EPOCHS ─ epoch e
+                   ├─ ORDER            the epoch's example order
+                   └─ STEPS ─ step s   passed to loss_fn (FedPM: MASK uniforms, LOSS)
 
-with :math:`k_{\\text{base}}` the ``rounds_key`` of :func:`run_keys`, where ``t`` is the round index and
-``i`` the *global* client id (never its slot among the participants of a round). Streams are separated by
-role tags applied with ``fold_in`` rather than by ``split``, so adding a new stream never shifts an existing
-one, and round ``t``'s randomness does not depend on how many rounds a run asks for or where it resumed.
+Two rules make a collision between two streams impossible by construction (up to a 2^-64 hash accident):
+
+1. **Tags and indices never share a parent.** An index is folded only into the key of its family's tag
+   (``round t = fold_in(fold_in(base, ROUND), t)``, ``client i = fold_in(fold_in(round, CLIENTS), i)``, ...),
+   so client 2 can never equal a round's sampling key, and epoch 1 never a client's sample stream.
+2. **Tag values are unique across the module**, so a tag applied to the wrong parent still cannot alias
+   another stream of that parent.
+
+``i`` is the *global* client id (never its slot among the participants of a round) and ``t`` the round
+index read from the state, so round ``t``'s randomness does not depend on how many rounds a run asks for or
+where it resumed (5 + 5 rounds = 10 rounds, bit for bit). Streams are separated by ``fold_in``, never by
+``split``, so adding a stream never shifts an existing one.
 
 - ``shared`` keys are known to the client and the server: the server regenerates candidates, dithers and
   latent scales from them. They are never sent.
-- ``private`` keys are the client's alone: minibatch order, importance-sampling index choice, SGLD noise.
+- ``private`` keys are the client's alone: ``TRAIN`` (minibatch order, the key passed to the loss) and
+  ``SAMPLE`` (importance-sampling index choice, stochastic quantisation, sampled masks, SGLD noise).
+
+:func:`record_keys` is a debugging hook: inside it, every derivation (also inside ``jit``, ``vmap`` and
+``scan``) is reported with its parent, stream name and folded value, which is how the test suite checks that
+one round of every algorithm derives no key twice. Outside it, derivations trace to a bare ``fold_in``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from sidejax.types import PRNGKey
 
 __all__ = [
-    "SHARED",
-    "PRIVATE",
-    "SAMPLING",
-    "DOWNLINK",
-    "EVAL",
     "INIT",
     "ROUNDS",
+    "ROUND",
+    "SAMPLING",
+    "DOWNLINK",
     "SERVER",
+    "CLIENTS",
+    "SHARED",
+    "PRIVATE",
+    "TRAIN",
+    "SAMPLE",
+    "EPOCHS",
+    "ORDER",
+    "STEPS",
+    "MASK",
+    "LOSS",
+    "SIGNS",
+    "SCORES",
+    "EVAL",
+    "DRAWS",
+    "TAGS",
     "ClientKeys",
-    "run_keys",
+    "ClientStreams",
+    "KeyRecord",
     "canonicalize_key",
+    "stream_key",
+    "run_keys",
     "round_key",
     "client_keys",
-    "stream_key",
+    "client_streams",
+    "epoch_key",
+    "step_key",
+    "leaf_key",
+    "draw_key",
+    "record_keys",
 ]
 
-SHARED = 0
-PRIVATE = 1
-SAMPLING = 2
-DOWNLINK = 3
-EVAL = 4
-INIT = 5
-ROUNDS = 6
-SERVER = 7  # the server's own randomness in a round (e.g. Langevin noise), from the round key
+# Role tags. Every value is distinct across the module (rule 2 of the module docstring).
+INIT = 1  # key(seed) -> the initialisation key
+ROUNDS = 2  # key(seed) -> the rounds key of a run (the base_key of run_rounds)
+ROUND = 3  # base key -> the family of round keys (index: round t)
+SAMPLING = 4  # round key -> participant sampling
+DOWNLINK = 5  # round key -> the broadcast
+SERVER = 6  # round key -> the server's own randomness (e.g. QLSD's Langevin noise)
+CLIENTS = 7  # round key -> the family of client keys (index: global client id i)
+SHARED = 8  # client key -> known to client and server (candidates, dithers)
+PRIVATE = 9  # client key -> the client's own randomness
+TRAIN = 10  # private key -> local training
+SAMPLE = 11  # private key -> sampling the message (index choice, stochastic quantisation, mask sample)
+EPOCHS = 12  # train key -> the family of epoch keys (index: epoch e)
+ORDER = 13  # epoch key -> the epoch's example order
+STEPS = 14  # epoch key -> the family of step keys (index: step s), passed to loss_fn
+MASK = 15  # step key -> FedPM's mask uniforms
+LOSS = 16  # step key -> the key FedPM passes on to the model's loss_fn
+SIGNS = 17  # FedPM init key -> the family of frozen-sign keys (index: pytree leaf l)
+SCORES = 18  # FedPM init key -> the initial mask scores
+EVAL = 19  # FedPM init key -> the evaluation-mask uniforms
+DRAWS = 20  # any key -> a family of independent draws (index: draw j), e.g. evaluation masks
+
+#: name of every tag (what :func:`record_keys` reports for a tag derivation)
+TAGS = {
+    v: k
+    for k, v in dict(
+        INIT=INIT,
+        ROUNDS=ROUNDS,
+        ROUND=ROUND,
+        SAMPLING=SAMPLING,
+        DOWNLINK=DOWNLINK,
+        SERVER=SERVER,
+        CLIENTS=CLIENTS,
+        SHARED=SHARED,
+        PRIVATE=PRIVATE,
+        TRAIN=TRAIN,
+        SAMPLE=SAMPLE,
+        EPOCHS=EPOCHS,
+        ORDER=ORDER,
+        STEPS=STEPS,
+        MASK=MASK,
+        LOSS=LOSS,
+        SIGNS=SIGNS,
+        SCORES=SCORES,
+        EVAL=EVAL,
+        DRAWS=DRAWS,
+    ).items()
+}
+assert len(TAGS) == 20, "tag values must be distinct"
 
 
 class ClientKeys(NamedTuple):
@@ -60,11 +152,80 @@ class ClientKeys(NamedTuple):
     Attributes:
       shared: known to client and server (candidates, dithers); the server re-derives it from the round key
         and the client id.
-      private: the client's own (minibatch order, index selection, Langevin noise).
+      private: the client's own (split further by :func:`client_streams`).
     """
 
     shared: PRNGKey
     private: PRNGKey
+
+
+class ClientStreams(NamedTuple):
+    """The two streams of a client's private key: ``train`` (local training) and ``sample`` (the message)."""
+
+    train: PRNGKey
+    sample: PRNGKey
+
+
+class KeyRecord(NamedTuple):
+    """One derivation seen by :func:`record_keys`.
+
+    Attributes:
+      name: the tag's name (``"SAMPLING"``) for a tag, the family's index name (``"client"``) for an index.
+      data: the value folded in (the tag's value, or the index).
+      parent: the parent key's data as bytes.
+      child: the derived key's data as bytes.
+    """
+
+    name: str
+    data: int
+    parent: bytes
+    child: bytes
+
+
+_records: list[KeyRecord] | None = None
+
+
+def _key_data(key) -> jax.Array:
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def _record(name: str, parent, data, child) -> None:
+    if _records is not None:
+        _records.append(KeyRecord(name, int(data), np.asarray(parent).tobytes(), np.asarray(child).tobytes()))
+
+
+def _fold(key: PRNGKey, data, name: str) -> PRNGKey:
+    """The one place that calls ``jax.random.fold_in``."""
+    child = jax.random.fold_in(key, data)
+    if _records is not None:  # decided at trace time: no callback in programs traced outside record_keys
+        jax.debug.callback(
+            functools.partial(_record, name),
+            _key_data(key),
+            jnp.asarray(data, jnp.uint32),
+            _key_data(child),
+        )
+    return child
+
+
+@contextlib.contextmanager
+def record_keys() -> Iterator[list[KeyRecord]]:
+    """Records every key derivation traced or run inside the ``with`` block (a debugging and test hook).
+
+    Yields a list that fills with :class:`KeyRecord` s; on exit it waits for pending callbacks
+    (``jax.effects_barrier``). Derivations inside ``jit``, ``vmap``, ``lax.map`` and ``scan`` are reported
+    once per executed instance. Only programs *traced* inside the block record: a function jitted and compiled
+    before the block reuses its cached, callback-free program.
+    """
+    global _records
+    previous, _records = _records, []
+    out = _records
+    try:
+        yield out
+    finally:
+        jax.effects_barrier()
+        _records = previous
 
 
 def canonicalize_key(key_or_seed: PRNGKey | int) -> PRNGKey:
@@ -77,26 +238,64 @@ def canonicalize_key(key_or_seed: PRNGKey | int) -> PRNGKey:
 
 
 def stream_key(key: PRNGKey, tag: int) -> PRNGKey:
-    """Derives the named stream ``tag`` (one of the module constants) from ``key``."""
-    return jax.random.fold_in(key, tag)
+    """Derives the named stream ``tag`` (one of the module's role tags) from ``key``."""
+    if tag not in TAGS:
+        raise ValueError(f"tag must be one of the role tags of sidejax.keys {sorted(TAGS)}, got {tag!r}")
+    return _fold(key, tag, TAGS[tag])
+
+
+def _indexed(key: PRNGKey, family: int, index, name: str) -> PRNGKey:
+    return _fold(stream_key(key, family), index, name)
 
 
 def run_keys(seed: int) -> tuple[PRNGKey, PRNGKey]:
     """The two top-level keys of a run with integer ``seed``: ``(init_key, rounds_key)``.
 
-    ``init_key = fold_in(key(seed), INIT)`` initialises the model; ``rounds_key = fold_in(key(seed), ROUNDS)``
-    is the ``base_key`` of :func:`sidejax.fl.run_rounds`, whose round ``t`` uses ``fold_in(rounds_key, t)``.
+    ``init_key = fold_in(key(seed), INIT)`` initialises the model and the algorithm's state;
+    ``rounds_key = fold_in(key(seed), ROUNDS)`` is the ``base_key`` of :func:`sidejax.fl.run_rounds`.
     """
     base = jax.random.key(seed)
     return stream_key(base, INIT), stream_key(base, ROUNDS)
 
 
 def round_key(base_key: PRNGKey, round_index) -> PRNGKey:
-    """Key of round ``round_index`` (a traced int is fine)."""
-    return jax.random.fold_in(base_key, round_index)
+    """Key of round ``round_index`` (a traced int is fine): ``fold_in(fold_in(base_key, ROUND), t)``."""
+    return _indexed(base_key, ROUND, round_index, "round")
 
 
 def client_keys(rkey: PRNGKey, client_id) -> ClientKeys:
-    """Keys of global client ``client_id`` in the round whose key is ``rkey``."""
-    k = jax.random.fold_in(rkey, client_id)
-    return ClientKeys(shared=jax.random.fold_in(k, SHARED), private=jax.random.fold_in(k, PRIVATE))
+    """Keys of global client ``client_id`` in the round whose key is ``rkey``.
+
+    ``k = fold_in(fold_in(rkey, CLIENTS), client_id)``, ``shared = fold_in(k, SHARED)``,
+    ``private = fold_in(k, PRIVATE)``.
+    """
+    k = _indexed(rkey, CLIENTS, client_id, "client")
+    return ClientKeys(shared=stream_key(k, SHARED), private=stream_key(k, PRIVATE))
+
+
+def client_streams(private_key: PRNGKey) -> ClientStreams:
+    """``(train, sample)``: the private key's local-training stream (``TRAIN``) and message-sampling stream
+    (``SAMPLE``: index choice, stochastic quantisation, the sent mask)."""
+    return ClientStreams(stream_key(private_key, TRAIN), stream_key(private_key, SAMPLE))
+
+
+def epoch_key(train_key: PRNGKey, epoch) -> PRNGKey:
+    """Key of local epoch ``epoch``: ``fold_in(fold_in(train_key, EPOCHS), epoch)``. Its children are
+    ``ORDER`` (the epoch's example order, via :func:`stream_key`) and the step keys (:func:`step_key`)."""
+    return _indexed(train_key, EPOCHS, epoch, "epoch")
+
+
+def step_key(epoch_key_: PRNGKey, step) -> PRNGKey:
+    """Key of step ``step`` of an epoch, ``fold_in(fold_in(epoch_key, STEPS), step)``: the key passed to the
+    loss function."""
+    return _indexed(epoch_key_, STEPS, step, "step")
+
+
+def leaf_key(key: PRNGKey, leaf: int) -> PRNGKey:
+    """Key of pytree leaf ``leaf``'s frozen signs: ``fold_in(fold_in(key, SIGNS), leaf)``."""
+    return _indexed(key, SIGNS, leaf, "leaf")
+
+
+def draw_key(key: PRNGKey, draw) -> PRNGKey:
+    """Key of independent draw ``draw`` (e.g. one evaluation mask): ``fold_in(fold_in(key, DRAWS), draw)``."""
+    return _indexed(key, DRAWS, draw, "draw")

@@ -7,7 +7,7 @@
 - :func:`elias_gamma_bits`: the length of the Elias-gamma stream QSGD uses (Alistarh et al., 2017).
 - :func:`enumerative_mask_bits`: the length of a two-part enumerative code of a binary mask (the
   arithmetic-coding cost FedPM reports).
-- :func:`client_streams`: the private key split into (training, sampling) streams.
+- :func:`client_streams`: the private key's (training, sampling) streams (from :mod:`sidejax.keys`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from jax.scipy.special import xlogy
 
 from sidejax.bits import LN2
 from sidejax.coding.base import decode_float32, encode_float32
+from sidejax.keys import client_streams
 from sidejax.klms import klms_downlink_bits
-from sidejax.types import Params, PRNGKey
+from sidejax.types import Params
 
 __all__ = [
     "FlatLayout",
@@ -128,12 +129,6 @@ def enumerative_mask_bits(mask: jax.Array) -> jax.Array:
 def binary_entropy_bits(x: jax.Array) -> jax.Array:
     """:math:`H_b(x)` in bits (0 at 0 and 1)."""
     return -(xlogy(x, x) + xlogy(1 - x, 1 - x)) / LN2
-
-
-def client_streams(private_key: PRNGKey) -> tuple[PRNGKey, PRNGKey]:
-    """``(train_key, sample_key)``: the client's private key split by ``fold_in`` into local training and
-    message sampling (index choice or stochastic quantisation)."""
-    return jax.random.fold_in(private_key, 0), jax.random.fold_in(private_key, 1)
 
 
 def broadcast_params(server, client_ids: jax.Array, klms_config=None, extra_bits=0.0):

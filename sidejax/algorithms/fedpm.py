@@ -49,10 +49,10 @@ from sidejax.algorithms.common import binary_entropy_bits, client_streams, enume
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.distributions import Bernoulli
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
-from sidejax.keys import EVAL, ClientKeys
+from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, leaf_key, stream_key
 from sidejax.klms import (
     KLMSClientInfo,
     KLMSConfig,
@@ -121,7 +121,10 @@ class FedPMServerInfo(NamedTuple):
 
 def signed_constant_init(key, params: Params) -> Params:
     """FedPM's frozen "ME_init" network [C]: every weight and bias is :math:`\\pm c`, sign Bernoulli(1/2),
-    :math:`c = e \\sqrt{1/\\mathrm{fan\\_in}}`.
+    :math:`c = e \\sqrt{1/\\mathrm{fan\\_in}}`. Leaf ``l`` (pytree-leaf order) draws its signs from
+    :func:`sidejax.keys.leaf_key` ``(key, l)``, a family under the tag ``SIGNS``, so no leaf shares a key with
+    the initial scores (``SCORES``) or the evaluation uniforms (``EVAL``) that :func:`fedpm`'s ``init``
+    derives from the same key.
 
     ``fan_in`` is the product of a kernel's shape without its last (output) axis: ``in_features`` for a
     Dense kernel ``[in, out]``, ``kh * kw * in_channels`` for a Conv kernel ``[kh, kw, in, out]``. A bias
@@ -137,7 +140,7 @@ def signed_constant_init(key, params: Params) -> Params:
     for i, (path, leaf) in enumerate(leaves):
         fan_in = fan_by_module.get(tuple(str(p) for p in path[:-1]), int(max(1, leaf.size)))
         c = math.e * math.sqrt(1.0 / fan_in)
-        sign = jax.random.rademacher(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
+        sign = jax.random.rademacher(leaf_key(key, i), leaf.shape, jnp.float32)
         out.append(c * sign)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -194,7 +197,7 @@ def fedpm(
     estimator: str = "fedpm",
     reset_priors: bool = True,
     eval_mask: str = "sample",
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds FedPM, or FedPM-KLMS when ``klms`` is given.
@@ -228,16 +231,16 @@ def fedpm(
         return jax.tree.map(leaf, weights, scores, uniforms_tree)
 
     def init(key, params: Params, num_clients: int) -> RoundState:
-        del num_clients
         weights = signed_constant_init(key, params)
         layout = flat_layout(params)
         # mask scores s ~ N(0, 1) [C]; theta = sigmoid(s), clipped like every later theta
-        scores = jax.random.normal(jax.random.fold_in(key, 1), (layout.dim,))
+        scores = jax.random.normal(stream_key(key, SCORES), (layout.dim,))
         theta = jnp.clip(jax.nn.sigmoid(scores), MASK_CLIP, 1 - MASK_CLIP)
-        u = jax.random.uniform(jax.random.fold_in(key, EVAL), (layout.dim,))
+        u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
         ones = jnp.ones(layout.dim, jnp.float32)
         kstate = klms_init(layout.dim, klms) if klms is not None else EmptyState()
-        return RoundState(jnp.int32(0), FedPMState(weights, theta, ones, ones, u, kstate), EmptyState())
+        state = FedPMState(weights, theta, ones, ones, u, kstate)
+        return initial_round_state(state, EmptyState(), num_clients)
 
     def broadcast_fn(key, server: FedPMState, client_ids):
         del key
@@ -252,9 +255,9 @@ def fedpm(
         scores0 = unravel(jnp.log(theta) - jnp.log1p(-theta))
 
         def score_loss(scores, batch, key):
-            u = jax.random.uniform(key, theta.shape)
+            u = jax.random.uniform(stream_key(key, MASK), theta.shape)
             net = masked(server.weights, scores, unravel(u))
-            return loss_fn(net, batch, jax.random.fold_in(key, 1))
+            return loss_fn(net, batch, stream_key(key, LOSS))
 
         trainer = build_local_trainer(
             score_loss, client_optimizer, batch_size=batch_size, num_epochs=local_epochs

@@ -49,10 +49,10 @@ from sidejax.algorithms.qsgd import (
     qsgd_quantize,
 )
 from sidejax.distributions import DiagGaussian
-from sidejax.fl.base import Algorithm, Batch, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, Batch, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import epoch_order
 from sidejax.fl.rounds import build_round_step
-from sidejax.keys import SERVER, ClientKeys, stream_key
+from sidejax.keys import ORDER, SERVER, ClientKeys, epoch_key, step_key, stream_key
 from sidejax.klms import (
     KLMSConfig,
     KLMSState,
@@ -82,13 +82,18 @@ def sgld_klms_sigma(step_size: float, num_clients: int, clients_per_round: int) 
 def minibatch_potential_grad(
     loss_fn: Callable, key, params: Params, data, batch_size: int, weight_decay: float
 ):
-    """:math:`H_c(\\theta)` on one random minibatch of the client's data; returns ``(H_flat, loss)``."""
-    order = epoch_order(key, data.num_examples, data.indices.shape[0])
+    """:math:`H_c(\\theta)` on one random minibatch of the client's data; returns ``(H_flat, loss)``.
+
+    ``key`` is the client's training key; the minibatch is step 0 of epoch 0 of the local-training schedule
+    (order from ``stream_key(epoch_key(key, 0), ORDER)``, loss key ``step_key(epoch_key(key, 0), 0)``).
+    """
+    ekey = epoch_key(key, 0)
+    order = epoch_order(stream_key(ekey, ORDER), data.num_examples, data.indices.shape[0])
     take = jnp.arange(batch_size) % data.indices.shape[0]
     gidx = data.indices[order[take]]
     valid = (jnp.arange(batch_size) < data.num_examples).astype(jnp.float32)
     batch = Batch(x=data.x[gidx], y=data.y[gidx], mask=valid)
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch, jax.random.fold_in(key, 1))
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch, step_key(ekey, 0))
     flat = ravel_pytree(params)[0]
     n = data.num_examples.astype(jnp.float32)
     return n * ravel_pytree(grads)[0] + 2.0 * weight_decay * flat, loss
@@ -105,7 +110,7 @@ def langevin(
     levels: int = 5,
     klms: KLMSConfig | None = None,
     paper_compat: bool = False,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds QLSD (``klms=None``) or SGLD-KLMS.
@@ -136,7 +141,7 @@ def langevin(
         if n != num_clients:
             raise ValueError(f"langevin was built for num_clients={num_clients} but the data has {n} clients")
         kstate = klms_init(flat_layout(params).dim, klms) if klms is not None else EmptyState()
-        return RoundState(jnp.int32(0), LangevinState(params, kstate), EmptyState())
+        return initial_round_state(LangevinState(params, kstate), EmptyState(), n)
 
     def broadcast_fn(key, server: LangevinState, client_ids):
         del key

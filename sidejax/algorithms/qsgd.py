@@ -62,7 +62,7 @@ from sidejax.algorithms.common import (
 from sidejax.coding.base import Message, decode_float32, encode_float32
 from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.distributions import Ternary
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
 from sidejax.keys import ClientKeys
@@ -218,7 +218,7 @@ def qsgd(
     klms: KLMSConfig | None = None,
     prior_smoothing: float = 1.0,
     paper_compat: bool = False,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds QSGD, or QSGD-KLMS when ``klms`` is given (then ``levels`` must be 1).
@@ -249,15 +249,17 @@ def qsgd(
     count_bits = math.ceil(math.log2(clients_per_round + 1))
 
     def init(key, params: Params, num_clients: int) -> RoundState:
-        del key, num_clients
+        del key
         dim = flat_layout(params).dim
         if klms is None:
-            return RoundState(jnp.int32(0), QSGDState(params, EmptyState(), EmptyState()), EmptyState())
+            return initial_round_state(
+                QSGDState(params, EmptyState(), EmptyState()), EmptyState(), num_clients
+            )
         layout = flat_layout(params)
         nz = 0.5 / np.sqrt(layout.tensor_sizes.astype(np.float64))
         f = np.stack([nz, 1.0 - 2.0 * nz, nz], axis=-1)[layout.tensor_ids]
         prior = jnp.asarray(f, jnp.float32)
-        return RoundState(jnp.int32(0), QSGDState(params, prior, klms_init(dim, klms)), EmptyState())
+        return initial_round_state(QSGDState(params, prior, klms_init(dim, klms)), EmptyState(), num_clients)
 
     def broadcast_fn(key, server: QSGDState, client_ids):
         del key

@@ -39,7 +39,7 @@ from sidejax.algorithms.qsgd import CompressedExtra, CompressedServerInfo
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.distributions import Sign
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
 from sidejax.keys import ClientKeys
@@ -80,7 +80,7 @@ def signsgd(
     stochastic: bool = True,
     temperature: float = 20.0,
     klms: KLMSConfig | None = None,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds (stochastic) SignSGD, or SignSGD-KLMS when ``klms`` is given.
@@ -102,9 +102,9 @@ def signsgd(
     trainer = build_local_trainer(loss_fn, client_optimizer, batch_size=batch_size, num_epochs=local_epochs)
 
     def init(key, params: Params, num_clients: int) -> RoundState:
-        del key, num_clients
+        del key
         kstate = klms_init(flat_layout(params).dim, klms) if klms is not None else EmptyState()
-        return RoundState(jnp.int32(0), SignSGDState(params, kstate), EmptyState())
+        return initial_round_state(SignSGDState(params, kstate), EmptyState(), num_clients)
 
     def broadcast_fn(key, server: SignSGDState, client_ids):
         del key

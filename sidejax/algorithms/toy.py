@@ -18,7 +18,7 @@ import numpy as np
 from sidejax.blocks import fixed_blocks
 from sidejax.coding.importance import importance_decode, importance_encode
 from sidejax.distributions import DiagGaussian
-from sidejax.keys import client_keys
+from sidejax.keys import client_keys, round_key
 
 __all__ = [
     "log2_candidates_for_overhead",
@@ -87,7 +87,7 @@ def gaussian_log_ratio_tail(mu: float, overhead_nats: float) -> float:
 def distributed_mean(key, mu: jax.Array, log2_num_candidates: int, num_runs: int) -> jax.Array:
     """``num_runs`` independent estimates :math:`\\hat\\mu` (float32 ``[num_runs]``).
 
-    Run ``r`` uses round key ``fold_in(key, r)`` and client ``n`` its keys :func:`sidejax.keys.client_keys`
+    Run ``r`` uses round key ``round_key(key, r)`` and client ``n`` its keys :func:`sidejax.keys.client_keys`
     (distinct shared keys per client, as Thm C.1 requires). Vectorised over runs and clients.
 
     Args:
@@ -108,7 +108,7 @@ def distributed_mean(key, mu: jax.Array, log2_num_candidates: int, num_runs: int
         return importance_decode(keys.shared, prior, blocks, idx)[0]
 
     def one_run(r):
-        rkey = jax.random.fold_in(key, r)
+        rkey = round_key(key, r)
         ids = jnp.arange(mu.shape[0])
         return jnp.mean(jax.vmap(one_client, (None, 0, 0))(rkey, ids, mu))
 

@@ -11,6 +11,7 @@ from sidejax.fl.base import (
     RoundInfo,
     RoundState,
     ServerUpdate,
+    initial_round_state,
 )
 from sidejax.fl.evaluate import EvalResult, build_evaluator
 from sidejax.fl.fedavg import FedAvgServerInfo, FedAvgState, fedavg, weighted_mean
@@ -22,7 +23,14 @@ from sidejax.fl.local import (
     masked_mean,
     num_local_steps,
 )
-from sidejax.fl.rounds import CLIENT_STRATEGIES, build_round_step, run_rounds, sample_clients
+from sidejax.fl.rounds import (
+    CLIENT_STRATEGIES,
+    build_round_step,
+    check_federation,
+    default_client_strategy,
+    run_rounds,
+    sample_clients,
+)
 
 __all__ = [
     "Algorithm",
@@ -34,6 +42,7 @@ __all__ = [
     "EmptyState",
     "RoundInfo",
     "RoundState",
+    "initial_round_state",
     "ServerUpdate",
     "EvalResult",
     "build_evaluator",
@@ -49,6 +58,8 @@ __all__ = [
     "num_local_steps",
     "CLIENT_STRATEGIES",
     "build_round_step",
+    "check_federation",
+    "default_client_strategy",
     "run_rounds",
     "sample_clients",
 ]

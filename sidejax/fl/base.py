@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from sidejax.coding.base import Message
 from sidejax.keys import ClientKeys
@@ -27,6 +29,7 @@ __all__ = [
     "Batch",
     "ClientInfo",
     "RoundState",
+    "initial_round_state",
     "RoundInfo",
     "BroadcastFn",
     "ClientUpdate",
@@ -86,11 +89,28 @@ class RoundState(NamedTuple):
       round_index: int32 scalar, the index of the *next* round to run.
       server: algorithm-specific server state.
       clients: algorithm-specific client state, stacked over **all** clients (``EmptyState()`` if none).
+      num_clients: int32 scalar, the federation size the state was initialised for (``init``'s
+        ``num_clients``). :func:`sidejax.fl.run_rounds` refuses data with another number of clients. ``None``
+        (the default, for hand-built states) skips that check.
     """
 
     round_index: jax.Array
     server: PyTree
     clients: PyTree
+    num_clients: jax.Array | None = None
+
+
+def initial_round_state(server: PyTree, clients: PyTree, num_clients: int) -> RoundState:
+    """The :class:`RoundState` an ``init`` returns: round 0, recording ``num_clients``.
+
+    Raises:
+      ValueError: if ``num_clients`` is not an integer >= 1.
+    """
+    if isinstance(num_clients, bool) or not isinstance(num_clients, int | np.integer) or num_clients < 1:
+        raise ValueError(
+            f"num_clients must be an integer >= 1 (the number of clients in the data), got {num_clients!r}"
+        )
+    return RoundState(jnp.int32(0), server, clients, jnp.int32(num_clients))
 
 
 class RoundInfo(NamedTuple):

@@ -27,9 +27,10 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.coding.base import decode_float32, encode_float32
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
 from sidejax.fl.rounds import build_round_step
+from sidejax.keys import client_streams
 from sidejax.types import Params
 
 __all__ = ["FedAvgState", "FedAvgServerInfo", "weighted_mean", "fedavg"]
@@ -62,7 +63,7 @@ def fedavg(
     batch_size: int,
     local_epochs: int = 1,
     server_optimizer: optax.GradientTransformation | None = None,
-    client_strategy: str = "vmap",
+    client_strategy: str | None = None,
     map_batch_size: int | None = None,
 ) -> Algorithm:
     """Builds FedAvg.
@@ -74,7 +75,8 @@ def fedavg(
       batch_size: local minibatch size.
       local_epochs: local epochs per round.
       server_optimizer: optional FedOpt server optimizer on the pseudo-gradient; ``None`` = plain averaging.
-      client_strategy: ``"vmap"`` or ``"map"`` (see :func:`sidejax.fl.build_round_step`).
+      client_strategy: ``"vmap"``, ``"map"``, or ``None`` for the backend's default (see
+        :func:`sidejax.fl.build_round_step`).
       map_batch_size: clients vmapped per ``lax.map`` step with ``"map"``.
 
     Returns:
@@ -94,11 +96,11 @@ def fedavg(
     )
 
     def init(key, params: Params, num_clients: int) -> RoundState:
-        del key, num_clients  # FedAvg clients hold no state
+        del key  # FedAvg clients hold no state
         opt_state = (
             server_optimizer.init(ravel_pytree(params)[0]) if server_optimizer is not None else EmptyState()
         )
-        return RoundState(jnp.int32(0), FedAvgState(params, opt_state), EmptyState())
+        return initial_round_state(FedAvgState(params, opt_state), EmptyState(), num_clients)
 
     def broadcast_fn(key, server: FedAvgState, client_ids):
         del key
@@ -107,7 +109,7 @@ def fedavg(
         return unravel(decode_float32(message)), jnp.full(client_ids.shape, message.num_bits)
 
     def client_update(keys, broadcast: Params, state, data):
-        params, info = local_train(keys.private, broadcast, data)
+        params, info = local_train(client_streams(keys.private).train, broadcast, data)
         flat, _ = ravel_pytree(params)
         return (
             state,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from sidejax.fl.base import Batch, ClientData
+from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 from sidejax.types import Params, PRNGKey
 from sidejax.utils import tree_all_finite
 
@@ -105,8 +106,9 @@ def build_local_trainer(
       num_epochs: local epochs (static).
 
     Returns:
-      The pure training function. ``key`` is the client's private key; epoch ``e`` draws its order from
-      ``fold_in(key, e)`` and step ``s`` of it passes ``fold_in(fold_in(key, e), s + 1)`` to ``loss_fn``.
+      The pure training function. ``key`` is the client's training key (:func:`sidejax.keys.client_streams`);
+      epoch ``e`` draws its order from ``stream_key(epoch_key(key, e), ORDER)`` and its step ``s`` passes
+      ``step_key(epoch_key(key, e), s)`` to ``loss_fn`` (see :mod:`sidejax.keys`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -120,8 +122,8 @@ def build_local_trainer(
         padded = steps * batch_size
 
         def epoch(carry, e):
-            ekey = jax.random.fold_in(key, e)
-            order = epoch_order(ekey, data.num_examples, max_examples)
+            ekey = epoch_key(key, e)
+            order = epoch_order(stream_key(ekey, ORDER), data.num_examples, max_examples)
             order = jnp.pad(order, (0, padded - max_examples))
 
             def step(carry, s):
@@ -130,7 +132,7 @@ def build_local_trainer(
                 valid = (s * batch_size + jnp.arange(batch_size)) < data.num_examples
                 gidx = data.indices[pos]
                 batch = Batch(x=data.x[gidx], y=data.y[gidx], mask=valid.astype(jnp.float32))
-                loss, grads = grad_fn(params, batch, jax.random.fold_in(ekey, s + 1))
+                loss, grads = grad_fn(params, batch, step_key(ekey, s))
                 updates, new_opt = optimizer.update(grads, opt_state, params)
                 new_params = optax.apply_updates(params, updates)
                 has_data = jnp.any(valid)

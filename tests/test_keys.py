@@ -1,0 +1,155 @@
+"""The key schedule: every random stream has its own key, derived only in ``sidejax.keys``."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sidejax.algorithms import distributed_mean, fedpm, langevin, qsgd, signsgd
+from sidejax.fl import fedavg
+from sidejax.keys import record_keys, round_key, run_keys
+from sidejax.klms import KLMSConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_module_but_sidejax_keys_derives_keys():
+    """``jax.random.fold_in`` / ``jax.random.split`` appear in the library and the experiment driver only
+    inside ``sidejax/keys.py`` (the benchmarks in ``experiments/bench`` build synthetic inputs and are
+    exempt)."""
+    pattern = re.compile(r"random\.(fold_in|split)\b")
+    sources = sorted((ROOT / "sidejax").rglob("*.py")) + sorted(
+        p for p in (ROOT / "experiments").rglob("*.py") if "bench" not in p.relative_to(ROOT).parts
+    )
+    offenders = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sources
+        if path != ROOT / "sidejax" / "keys.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not offenders, offenders
+
+
+def _agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a == b))
+
+
+def test_fedpm_frozen_signs_scores_and_eval_uniforms_are_independent():
+    """FedPM's init draws the frozen signs of every leaf, the initial scores and the evaluation uniforms from
+    one key. Each pair of those streams must be independent: a sign agrees with the sign of a score (or with
+    ``u < 1/2``) at a coordinate with probability 1/2, so over ``n`` coordinates the agreement is within
+    5 standard errors (``5 * 0.5 / sqrt(n)``) of 1/2. Compared both aligned at the front of the flat vector
+    (where the same key drawing another shape would reuse the same bits) and at the leaf's own coordinates.
+
+    Before the fix, leaf 1's signs and the scores came from the same key (agreement 0.0 at the front:
+    perfectly anti-correlated), and leaf 4's signs and the evaluation uniforms too (agreement 1.0)."""
+    n, num_leaves = 1000, 6
+    params = [jnp.zeros((n,), jnp.float32) for _ in range(num_leaves)]  # only shapes are used
+    algo = fedpm(lambda p, b, k: 0.0, optax.adam(0.1), clients_per_round=1, batch_size=1)
+    server = algo.init(jax.random.key(0), params, 1).server
+    signs = [np.asarray(w) > 0 for w in server.weights]
+    score_pos = np.asarray(server.theta) > 0.5  # theta = sigmoid(scores), clipped: same sign as the score
+    eval_low = np.asarray(server.eval_uniforms) < 0.5
+    bound = 5 * 0.5 / np.sqrt(n)
+    checks = {}
+    for i, s in enumerate(signs):
+        own = slice(i * n, (i + 1) * n)
+        checks[f"leaf {i} vs scores (front)"] = _agreement(s, score_pos[:n])
+        checks[f"leaf {i} vs scores (own)"] = _agreement(s, score_pos[own])
+        checks[f"leaf {i} vs eval uniforms (front)"] = _agreement(s, eval_low[:n])
+        checks[f"leaf {i} vs eval uniforms (own)"] = _agreement(s, eval_low[own])
+        for j in range(i):
+            checks[f"leaf {i} vs leaf {j}"] = _agreement(s, signs[j])
+    checks["scores vs eval uniforms"] = _agreement(score_pos, eval_low)
+    bad = {k: v for k, v in checks.items() if abs(v - 0.5) > bound}
+    assert not bad, (bound, bad)
+
+
+SMALL_KLMS = KLMSConfig(log2_num_candidates=2, max_block_size=64)
+
+
+def _all_algorithms(loss):
+    common = dict(clients_per_round=3, batch_size=32, local_epochs=2, client_strategy="map")
+    lang = dict(num_clients=10, clients_per_round=3, batch_size=32, client_strategy="map")
+    return {
+        "fedavg": fedavg(loss, optax.sgd(0.1), **common),
+        "fedpm": fedpm(loss, optax.adam(0.1), **common),
+        "fedpm_klms": fedpm(loss, optax.adam(0.1), klms=SMALL_KLMS, **common),
+        "qsgd": qsgd(loss, optax.sgd(0.1), **common),
+        "qsgd_klms": qsgd(loss, optax.sgd(0.1), klms=SMALL_KLMS, **common),
+        "signsgd": signsgd(loss, optax.sgd(0.1), **common),
+        "signsgd_klms": signsgd(loss, optax.sgd(0.1), klms=SMALL_KLMS, **common),
+        "qlsd": langevin(loss, **lang),
+        "sgld_klms": langevin(loss, klms=SMALL_KLMS, **lang),
+    }
+
+
+# Streams each algorithm must have derived in its round (so the enumeration below is not vacuous).
+_ROUND = {"ROUND", "round", "SAMPLING", "DOWNLINK", "CLIENTS", "client", "SHARED", "PRIVATE"}
+_TRAIN = {"TRAIN", "EPOCHS", "epoch", "ORDER", "STEPS", "step"}
+_EXPECTED = {
+    "fedavg": _ROUND | _TRAIN,
+    "fedpm": _ROUND | _TRAIN | {"SAMPLE", "SIGNS", "leaf", "SCORES", "EVAL", "MASK", "LOSS"},
+    "qsgd": _ROUND | _TRAIN | {"SAMPLE"},
+    "signsgd": _ROUND | _TRAIN | {"SAMPLE"},
+    "qlsd": _ROUND | _TRAIN | {"SAMPLE", "SERVER"},
+    "toy": {"ROUND", "round", "CLIENTS", "client", "SHARED", "PRIVATE"},
+}
+for _host in ("fedpm", "qsgd", "signsgd"):
+    _EXPECTED[_host + "_klms"] = _EXPECTED[_host]
+_EXPECTED["sgld_klms"] = _EXPECTED["qlsd"] - {"SERVER"}
+
+
+def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digits_fed):
+    """Records every key derived by ``init`` and one round of each algorithm (and one run of the toy), all
+    from the same run keys, and checks that no two different derivations (parent key, stream name, folded
+    value) give the same key. The same derivation repeated (the server re-deriving a client's shared key, or
+    two algorithms deriving the same client key) is the same stream, not a collision.
+
+    Before the fix, client 2's key equalled the round's sampling key (``fold_in(round_key, 2)``,
+    SAMPLING = 2), client 3's the downlink key and client 7's the server key, and FedAvg's second-epoch key
+    ``fold_in(private, 1)`` equalled the sampling stream of the compressed methods."""
+    _, params, loss = small_model
+    init_key, rounds_key = run_keys(0)
+    derivations = defaultdict(set)
+    names_by_algorithm = {}
+    for name, algo in _all_algorithms(loss).items():
+        with record_keys() as records:
+            state = algo.init(init_key, params, 10)
+            jax.jit(algo.round_step)(round_key(rounds_key, 0), state, digits_fed)
+        assert records, name
+        names_by_algorithm[name] = {r.name for r in records}
+        for r in records:
+            derivations[r.child].add((r.parent, r.name, r.data))
+    with record_keys() as records:
+        distributed_mean(rounds_key, jnp.array([0.5, -0.2, 1.0]), 2, 2)
+    names_by_algorithm["toy"] = {r.name for r in records}
+    for r in records:
+        derivations[r.child].add((r.parent, r.name, r.data))
+
+    for name, expected in _EXPECTED.items():
+        assert expected <= names_by_algorithm[name], (name, expected - names_by_algorithm[name])
+    collisions = {
+        child.hex(): sorted((n, d) for _, n, d in ways)
+        for child, ways in derivations.items()
+        if len(ways) > 1
+    }
+    assert not collisions, collisions
+    roots = {p for ways in derivations.values() for p, _, _ in ways} - set(derivations)
+    assert roots and not roots & set(derivations)
+    assert len(derivations) > 100  # epochs x steps x clients x algorithms: really enumerated
+
+
+def test_recording_is_off_by_default_and_costs_nothing_outside_the_context():
+    with record_keys() as records:
+        round_key(jax.random.key(0), 3)
+    assert [(r.name, r.data) for r in records] == [("ROUND", records[0].data), ("round", 3)]
+    outside = jax.make_jaxpr(lambda k: jax.random.key_data(round_key(k, 3)))(jax.random.key(0))
+    assert "callback" not in str(outside)
