@@ -58,7 +58,7 @@ from sidejax.blocks import (
     kl_blocks,
 )
 from sidejax.coding.base import Message
-from sidejax.coding.bitstream import pack_fixed, unpack_fixed
+from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, importance_decode, importance_encode
 from sidejax.keys import ClientKeys, client_keys
 
@@ -75,10 +75,25 @@ __all__ = [
     "klms_decode_clients",
     "klms_server_update",
     "klms_downlink_bits",
+    "stream_errors",
+    "ERR_LENGTH",
+    "ERR_PARTITION",
+    "ERR_PARSE",
 ]
 
 TRIGGERS = ("thresholds", "rho")
 _RHO_CAP = 100.0
+
+# bits of KLMSDecoded.errors
+ERR_LENGTH = 1
+ERR_PARTITION = 2
+ERR_PARSE = 4
+_ERROR_TEXT = {
+    ERR_LENGTH: "the payload is shorter than num_bits claims, or holds set bits past num_bits "
+    "(length mismatch: truncated or padded stream)",
+    ERR_PARTITION: "the block lengths do not sum to dim (corrupted partition field)",
+    ERR_PARSE: "the fields read do not add up to num_bits (corrupted or mis-sized stream)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,12 +218,21 @@ class KLMSClientInfo(NamedTuple):
 
 
 class KLMSDecoded(NamedTuple):
-    """What the server reads from one client's stream besides the sample."""
+    """What the server reads from one client's stream besides the sample.
+
+    Attributes:
+      starts: the client's block starts (its own partition in update rounds, else the broadcast one).
+      num_blocks: blocks in the stream.
+      statistic: the reported trigger statistic (0 in fixed mode).
+      valid: the stream is well formed (``errors == 0``); a false flag means the sample is garbage.
+      errors: int32 bitmask of what is wrong (``ERR_*``; :func:`stream_errors` turns it into text).
+    """
 
     starts: jax.Array
     num_blocks: jax.Array
     statistic: jax.Array
     valid: jax.Array
+    errors: jax.Array
 
 
 class KLMSServerInfo(NamedTuple):
@@ -260,7 +284,9 @@ def klms_encode(
       config: static settings.
 
     Returns:
-      ``(message, info)``; ``message.num_bits`` is the stream's exact length.
+      ``(message, info)``; ``message.num_bits`` is the stream's exact length. Inside jit ``message.payload``
+      is a static-capacity buffer (:meth:`KLMSConfig.capacity_words`) of which only the first
+      ``ceil(num_bits / 32)`` words are sent (the rest are zero); outside jit it is exactly those words.
     """
     blocks0 = state.blocks
     dim, mb = blocks0.dim, blocks0.max_blocks
@@ -306,11 +332,35 @@ def klms_encode(
         overflow=blocks.overflow,
         statistic=stat,
     )
-    return Message(payload=words, num_bits=offset.astype(jnp.float32)), cinfo
+    num_bits = offset.astype(jnp.float32)
+    if not _traced(num_bits):  # outside jit: exactly the words that are sent
+        words = words[: sent_words(num_bits)]
+    return Message(payload=words, num_bits=num_bits), cinfo
+
+
+def _traced(x) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def stream_errors(errors) -> list[str]:
+    """Host side: the reasons encoded in a :class:`KLMSDecoded` ``errors`` bitmask, as sentences."""
+    code = int(errors)
+    return [text for bit, text in _ERROR_TEXT.items() if code & bit]
 
 
 def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSConfig):
     """The server's side for one client (Alg. 8): parse the stream, regenerate the chosen candidates.
+
+    The receiver reads exactly the ``ceil(num_bits / 32)`` words that were sent and nothing else:
+
+    - Outside jit (concrete message) the payload must be those words exactly, as :func:`klms_encode`
+      returns them outside jit; any other length raises ``ValueError`` naming both lengths, and a stream
+      that decodes invalid (see below) raises ``ValueError`` naming the reasons.
+    - Inside jit the payload may be the encoder's static-capacity buffer (only its first
+      ``ceil(num_bits / 32)`` words count; later words are zeroed before parsing) or any shorter buffer.
+      A buffer shorter than ``num_bits`` claims, set bits past ``num_bits``, block lengths that do not sum
+      to ``dim``, or fields that do not add up to ``num_bits`` give ``valid = False`` with the reasons in
+      the ``errors`` bitmask (:func:`stream_errors`); the driver must check the flag.
 
     Args:
       shared_key: the client's shared key (re-derived by the server from the round key and client id).
@@ -325,9 +375,24 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     blocks0 = state.blocks
     dim, mb = blocks0.dim, blocks0.max_blocks
     b, L = config.log2_num_candidates, config.length_bits
-    words = message.payload
+    payload = message.payload
+    if jnp.ndim(payload) != 1:
+        raise ValueError(f"message.payload must be a 1-D word array, got shape {jnp.shape(payload)}")
+    n = payload.shape[0]
+    if not _traced((payload, message.num_bits)):
+        want = sent_words(message.num_bits)
+        if n != want:
+            raise ValueError(
+                f"KLMS message length mismatch: the payload has {n} words but num_bits="
+                f"{float(message.num_bits):.0f} means ceil(num_bits / 32) = {want} words were sent "
+                f"({'truncated' if n < want else 'too long'}); pass exactly the words sent "
+                "(sidejax.coding.trim_payload cuts a capacity buffer)"
+            )
+    cap = config.capacity_words(dim)
+    words = jnp.pad(jnp.asarray(payload, jnp.uint32), (0, max(0, cap - n)))
+    words, ok_length = mask_to_length(words, message.num_bits, num_sent_words=n)
     offset = jnp.int32(0)
-    valid = jnp.asarray(True)
+    ok_partition = jnp.asarray(True)
     if config.adaptive:
 
         def from_stream():
@@ -338,8 +403,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
             starts = jnp.concatenate([jnp.zeros(1, jnp.int32), cum[:-1]])
             return blocks_from_starts(starts, M, dim, mb), ok
 
-        blocks, ok = jax.lax.cond(state.update, from_stream, lambda: (blocks0, jnp.asarray(True)))
-        valid = valid & ok
+        blocks, ok_partition = jax.lax.cond(state.update, from_stream, lambda: (blocks0, jnp.asarray(True)))
         offset = jnp.where(state.update, blocks.num_blocks * L, 0)
     else:
         blocks = blocks0
@@ -356,9 +420,17 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
         offset = offset + 32
     else:
         stat = jnp.float32(0.0)
-    valid = valid & (offset.astype(jnp.float32) == message.num_bits)
+    ok_parse = offset.astype(jnp.float32) == message.num_bits
+    errors = (
+        jnp.where(ok_length, 0, ERR_LENGTH)
+        | jnp.where(ok_partition, 0, ERR_PARTITION)
+        | jnp.where(ok_parse, 0, ERR_PARSE)
+    ).astype(jnp.int32)
+    valid = errors == 0
     sample = importance_decode(shared_key, p, blocks, indices)
-    return sample, KLMSDecoded(blocks.starts, M, stat, valid)
+    if not _traced(errors) and not bool(valid):
+        raise ValueError("invalid KLMS stream: " + "; ".join(stream_errors(errors)))
+    return sample, KLMSDecoded(blocks.starts, M, stat, valid, errors)
 
 
 def klms_server_update(

@@ -42,6 +42,7 @@ from sidejax.distributions import Bernoulli, Ternary
 from sidejax.fl import run_rounds
 from sidejax.keys import client_keys
 from sidejax.klms import (
+    ERR_LENGTH,
     KLMSConfig,
     KLMSDecoded,
     klms_decode,
@@ -105,6 +106,54 @@ def test_corrupted_stream_is_flagged():
     assert not bool(dec2.valid)
 
 
+FIXED = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+
+
+def test_a_truncated_payload_is_invalid_in_jit_and_raises_on_the_host():
+    """Regression (issue 12): a payload one word shorter than num_bits claims read the missing word as zeros
+    and decoded valid=True (here 21 of 1000 coordinates wrong; fixed mode, 300 bits in 10 words)."""
+    state = klms_init(D, FIXED)
+    msg, _ = jax.jit(lambda s: klms_encode(KEYS, Q, P, s, FIXED))(state)
+    assert msg.payload.shape == (10,) and float(msg.num_bits) == 300
+    short = Message(msg.payload[:-1], msg.num_bits)
+    dec_jit = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, FIXED))
+    y, dec = dec_jit(msg)
+    y_short, dec_short = dec_jit(short)
+    assert bool(dec.valid) and int(dec.errors) == 0
+    assert not bool(dec_short.valid) and int(dec_short.errors) & ERR_LENGTH
+    assert np.sum(np.asarray(y) != np.asarray(y_short)) > 0  # what the old code returned as valid
+    with pytest.raises(ValueError, match="payload has 9 words but num_bits=300 means .* 10 words"):
+        klms_decode(KEYS.shared, P, state, short, FIXED)
+    # a longer buffer with set bits past num_bits is a length mismatch too (in jit), and too long on the host
+    padded = Message(jnp.concatenate([msg.payload, jnp.ones(1, jnp.uint32)]), msg.num_bits)
+    assert not bool(dec_jit(padded)[1].valid)
+    with pytest.raises(ValueError, match="too long"):
+        klms_decode(KEYS.shared, P, state, padded, FIXED)
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_the_host_decodes_the_exact_length_message(update):
+    """Regression (issue 12): adaptive decode demanded the whole capacity buffer (the update round raised
+    'truncated bitstream' on the ceil(num_bits / 32) words actually sent). Outside jit the encoder returns
+    exactly the sent words and the decoder takes exactly those; a capacity buffer is a length mismatch."""
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
+    msg_jit, _, y_jit, dec_jit = _roundtrip(state)
+    n = -(-int(msg_jit.num_bits) // 32)
+    assert msg_jit.payload.shape[0] > n  # the jitted encoder's capacity buffer
+    np.testing.assert_array_equal(np.asarray(msg_jit.payload[n:]), 0)
+    exact = Message(msg_jit.payload[:n], msg_jit.num_bits)
+    y, dec = klms_decode(KEYS.shared, P, state, exact, CFG)
+    assert bool(dec.valid) and int(dec.num_blocks) == int(dec_jit.num_blocks)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_jit))  # Bernoulli samples: exact 0/1
+    # the eager encoder is another compiled program (its index choices may differ where two candidates'
+    # log-weights tie to rounding), so only its shape contract is compared: exactly the sent words
+    host_msg, _ = klms_encode(KEYS, Q, P, state, CFG)
+    assert host_msg.payload.shape == (-(-int(host_msg.num_bits) // 32),)
+    assert bool(klms_decode(KEYS.shared, P, state, host_msg, CFG)[1].valid)
+    with pytest.raises(ValueError, match="length mismatch"):
+        klms_decode(KEYS.shared, P, state, msg_jit, CFG)
+
+
 def test_fixed_mode_sends_indices_only():
     cfg = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
     state = klms_init(D, cfg)
@@ -117,7 +166,9 @@ def test_fixed_mode_sends_indices_only():
 
 def _decoded(starts, nums, stat):
     C = starts.shape[0]
-    return KLMSDecoded(starts, nums, jnp.full((C,), stat, jnp.float32), jnp.ones(C, bool))
+    return KLMSDecoded(
+        starts, nums, jnp.full((C,), stat, jnp.float32), jnp.ones(C, bool), jnp.zeros(C, jnp.int32)
+    )
 
 
 def test_update_round_aggregates_partitions_and_triggers_fire():

@@ -11,12 +11,74 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["num_words", "pack_fixed", "unpack_fixed", "check_stream"]
+__all__ = [
+    "num_words",
+    "sent_words",
+    "pack_fixed",
+    "unpack_fixed",
+    "check_stream",
+    "mask_to_length",
+    "trim_payload",
+]
 
 
 def num_words(num_fields: int, width: int) -> int:
     """Words needed for ``num_fields`` fields of ``width`` bits."""
     return -(-num_fields * width // 32)
+
+
+def sent_words(num_bits) -> int:
+    """Host side: the number of words a stream of ``num_bits`` bits occupies on the wire,
+    ``ceil(num_bits / 32)``. Raises ``ValueError`` if ``num_bits`` is not a whole number >= 0."""
+    nb = float(num_bits)
+    if not (nb >= 0 and nb == int(nb)):
+        raise ValueError(f"num_bits must be a whole number of bits >= 0, got {nb}")
+    return -(-int(nb) // 32)
+
+
+def trim_payload(words, num_bits):
+    """Host side: the words actually sent, ``words[:ceil(num_bits / 32)]``, from a static-capacity buffer.
+
+    Raises ``ValueError`` if the buffer is shorter than ``num_bits`` claims or holds set bits past
+    ``num_bits`` (bits the sender never counted).
+    """
+    n = sent_words(num_bits)
+    if words.shape[-1] < n:
+        raise ValueError(
+            f"payload has {words.shape[-1]} words but num_bits={float(num_bits):.0f} needs "
+            f"ceil(num_bits / 32) = {n}: the stream is truncated"
+        )
+    _, ok = mask_to_length(words, num_bits)
+    if not bool(ok):
+        raise ValueError(f"payload holds set bits past num_bits={float(num_bits):.0f} (not counted in the length)")
+    return words[..., :n]
+
+
+def mask_to_length(words: jax.Array, num_bits, *, num_sent_words: int | None = None):
+    """The first ``num_bits`` bits of ``words`` (later bits zeroed) and whether the stream is well formed.
+
+    Inside jit a message travels in a static-capacity buffer; only its first ``ceil(num_bits / 32)`` words are
+    sent, and the receiver must read nothing else. ``ok`` is False when ``num_bits`` is not a whole number
+    in ``[0, 32 * num_sent_words]`` (``num_sent_words`` defaults to ``len(words)``: a payload shorter than
+    ``num_bits`` claims) or when a bit at position ``>= num_bits`` is set (the buffer holds more than was
+    counted).
+
+    Returns:
+      ``(masked_words, ok)``.
+    """
+    n = words.shape[0]
+    have = n if num_sent_words is None else num_sent_words
+    nb = jnp.asarray(num_bits, jnp.float32)
+    ok = (nb >= 0) & (nb == jnp.floor(nb)) & (nb <= 32.0 * have)
+    nbi = jnp.clip(nb, 0, 32.0 * n).astype(jnp.int32)
+    keep = jnp.clip(nbi - 32 * jnp.arange(n, dtype=jnp.int32), 0, 32)  # bits of each word inside the stream
+    mask = jnp.where(
+        keep >= 32,
+        jnp.uint32(0xFFFFFFFF),
+        (jnp.uint32(1) << jnp.minimum(keep, 31).astype(jnp.uint32)) - jnp.uint32(1),
+    )
+    masked = words.astype(jnp.uint32) & mask
+    return masked, ok & jnp.all(masked == words)
 
 
 def _check_width(width: int) -> None:
