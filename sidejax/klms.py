@@ -243,7 +243,12 @@ class KLMSServerInfo(NamedTuple):
       next_update: the next round will be an update round.
       statistic: mean of the clients' statistics.
       num_blocks: blocks of the partition for the next round.
-      streams_valid: every client's stream parsed consistently (lengths summed to ``dim``).
+      streams_valid: bool ``[clients]``, one flag per participant in the order of the round's client ids:
+        that client's stream was well formed (:attr:`KLMSDecoded.valid`). A false entry means that client's
+        decoded sample, and everything aggregated from it this round, is garbage: a driver must stop the
+        run and name the round and the client (``client_ids[i]`` for a false ``streams_valid[i]``).
+      stream_errors: int32 ``[clients]``, each participant's :attr:`KLMSDecoded.errors` bitmask
+        (:func:`stream_errors` gives the reasons).
     """
 
     updated: jax.Array
@@ -251,6 +256,7 @@ class KLMSServerInfo(NamedTuple):
     statistic: jax.Array
     num_blocks: jax.Array
     streams_valid: jax.Array
+    stream_errors: jax.Array
 
 
 def klms_init(dim: int, config: KLMSConfig) -> KLMSState:
@@ -436,13 +442,21 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
 def klms_server_update(
     state: KLMSState, decoded: KLMSDecoded, config: KLMSConfig
 ) -> tuple[KLMSState, KLMSServerInfo]:
-    """The server's protocol step, given every participant's :class:`KLMSDecoded` (stacked on axis 0)."""
+    """The server's protocol step, given every participant's :class:`KLMSDecoded` (stacked on axis 0).
+
+    The returned :class:`KLMSServerInfo` carries ``streams_valid[clients]`` so that a driver can name the
+    client whose stream was bad.
+    """
     blocks = state.blocks
     dim, mb = blocks.dim, blocks.max_blocks
     stat = jnp.mean(decoded.statistic)
-    valid = jnp.all(decoded.valid)
+    valid, errors = jnp.asarray(decoded.valid, bool), jnp.asarray(decoded.errors, jnp.int32)
+    if valid.ndim != 1:
+        raise ValueError(
+            f"decoded must be stacked over the participating clients (axis 0), got valid of shape {valid.shape}"
+        )
     if not config.adaptive:
-        info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid)
+        info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid, errors)
         return state._replace(changed=jnp.asarray(False)), info
     cap_bound = blocks.num_blocks <= -(-dim // config.max_block_size)
     if config.trigger == "thresholds":
@@ -463,7 +477,7 @@ def klms_server_update(
     )
     next_update = jnp.where(state.update, False, trigger)
     new_state = KLMSState(new_blocks, next_update, state.update)
-    info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid)
+    info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid, errors)
     return new_state, info
 
 

@@ -50,6 +50,7 @@ from sidejax.klms import (
     klms_encode,
     klms_init,
     klms_server_update,
+    stream_errors,
 )
 
 D = 1000
@@ -169,6 +170,21 @@ def _decoded(starts, nums, stat):
     return KLMSDecoded(
         starts, nums, jnp.full((C,), stat, jnp.float32), jnp.ones(C, bool), jnp.zeros(C, jnp.int32)
     )
+
+
+def test_server_info_flags_each_clients_stream():
+    """Regression (issue 12): streams_valid was one scalar for the round, so a driver could not name the bad
+    client. Now it is one flag per participant (with its error bitmask), in the order of the client ids."""
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
+    msg, _, _, _ = _roundtrip(state)
+    bad = Message(msg.payload, msg.num_bits + 1)  # a field count that does not match the stream
+    msgs = jax.tree.map(lambda a, b: jnp.stack([a, b, a]), msg, bad)
+    _, decoded = jax.jit(jax.vmap(lambda m: klms_decode(KEYS.shared, P, state, m, CFG)))(msgs)
+    _, sinfo = klms_server_update(state, decoded, CFG)
+    assert sinfo.streams_valid.shape == (3,)
+    assert np.asarray(sinfo.streams_valid).tolist() == [True, False, True]
+    assert np.asarray(sinfo.stream_errors).tolist()[1] != 0
+    assert "num_bits" in " ".join(stream_errors(sinfo.stream_errors[1]))
 
 
 def test_update_round_aggregates_partitions_and_triggers_fire():
