@@ -5,6 +5,7 @@ Statistical tests use fixed keys and sample sizes where the tolerance is several
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -42,7 +43,9 @@ from sidejax.distributions import Bernoulli, Ternary
 from sidejax.fl import run_rounds
 from sidejax.keys import client_keys
 from sidejax.klms import (
+    ERR_CRC,
     ERR_LENGTH,
+    ERR_PRIOR,
     KLMSConfig,
     KLMSDecoded,
     klms_decode,
@@ -153,6 +156,63 @@ def test_the_host_decodes_the_exact_length_message(update):
     assert bool(klms_decode(KEYS.shared, P, state, host_msg, CFG)[1].valid)
     with pytest.raises(ValueError, match="length mismatch"):
         klms_decode(KEYS.shared, P, state, msg_jit, CFG)
+
+
+def test_bad_inputs_in_jit_are_flagged_and_wrong_dimensions_raise():
+    """Regression (issue 12): traced probabilities out of range or NaN (which cannot raise in jit) encoded
+    and decoded silently; now the client info and the decoder flag them. A state built for another
+    dimension failed inside JAX; now a ValueError names both dimensions."""
+    state = klms_init(D, CFG)
+    enc = jax.jit(lambda q, p: klms_encode(KEYS, Bernoulli(q), Bernoulli(p), state, CFG)[1].valid)
+    assert bool(enc(Q.probs, P.probs))
+    for bad in (1.5, -0.2, float("nan")):
+        assert not bool(enc(Q.probs.at[7].set(bad), P.probs)), bad
+        assert not bool(enc(Q.probs, P.probs.at[7].set(bad))), bad
+    msg, _, _, _ = _roundtrip(state)
+    decode = jax.jit(lambda p, m: klms_decode(KEYS.shared, Bernoulli(p), state, m, CFG))
+    _, dec = decode(P.probs.at[3].set(jnp.nan), msg)
+    assert not bool(dec.valid) and int(dec.errors) & ERR_PRIOR
+    q2, p2 = Bernoulli(jnp.full(D + 1, 0.3)), Bernoulli(jnp.full(D + 1, 0.5))
+    with pytest.raises(ValueError, match=f"q has {D + 1} coordinates but the KLMS state's blocks .* dim={D}"):
+        klms_encode(KEYS, q2, p2, state, CFG)
+    with pytest.raises(ValueError, match=f"p has {D + 1} coordinates .* dim={D}"):
+        klms_decode(KEYS.shared, p2, state, msg, CFG)
+
+
+CRC_CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16, crc32=True)
+
+
+def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silently():
+    """Issue 12: a flipped index bit or a wrong shared key decoded silently to another sample. Without the
+    checksum that is still so (documented); with crc32=True the stream costs 32 more bits and both are
+    detected (valid=False in jit, ValueError on the host)."""
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
+    other = client_keys(jax.random.key(3), 6).shared
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(cfg):
+        msg, _ = klms_encode(KEYS, Q, P, state, cfg)
+        flipped = Message(msg.payload.at[0].set(msg.payload[0] ^ jnp.uint32(1 << 5)), msg.num_bits)  # index 2
+        pairs = ((KEYS.shared, msg), (KEYS.shared, flipped), (other, msg))
+        outs = [klms_decode(k, P, state, m, cfg) for k, m in pairs]
+        return msg, [(y, d.valid, d.errors) for y, d in outs]
+
+    plain_msg, plain = run(CFG)
+    crc_msg, crc = run(CRC_CFG)
+    assert float(crc_msg.num_bits) == float(plain_msg.num_bits) + 32
+    (y, ok, _), (y_flip, ok_flip, _), (y_key, ok_key, _) = plain
+    assert bool(ok) and bool(ok_flip) and bool(ok_key)  # silent without the checksum
+    assert np.sum(np.asarray(y_flip) != np.asarray(y)) > 0 and np.sum(np.asarray(y_key) != np.asarray(y)) > 0
+    (y_c, ok_c, _), (_, ok_cflip, e_flip), (_, ok_ckey, e_key) = crc
+    assert bool(ok_c) and np.array_equal(np.asarray(y_c), np.asarray(y))  # the checksum changes no sample
+    assert not bool(ok_cflip) and int(e_flip) == ERR_CRC
+    assert not bool(ok_ckey) and int(e_key) == ERR_CRC
+    # the host API raises on the exact-length message
+    n = -(-int(crc_msg.num_bits) // 32)
+    exact = Message(crc_msg.payload[:n], crc_msg.num_bits)
+    assert bool(klms_decode(KEYS.shared, P, state, exact, CRC_CFG)[1].valid)
+    with pytest.raises(ValueError, match="CRC-32 mismatch"):
+        klms_decode(other, P, state, exact, CRC_CFG)
 
 
 def test_fixed_mode_sends_indices_only():

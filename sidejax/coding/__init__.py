@@ -3,6 +3,7 @@
 from sidejax.coding.base import Message, decode_float32, encode_float32
 from sidejax.coding.bitstream import (
     check_stream,
+    crc32_words,
     mask_to_length,
     num_words,
     pack_fixed,
@@ -30,6 +31,7 @@ __all__ = [
     "sent_words",
     "mask_to_length",
     "trim_payload",
+    "crc32_words",
     "pack_fixed",
     "unpack_fixed",
     "ImportanceInfo",
