@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "Blocks",
@@ -107,8 +108,14 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
     ``1 <= size <= max_block_size``, and a block's KL is at most the target unless it is a singleton whose
     own KL exceeds it; the number of blocks is at least ``ceil(sum(kl) / target)``.
 
+    Non-finite KL (NaN or inf) cannot be partitioned: a concrete ``kl_bits`` with such entries raises
+    ``ValueError`` (the caller's distributions are broken). Inside jit (traced values) each non-finite
+    coordinate is treated as above the target, so it becomes its own singleton block and the other blocks
+    are unaffected (without this a NaN poisons the cumulative sum and every later block comes out
+    cap-sized); the caller must flag it: :func:`sidejax.klms.klms_encode` reports ``valid = False``.
+
     Args:
-      kl_bits: float ``[dim]``, per-coordinate KL in bits (nonnegative).
+      kl_bits: float ``[dim]``, per-coordinate KL in bits (nonnegative, finite).
       target_bits: target KL per block, in bits (``log2 K`` in KLMS).
       max_block_size: the cap ``MAX_BLOCK_SIZE`` (static).
       max_blocks: static bound on the number of blocks (``dim`` is always enough).
@@ -122,8 +129,20 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
         raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
     if not isinstance(target_bits, jax.core.Tracer) and not target_bits > 0:
         raise ValueError(f"target_bits must be > 0, got {target_bits}")
+    if jnp.ndim(kl_bits) != 1:
+        raise ValueError(f"kl_bits must be a 1-D [dim] array, got shape {jnp.shape(kl_bits)}")
+    if not isinstance(kl_bits, jax.core.Tracer):
+        bad = ~np.isfinite(np.asarray(kl_bits, np.float64))
+        if bad.any():
+            raise ValueError(
+                f"kl_bits has {int(bad.sum())} non-finite entries (first at coordinate "
+                f"{int(np.argmax(bad))}: {float(np.asarray(kl_bits)[np.argmax(bad)])}); a KL-adaptive "
+                "partition needs finite per-coordinate KL: check the distributions it came from"
+            )
     dim = kl_bits.shape[0]
-    cum = jnp.concatenate([jnp.zeros(1, jnp.float32), jnp.cumsum(kl_bits.astype(jnp.float32))])  # [dim + 1]
+    kl = kl_bits.astype(jnp.float32)
+    kl = jnp.where(jnp.isfinite(kl), kl, 2 * jnp.asarray(target_bits, jnp.float32))  # singleton (see above)
+    cum = jnp.concatenate([jnp.zeros(1, jnp.float32), jnp.cumsum(kl)])  # [dim + 1]
     # nxt[s]: where a block starting at s ends (= the next start); nxt[dim] = dim is the fixed point
     s = jnp.arange(dim + 1, dtype=jnp.int32)
     j = jnp.searchsorted(cum, cum + target_bits, side="right")  # first j with cum[j] > cum[s] + t

@@ -10,6 +10,13 @@ with ``jax.tree.map(lambda a: a[i:j], dist)``), with
 - ``sample(key, sample_shape=())``;
 - ``kl_nats(other)`` / ``kl_bits(other)``: elementwise :math:`D_{KL}(\\text{self} \\| \\text{other})`.
 
+**Validation.** Constructing a distribution from concrete values (outside ``jit``) checks them and raises
+``ValueError`` naming the argument: probabilities must lie in [0, 1] (NaN rejected; Ternary rows must sum
+to 1), Gaussian ``loc`` must be finite and ``scale`` finite and > 0. Traced values cannot be checked when
+the object is built; ``is_valid()`` returns the same check as a boolean scalar for use inside jit (the KLMS
+coder reports it in its info flags). Rebuilding a distribution from its leaves (pytree unflattening, e.g.
+``jax.tree.map``) does not re-check.
+
 Supports and KLMS use (spec ``klms.md`` §4.0): :class:`Bernoulli` on {0, 1} (FedPM masks),
 :class:`Ternary` on {-1, 0, +1} (QSGD symbols, s = 1), :class:`Sign` on {-1, +1} (stochastic SignSGD) and
 :class:`DiagGaussian` on the reals (SGLD, the App. F toy). All KLs use ``xlogy`` so that zero-probability
@@ -35,6 +42,8 @@ __all__ = [
     "uniform_open",
     "check_probabilities",
     "check_positive",
+    "check_finite",
+    "dist_dim",
 ]
 
 TERNARY_SYMBOLS = (-1.0, 0.0, 1.0)
@@ -56,7 +65,38 @@ def bits_to_open_uniform(bits: jax.Array) -> jax.Array:
 
 
 def _is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    """True for values that can be checked on the host now: numbers, lists, numpy and concrete jax arrays
+    (not tracers, and not the placeholder leaves pytree utilities pass around)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return isinstance(x, (np.ndarray, np.generic, jax.Array, float, int, list, tuple))
+
+
+def dist_dim(dist) -> int:
+    """The number of coordinates of a factorized distribution (the leading axis of its arrays)."""
+    leaf = jax.tree.leaves(dist)[0]
+    if jnp.ndim(leaf) < 1:
+        raise ValueError(f"{type(dist).__name__} needs a leading coordinate axis, got a scalar")
+    return int(jnp.shape(leaf)[0])
+
+
+def _probs_ok(probs) -> jax.Array:
+    return jnp.all((probs >= 0) & (probs <= 1))  # False for NaN
+
+
+def _register(cls):
+    """Pytree registration that rebuilds instances without re-validating (leaves may be tracers or
+    placeholders); the field names are the key paths, as for a plain NamedTuple."""
+    fields = cls._fields
+
+    def flatten_with_keys(d):
+        return tuple((jax.tree_util.GetAttrKey(f), getattr(d, f)) for f in fields), None
+
+    def unflatten(_, children):
+        return tuple.__new__(cls, tuple(children))
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, lambda d: (tuple(d), None))
+    return cls
 
 
 def check_probabilities(x, name: str, *, axis_sums_to_one: int | None = None) -> None:
@@ -75,21 +115,48 @@ def check_probabilities(x, name: str, *, axis_sums_to_one: int | None = None) ->
 
 
 def check_positive(x, name: str) -> None:
-    """Raises ``ValueError`` naming ``name`` if a concrete ``x`` has entries <= 0 or NaN."""
-    if _is_concrete(x) and not np.all(np.asarray(x) > 0):
-        raise ValueError(f"{name} must be > 0 (and not NaN) everywhere")
+    """Raises ``ValueError`` naming ``name`` if a concrete ``x`` has entries <= 0, inf or NaN."""
+    if _is_concrete(x):
+        a = np.asarray(x, dtype=np.float64)
+        if not np.all((a > 0) & np.isfinite(a)):
+            bad = a[~((a > 0) & np.isfinite(a))].ravel()[:3]
+            raise ValueError(f"{name} must be finite and > 0 everywhere; found e.g. {bad.tolist()}")
 
 
-class Bernoulli(NamedTuple):
-    """Independent Bernoulli coordinates on {0, 1} with ``probs = P(X = 1)``, shape ``[dim]``."""
+def check_finite(x, name: str) -> None:
+    """Raises ``ValueError`` naming ``name`` if a concrete ``x`` has NaN or inf entries."""
+    if _is_concrete(x):
+        a = np.asarray(x, dtype=np.float64)
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"{name} must be finite; found e.g. {a[~np.isfinite(a)].ravel()[:3].tolist()}")
 
+
+class _BernoulliFields(NamedTuple):
     probs: jax.Array
+
+
+@_register
+class Bernoulli(_BernoulliFields):
+    """Independent Bernoulli coordinates on {0, 1} with ``probs = P(X = 1)``, shape ``[dim]``.
+
+    ``Bernoulli(probs)`` with concrete probabilities outside [0, 1] or NaN raises ``ValueError``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, probs):
+        check_probabilities(probs, "Bernoulli probs")
+        return super().__new__(cls, probs)
 
     @classmethod
     def create(cls, probs) -> Bernoulli:
-        """Validating constructor (use it at public boundaries)."""
-        check_probabilities(probs, "probs")
+        """Validating constructor that also converts to float32."""
+        check_probabilities(probs, "Bernoulli probs")
         return cls(jnp.asarray(probs, jnp.float32))
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: every probability in [0, 1] (no NaN); usable inside jit."""
+        return _probs_ok(self.probs)
 
     def log_prob(self, x: jax.Array) -> jax.Array:
         return jnp.where(x > 0.5, jnp.log(self.probs), jnp.log1p(-self.probs))
@@ -111,18 +178,32 @@ class Bernoulli(NamedTuple):
         return self.kl_nats(other) / LN2
 
 
-class Ternary(NamedTuple):
+class _TernaryFields(NamedTuple):
+    probs: jax.Array
+
+
+@_register
+class Ternary(_TernaryFields):
     """Independent coordinates on {-1, 0, +1}; ``probs[..., i]`` is the probability of symbol i-1.
 
-    Shape ``[dim, 3]``: QSGD's s = 1 symbol law (spec ``klms.md`` §4.3–4.4).
+    Shape ``[dim, 3]``: QSGD's s = 1 symbol law (spec ``klms.md`` §4.3–4.4). Concrete rows must be
+    probabilities summing to 1 (to 1e-5), else ``ValueError``.
     """
 
-    probs: jax.Array
+    __slots__ = ()
+
+    def __new__(cls, probs):
+        check_probabilities(probs, "Ternary probs", axis_sums_to_one=-1)
+        return super().__new__(cls, probs)
 
     @classmethod
     def create(cls, probs) -> Ternary:
-        check_probabilities(probs, "probs", axis_sums_to_one=-1)
+        check_probabilities(probs, "Ternary probs", axis_sums_to_one=-1)
         return cls(jnp.asarray(probs, jnp.float32))
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: entries in [0, 1] and rows summing to 1 (to 1e-5); usable inside jit."""
+        return _probs_ok(self.probs) & jnp.all(jnp.abs(jnp.sum(self.probs, axis=-1) - 1.0) <= 1e-5)
 
     def _index(self, x: jax.Array) -> jax.Array:
         return jnp.clip(jnp.round(x).astype(jnp.int32) + 1, 0, 2)
@@ -151,15 +232,29 @@ class Ternary(NamedTuple):
         return self.kl_nats(other) / LN2
 
 
-class Sign(NamedTuple):
-    """Independent coordinates on {-1, +1} with ``probs = P(X = +1)``, shape ``[dim]``."""
-
+class _SignFields(NamedTuple):
     probs: jax.Array
+
+
+@_register
+class Sign(_SignFields):
+    """Independent coordinates on {-1, +1} with ``probs = P(X = +1)``, shape ``[dim]`` (concrete values
+    outside [0, 1] or NaN raise ``ValueError``)."""
+
+    __slots__ = ()
+
+    def __new__(cls, probs):
+        check_probabilities(probs, "Sign probs")
+        return super().__new__(cls, probs)
 
     @classmethod
     def create(cls, probs) -> Sign:
-        check_probabilities(probs, "probs")
+        check_probabilities(probs, "Sign probs")
         return cls(jnp.asarray(probs, jnp.float32))
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: every probability in [0, 1] (no NaN); usable inside jit."""
+        return _probs_ok(self.probs)
 
     def log_prob(self, x: jax.Array) -> jax.Array:
         return jnp.where(x > 0, jnp.log(self.probs), jnp.log1p(-self.probs))
@@ -180,17 +275,31 @@ class Sign(NamedTuple):
         return self.kl_nats(other) / LN2
 
 
-class DiagGaussian(NamedTuple):
-    """Independent Gaussians ``N(loc, scale^2)``, shapes ``[dim]``."""
-
+class _DiagGaussianFields(NamedTuple):
     loc: jax.Array
     scale: jax.Array
 
+
+@_register
+class DiagGaussian(_DiagGaussianFields):
+    """Independent Gaussians ``N(loc, scale^2)``, shapes ``[dim]`` (concrete ``loc`` must be finite and
+    ``scale`` finite and > 0, else ``ValueError``)."""
+
+    __slots__ = ()
+
+    def __new__(cls, loc, scale):
+        check_finite(loc, "DiagGaussian loc")
+        check_positive(scale, "DiagGaussian scale")
+        return super().__new__(cls, loc, scale)
+
     @classmethod
     def create(cls, loc, scale) -> DiagGaussian:
-        check_positive(scale, "scale")
         loc = jnp.asarray(loc, jnp.float32)
         return cls(loc, jnp.broadcast_to(jnp.asarray(scale, jnp.float32), loc.shape))
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: ``loc`` finite and ``scale`` finite and > 0; usable inside jit."""
+        return jnp.all(jnp.isfinite(self.loc)) & jnp.all((self.scale > 0) & jnp.isfinite(self.scale))
 
     def log_prob(self, x: jax.Array) -> jax.Array:
         z = (x - self.loc) / self.scale

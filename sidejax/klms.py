@@ -33,11 +33,25 @@ field                 width                                        present
 block lengths - 1     ``M * log2(max_block_size)``                 update rounds (adaptive)
 indices               ``M * log2 K``                               always
 statistic (float32)   32                                           adaptive
+CRC-32                32                                           ``config.crc32``
 ====================  ===========================================  ========================
 
 The message length is exactly the sum of the present fields (spec §3.7; the paper's Alg. 9-12 print
 ``K*M``, corrected to ``M log2 K``). In update rounds the server learns ``M`` from the lengths (they sum to
 ``dim``), so no header is needed; otherwise ``M`` is the number of blocks of :math:`I^{(t)}`.
+
+**Length and integrity.** The receiver reads exactly the ``ceil(num_bits / 32)`` words sent; a length that
+does not match the fields (truncated, padded, or block lengths not summing to ``dim``) is invalid
+(:attr:`KLMSDecoded.valid`, :attr:`KLMSDecoded.errors`; the host API raises). Without a checksum a
+*well-formed* but corrupted stream is not detectable: a flipped index bit selects another candidate, and
+a wrong shared key regenerates other candidates, and both decode silently to a wrong sample (valid). With
+``KLMSConfig(crc32=True)`` the stream ends in a CRC-32 (zlib's polynomial) of the client's shared key data
+followed by every earlier bit of the stream (:func:`sidejax.coding.crc32_words`): any error burst of up to
+32 bits (every single flipped bit) is detected, a wrong key or any other corruption with probability
+:math:`1 - 2^{-32}`. It is an error check, not an authenticator (a CRC is linear; use a MAC against an
+adversary). Cost: 32 bits per message, counted in ``num_bits``: at the ``klms_fmnist`` preset size (LeNet5,
+``dim`` = 61,706) that is 32 / 61,706 = 0.00052 bpp per client per round, 1.7% of the
+FedPM-KLMS uplink measured there (0.0301 bpp, README). Off by default, as in the paper.
 """
 
 from __future__ import annotations
@@ -58,8 +72,9 @@ from sidejax.blocks import (
     kl_blocks,
 )
 from sidejax.coding.base import Message
-from sidejax.coding.bitstream import pack_fixed, unpack_fixed
+from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, importance_decode, importance_encode
+from sidejax.distributions import dist_dim
 from sidejax.keys import ClientKeys, client_keys
 
 __all__ = [
@@ -75,10 +90,31 @@ __all__ = [
     "klms_decode_clients",
     "klms_server_update",
     "klms_downlink_bits",
+    "stream_errors",
+    "ERR_LENGTH",
+    "ERR_PARTITION",
+    "ERR_PARSE",
+    "ERR_PRIOR",
+    "ERR_CRC",
 ]
 
 TRIGGERS = ("thresholds", "rho")
 _RHO_CAP = 100.0
+
+# bits of KLMSDecoded.errors
+ERR_LENGTH = 1
+ERR_PARTITION = 2
+ERR_PARSE = 4
+ERR_PRIOR = 8
+ERR_CRC = 16
+_ERROR_TEXT = {
+    ERR_LENGTH: "the payload is shorter than num_bits claims, or holds set bits past num_bits "
+    "(length mismatch: truncated or padded stream)",
+    ERR_PARTITION: "the block lengths do not sum to dim (corrupted partition field)",
+    ERR_PARSE: "the fields read do not add up to num_bits (corrupted or mis-sized stream)",
+    ERR_PRIOR: "the prior p is not a valid distribution (NaN or out-of-range parameters)",
+    ERR_CRC: "CRC-32 mismatch (corrupted bits, or the stream was encoded with another shared key)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +136,8 @@ class KLMSConfig:
       rho_threshold: re-partition when the mean rho exceeds this (``"rho"`` trigger; [C] 3).
       max_blocks: static bound on the number of blocks (default ``dim`` in adaptive mode: never overflows).
       memory_budget_bytes: encoder working-set budget (chunking over coordinates).
+      crc32: append a CRC-32 of (shared key data, stream) to every message (+32 bits; see the module
+        docstring). Off by default: then flipped bits and a wrong shared key decode silently.
     """
 
     log2_num_candidates: int = 2
@@ -113,6 +151,7 @@ class KLMSConfig:
     rho_threshold: float = 3.0
     max_blocks: int | None = None
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    crc32: bool = False
 
     def __post_init__(self):
         b = self.log2_num_candidates
@@ -167,7 +206,8 @@ class KLMSConfig:
         """Words of the message buffer (the longest possible message)."""
         mb = self.num_max_blocks(dim)
         per_block = self.log2_num_candidates + (self.length_bits if self.adaptive else 0)
-        return max(1, -(-(mb * per_block + (32 if self.adaptive else 0)) // 32))
+        tail = (32 if self.adaptive else 0) + (32 if self.crc32 else 0)
+        return max(1, -(-(mb * per_block + tail) // 32))
 
 
 class KLMSState(NamedTuple):
@@ -193,6 +233,9 @@ class KLMSClientInfo(NamedTuple):
       num_fallback_blocks: blocks where every candidate had ``q = 0`` (uniform index sent).
       overflow: the partition needed more than ``max_blocks`` blocks (the tail was merged).
       statistic: the reported trigger statistic (mean block KL in bits, or mean rho).
+      valid: bool, ``q`` and ``p`` are valid distributions (``is_valid()``: probabilities in [0, 1], no NaN)
+        and the KL is finite. Inside jit bad inputs cannot raise; the stream is then garbage and this flag
+        is the signal (a NaN/inf KL is partitioned as singletons, see :func:`sidejax.blocks.kl_blocks`).
     """
 
     kl_bits: jax.Array
@@ -200,15 +243,25 @@ class KLMSClientInfo(NamedTuple):
     num_fallback_blocks: jax.Array
     overflow: jax.Array
     statistic: jax.Array
+    valid: jax.Array
 
 
 class KLMSDecoded(NamedTuple):
-    """What the server reads from one client's stream besides the sample."""
+    """What the server reads from one client's stream besides the sample.
+
+    Attributes:
+      starts: the client's block starts (its own partition in update rounds, else the broadcast one).
+      num_blocks: blocks in the stream.
+      statistic: the reported trigger statistic (0 in fixed mode).
+      valid: the stream is well formed (``errors == 0``); a false flag means the sample is garbage.
+      errors: int32 bitmask of what is wrong (``ERR_*``; :func:`stream_errors` turns it into text).
+    """
 
     starts: jax.Array
     num_blocks: jax.Array
     statistic: jax.Array
     valid: jax.Array
+    errors: jax.Array
 
 
 class KLMSServerInfo(NamedTuple):
@@ -219,7 +272,12 @@ class KLMSServerInfo(NamedTuple):
       next_update: the next round will be an update round.
       statistic: mean of the clients' statistics.
       num_blocks: blocks of the partition for the next round.
-      streams_valid: every client's stream parsed consistently (lengths summed to ``dim``).
+      streams_valid: bool ``[clients]``, one flag per participant in the order of the round's client ids:
+        that client's stream was well formed (:attr:`KLMSDecoded.valid`). A false entry means that client's
+        decoded sample, and everything aggregated from it this round, is garbage: a driver must stop the
+        run and name the round and the client (``client_ids[i]`` for a false ``streams_valid[i]``).
+      stream_errors: int32 ``[clients]``, each participant's :attr:`KLMSDecoded.errors` bitmask
+        (:func:`stream_errors` gives the reasons).
     """
 
     updated: jax.Array
@@ -227,6 +285,7 @@ class KLMSServerInfo(NamedTuple):
     statistic: jax.Array
     num_blocks: jax.Array
     streams_valid: jax.Array
+    stream_errors: jax.Array
 
 
 def klms_init(dim: int, config: KLMSConfig) -> KLMSState:
@@ -260,10 +319,13 @@ def klms_encode(
       config: static settings.
 
     Returns:
-      ``(message, info)``; ``message.num_bits`` is the stream's exact length.
+      ``(message, info)``; ``message.num_bits`` is the stream's exact length. Inside jit ``message.payload``
+      is a static-capacity buffer (:meth:`KLMSConfig.capacity_words`) of which only the first
+      ``ceil(num_bits / 32)`` words are sent (the rest are zero); outside jit it is exactly those words.
     """
     blocks0 = state.blocks
     dim, mb = blocks0.dim, blocks0.max_blocks
+    _check_dims(dim, q=q, p=p)
     b, L = config.log2_num_candidates, config.length_bits
     if config.adaptive:
         kl = q.kl_bits(p)
@@ -299,18 +361,71 @@ def klms_encode(
         word = jax.lax.bitcast_convert_type(stat.astype(jnp.float32), jnp.uint32)
         words = pack_fixed(word[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
+    if config.crc32:
+        words = pack_fixed(_stream_crc(keys.shared, words, offset)[None], 32, bit_offset=offset, out=words)
+        offset = offset + 32
     cinfo = KLMSClientInfo(
         kl_bits=info.kl_bits,
         num_blocks=M,
         num_fallback_blocks=info.num_fallback_blocks,
         overflow=blocks.overflow,
         statistic=stat,
+        valid=_dist_ok(q) & _dist_ok(p) & jnp.isfinite(info.kl_bits),
     )
-    return Message(payload=words, num_bits=offset.astype(jnp.float32)), cinfo
+    num_bits = offset.astype(jnp.float32)
+    if not _traced(num_bits):  # outside jit: exactly the words that are sent
+        words = words[: sent_words(num_bits)]
+    return Message(payload=words, num_bits=num_bits), cinfo
+
+
+def _dist_ok(dist) -> jax.Array:
+    check = getattr(dist, "is_valid", None)
+    return jnp.asarray(True) if check is None else check()
+
+
+def _check_dims(dim: int, **dists) -> None:
+    for name, d in dists.items():
+        got = dist_dim(d)
+        if got != dim:
+            raise ValueError(
+                f"{name} has {got} coordinates but the KLMS state's blocks were built for dim={dim}: "
+                f"build the state with klms_init({got}, config) (the flat vector's length), or pass the "
+                "distributions of the vector the state was built for"
+            )
+
+
+def _stream_crc(shared_key, words: jax.Array, num_bits) -> jax.Array:
+    """CRC-32 of the shared key's data words followed by the first ``num_bits`` bits of ``words`` (later bits
+    zeroed), over ``ceil(num_bits / 32)`` stream words."""
+    key_words = jax.random.key_data(shared_key).reshape(-1).astype(jnp.uint32)
+    masked, _ = mask_to_length(words, num_bits)
+    used = (jnp.asarray(num_bits, jnp.int32) + 31) // 32
+    return crc32_words(jnp.concatenate([key_words, masked]), key_words.shape[0] + used)
+
+
+def _traced(x) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def stream_errors(errors) -> list[str]:
+    """Host side: the reasons encoded in a :class:`KLMSDecoded` ``errors`` bitmask, as sentences."""
+    code = int(errors)
+    return [text for bit, text in _ERROR_TEXT.items() if code & bit]
 
 
 def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSConfig):
     """The server's side for one client (Alg. 8): parse the stream, regenerate the chosen candidates.
+
+    The receiver reads exactly the ``ceil(num_bits / 32)`` words that were sent and nothing else:
+
+    - Outside jit (concrete message) the payload must be those words exactly, as :func:`klms_encode`
+      returns them outside jit; any other length raises ``ValueError`` naming both lengths, and a stream
+      that decodes invalid (see below) raises ``ValueError`` naming the reasons.
+    - Inside jit the payload may be the encoder's static-capacity buffer (only its first
+      ``ceil(num_bits / 32)`` words count; later words are zeroed before parsing) or any shorter buffer.
+      A buffer shorter than ``num_bits`` claims, set bits past ``num_bits``, block lengths that do not sum
+      to ``dim``, or fields that do not add up to ``num_bits`` give ``valid = False`` with the reasons in
+      the ``errors`` bitmask (:func:`stream_errors`); the driver must check the flag.
 
     Args:
       shared_key: the client's shared key (re-derived by the server from the round key and client id).
@@ -324,10 +439,26 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     """
     blocks0 = state.blocks
     dim, mb = blocks0.dim, blocks0.max_blocks
+    _check_dims(dim, p=p)
     b, L = config.log2_num_candidates, config.length_bits
-    words = message.payload
+    payload = message.payload
+    if jnp.ndim(payload) != 1:
+        raise ValueError(f"message.payload must be a 1-D word array, got shape {jnp.shape(payload)}")
+    n = payload.shape[0]
+    if not _traced((payload, message.num_bits)):
+        want = sent_words(message.num_bits)
+        if n != want:
+            raise ValueError(
+                f"KLMS message length mismatch: the payload has {n} words but num_bits="
+                f"{float(message.num_bits):.0f} means ceil(num_bits / 32) = {want} words were sent "
+                f"({'truncated' if n < want else 'too long'}); pass exactly the words sent "
+                "(sidejax.coding.trim_payload cuts a capacity buffer)"
+            )
+    cap = config.capacity_words(dim)
+    words = jnp.pad(jnp.asarray(payload, jnp.uint32), (0, max(0, cap - n)))
+    words, ok_length = mask_to_length(words, message.num_bits, num_sent_words=n)
     offset = jnp.int32(0)
-    valid = jnp.asarray(True)
+    ok_partition = jnp.asarray(True)
     if config.adaptive:
 
         def from_stream():
@@ -338,8 +469,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
             starts = jnp.concatenate([jnp.zeros(1, jnp.int32), cum[:-1]])
             return blocks_from_starts(starts, M, dim, mb), ok
 
-        blocks, ok = jax.lax.cond(state.update, from_stream, lambda: (blocks0, jnp.asarray(True)))
-        valid = valid & ok
+        blocks, ok_partition = jax.lax.cond(state.update, from_stream, lambda: (blocks0, jnp.asarray(True)))
         offset = jnp.where(state.update, blocks.num_blocks * L, 0)
     else:
         blocks = blocks0
@@ -356,21 +486,45 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
         offset = offset + 32
     else:
         stat = jnp.float32(0.0)
-    valid = valid & (offset.astype(jnp.float32) == message.num_bits)
+    ok_crc = jnp.asarray(True)
+    if config.crc32:
+        sent = unpack_fixed(words, 1, 32, bit_offset=offset)[0]
+        ok_crc = sent == _stream_crc(shared_key, words, offset)
+        offset = offset + 32
+    ok_parse = offset.astype(jnp.float32) == message.num_bits
+    errors = (
+        jnp.where(ok_length, 0, ERR_LENGTH)
+        | jnp.where(ok_partition, 0, ERR_PARTITION)
+        | jnp.where(ok_parse, 0, ERR_PARSE)
+        | jnp.where(_dist_ok(p), 0, ERR_PRIOR)
+        | jnp.where(ok_crc, 0, ERR_CRC)
+    ).astype(jnp.int32)
+    valid = errors == 0
     sample = importance_decode(shared_key, p, blocks, indices)
-    return sample, KLMSDecoded(blocks.starts, M, stat, valid)
+    if not _traced(errors) and not bool(valid):
+        raise ValueError("invalid KLMS stream: " + "; ".join(stream_errors(errors)))
+    return sample, KLMSDecoded(blocks.starts, M, stat, valid, errors)
 
 
 def klms_server_update(
     state: KLMSState, decoded: KLMSDecoded, config: KLMSConfig
 ) -> tuple[KLMSState, KLMSServerInfo]:
-    """The server's protocol step, given every participant's :class:`KLMSDecoded` (stacked on axis 0)."""
+    """The server's protocol step, given every participant's :class:`KLMSDecoded` (stacked on axis 0).
+
+    The returned :class:`KLMSServerInfo` carries ``streams_valid[clients]`` so that a driver can name the
+    client whose stream was bad.
+    """
     blocks = state.blocks
     dim, mb = blocks.dim, blocks.max_blocks
     stat = jnp.mean(decoded.statistic)
-    valid = jnp.all(decoded.valid)
+    valid, errors = jnp.asarray(decoded.valid, bool), jnp.asarray(decoded.errors, jnp.int32)
+    if valid.ndim != 1:
+        raise ValueError(
+            "decoded must be stacked over the participating clients (axis 0), got valid of shape "
+            f"{valid.shape}"
+        )
     if not config.adaptive:
-        info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid)
+        info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid, errors)
         return state._replace(changed=jnp.asarray(False)), info
     cap_bound = blocks.num_blocks <= -(-dim // config.max_block_size)
     if config.trigger == "thresholds":
@@ -391,7 +545,7 @@ def klms_server_update(
     )
     next_update = jnp.where(state.update, False, trigger)
     new_state = KLMSState(new_blocks, next_update, state.update)
-    info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid)
+    info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid, errors)
     return new_state, info
 
 

@@ -85,6 +85,34 @@ def test_constructors_validate():
         DiagGaussian.create([0.0], [0.0])
 
 
+@pytest.mark.parametrize("bad", [1.5, -0.2, float("nan")])
+def test_distributions_reject_bad_parameters_on_the_host_and_flag_them_in_jit(bad):
+    """Regression (issue 12): Bernoulli([.., 1.5]) (or -0.2, NaN) built silently and gave a NaN rate and a
+    collapsed partition downstream. Concrete values raise naming the argument; traced ones are flagged by
+    is_valid(); rebuilding from leaves (tree.map) does not re-check."""
+    probs = np.array([0.5, bad, 0.2], np.float32)
+    for cls in (Bernoulli, Sign):
+        with pytest.raises(ValueError, match=f"{cls.__name__} probs must hold probabilities in \\[0, 1\\]"):
+            cls(jnp.asarray(probs))
+        with pytest.raises(ValueError, match=f"{cls.__name__} probs"):
+            cls(probs.tolist())
+        assert not bool(jax.jit(lambda a, cls=cls: cls(a).is_valid())(jnp.asarray(probs)))
+        assert bool(jax.jit(lambda a, cls=cls: cls(a).is_valid())(jnp.full(3, 0.3)))
+    tern = np.array([[0.2, 0.3, 0.5], [bad, 0.5, 0.5 - bad]], np.float32)
+    with pytest.raises(ValueError, match="Ternary probs"):
+        Ternary(jnp.asarray(tern))
+    assert not bool(jax.jit(lambda a: Ternary(a).is_valid())(jnp.asarray(tern)))
+    with pytest.raises(ValueError, match="DiagGaussian scale"):
+        DiagGaussian(jnp.zeros(3), jnp.asarray([1.0, bad - 1.5, 1.0]))  # 0, -1.7 or NaN
+    with pytest.raises(ValueError, match="DiagGaussian loc"):
+        DiagGaussian(jnp.asarray([0.0, float("inf"), 0.0]), jnp.ones(3))
+    g = jax.jit(lambda s: DiagGaussian(jnp.zeros(3), s).is_valid())
+    assert not bool(g(jnp.asarray([1.0, bad - 1.5, 1.0]))) and bool(g(jnp.ones(3)))
+    # pytree utilities rebuild without checking (their leaves need not be probabilities)
+    scaled = jax.tree.map(lambda a: a * 3, Bernoulli(jnp.full(2, 0.5)))
+    assert isinstance(scaled, Bernoulli) and float(scaled.probs[0]) == 1.5
+
+
 def test_icdf_sampling_matches_means():
     u = (jnp.arange(100000) + 0.5) / 100000  # a quasi-uniform grid: exact frequencies
     np.testing.assert_allclose(Bernoulli(jnp.full(1, 0.3)).icdf(u[:, None]).mean(), 0.3, atol=1e-5)
@@ -165,6 +193,34 @@ def test_kl_partition_edge_cases():
     assert bool(b.overflow)  # needs 50 blocks, bound is 10: flagged, not silent
     with pytest.raises(ValueError, match="target_bits"):
         kl_blocks(jnp.zeros(4), 0.0, max_block_size=2, max_blocks=4)
+
+
+def test_kl_partition_rejects_non_finite_kl_and_isolates_it_in_jit():
+    """Regression (issue 12): one NaN in the per-coordinate KL poisoned the cumulative sum and made every
+    later block cap-sized, silently. On the host it raises; in jit the coordinate becomes a singleton block
+    (like a KL above the target) and the rest of the partition is unchanged."""
+    d, cap = 400, 64
+    kl = np.full(d, 0.25, np.float32)
+    part = jax.jit(lambda k: kl_blocks(k, 2.0, max_block_size=cap, max_blocks=d))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="kl_bits has 1 non-finite entries .*coordinate 100"):
+            kl_blocks(jnp.asarray(kl).at[100].set(bad), 2.0, max_block_size=cap, max_blocks=d)
+        got = part(jnp.asarray(kl).at[100].set(bad))
+        ref = part(jnp.asarray(kl).at[100].set(5.0))  # same program, a finite KL above the target
+        assert np.array_equal(np.asarray(got.starts), np.asarray(ref.starts))
+        sizes = np.asarray(block_sizes(got))[: int(got.num_blocks)]
+        assert sizes.max() == 8 and 1 in sizes  # blocks of 2 bits of KL (8 coordinates), one singleton
+
+
+def test_wrong_dimension_is_a_clear_error():
+    """Regression (issue 12): blocks built for another dimension failed deep inside JAX (shape errors in
+    dynamic_slice / gather); now a ValueError names both dimensions."""
+    b = fixed_blocks(100, 10)
+    q, p = Bernoulli(jnp.full(101, 0.3)), Bernoulli(jnp.full(101, 0.5))
+    with pytest.raises(ValueError, match="q has 101 coordinates but the blocks were built for dim=100"):
+        importance_encode(SK, PK, q, p, b, log2_num_candidates=2)
+    with pytest.raises(ValueError, match="p has 101 coordinates but the blocks were built for dim=100"):
+        importance_decode(SK, p, b, jnp.zeros(10, jnp.int32))
 
 
 def test_fixed_blocks():
@@ -259,6 +315,20 @@ def test_bit_packing_round_trip(width):
     words = pack_fixed(jnp.asarray(v), width)
     assert words.shape == (-(-77 * width // 32),)
     assert np.array_equal(unpack_fixed(words, 77, width), v)
+
+
+def test_crc32_matches_zlib():
+    """The vectorised CRC-32 equals zlib.crc32 on the same little-endian bytes, for every prefix length."""
+    import zlib
+
+    from sidejax.coding.bitstream import crc32_words
+
+    w = np.random.default_rng(5).integers(0, 2**32, 40, dtype=np.uint64).astype(np.uint32)
+    f = jax.jit(crc32_words)
+    got = [int(f(jnp.asarray(w), n)) for n in (0, 1, 2, 3, 7, 31, 40)]
+    want = [zlib.crc32(w[:n].astype("<u4").tobytes()) for n in (0, 1, 2, 3, 7, 31, 40)]
+    assert got == want
+    assert int(crc32_words(jnp.asarray(w[:5]))) == zlib.crc32(w[:5].astype("<u4").tobytes())  # eager, all
 
 
 def test_vmap_over_clients_equals_stack():

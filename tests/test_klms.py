@@ -5,6 +5,7 @@ Statistical tests use fixed keys and sample sizes where the tolerance is several
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -42,6 +43,9 @@ from sidejax.distributions import Bernoulli, Ternary
 from sidejax.fl import run_rounds
 from sidejax.keys import client_keys
 from sidejax.klms import (
+    ERR_CRC,
+    ERR_LENGTH,
+    ERR_PRIOR,
     KLMSConfig,
     KLMSDecoded,
     klms_decode,
@@ -49,6 +53,7 @@ from sidejax.klms import (
     klms_encode,
     klms_init,
     klms_server_update,
+    stream_errors,
 )
 
 D = 1000
@@ -105,6 +110,111 @@ def test_corrupted_stream_is_flagged():
     assert not bool(dec2.valid)
 
 
+FIXED = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+
+
+def test_a_truncated_payload_is_invalid_in_jit_and_raises_on_the_host():
+    """Regression (issue 12): a payload one word shorter than num_bits claims read the missing word as zeros
+    and decoded valid=True (here 21 of 1000 coordinates wrong; fixed mode, 300 bits in 10 words)."""
+    state = klms_init(D, FIXED)
+    msg, _ = jax.jit(lambda s: klms_encode(KEYS, Q, P, s, FIXED))(state)
+    assert msg.payload.shape == (10,) and float(msg.num_bits) == 300
+    short = Message(msg.payload[:-1], msg.num_bits)
+    dec_jit = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, FIXED))
+    y, dec = dec_jit(msg)
+    y_short, dec_short = dec_jit(short)
+    assert bool(dec.valid) and int(dec.errors) == 0
+    assert not bool(dec_short.valid) and int(dec_short.errors) & ERR_LENGTH
+    assert np.sum(np.asarray(y) != np.asarray(y_short)) > 0  # what the old code returned as valid
+    with pytest.raises(ValueError, match="payload has 9 words but num_bits=300 means .* 10 words"):
+        klms_decode(KEYS.shared, P, state, short, FIXED)
+    # a longer buffer with set bits past num_bits is a length mismatch too (in jit), and too long on the host
+    padded = Message(jnp.concatenate([msg.payload, jnp.ones(1, jnp.uint32)]), msg.num_bits)
+    assert not bool(dec_jit(padded)[1].valid)
+    with pytest.raises(ValueError, match="too long"):
+        klms_decode(KEYS.shared, P, state, padded, FIXED)
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_the_host_decodes_the_exact_length_message(update):
+    """Regression (issue 12): adaptive decode demanded the whole capacity buffer (the update round raised
+    'truncated bitstream' on the ceil(num_bits / 32) words actually sent). Outside jit the encoder returns
+    exactly the sent words and the decoder takes exactly those; a capacity buffer is a length mismatch."""
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
+    msg_jit, _, y_jit, dec_jit = _roundtrip(state)
+    n = -(-int(msg_jit.num_bits) // 32)
+    assert msg_jit.payload.shape[0] > n  # the jitted encoder's capacity buffer
+    np.testing.assert_array_equal(np.asarray(msg_jit.payload[n:]), 0)
+    exact = Message(msg_jit.payload[:n], msg_jit.num_bits)
+    y, dec = klms_decode(KEYS.shared, P, state, exact, CFG)
+    assert bool(dec.valid) and int(dec.num_blocks) == int(dec_jit.num_blocks)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_jit))  # Bernoulli samples: exact 0/1
+    # the eager encoder is another compiled program (its index choices may differ where two candidates'
+    # log-weights tie to rounding), so only its shape contract is compared: exactly the sent words
+    host_msg, _ = klms_encode(KEYS, Q, P, state, CFG)
+    assert host_msg.payload.shape == (-(-int(host_msg.num_bits) // 32),)
+    assert bool(klms_decode(KEYS.shared, P, state, host_msg, CFG)[1].valid)
+    with pytest.raises(ValueError, match="length mismatch"):
+        klms_decode(KEYS.shared, P, state, msg_jit, CFG)
+
+
+def test_bad_inputs_in_jit_are_flagged_and_wrong_dimensions_raise():
+    """Regression (issue 12): traced probabilities out of range or NaN (which cannot raise in jit) encoded
+    and decoded silently; now the client info and the decoder flag them. A state built for another
+    dimension failed inside JAX; now a ValueError names both dimensions."""
+    state = klms_init(D, CFG)
+    enc = jax.jit(lambda q, p: klms_encode(KEYS, Bernoulli(q), Bernoulli(p), state, CFG)[1].valid)
+    assert bool(enc(Q.probs, P.probs))
+    for bad in (1.5, -0.2, float("nan")):
+        assert not bool(enc(Q.probs.at[7].set(bad), P.probs)), bad
+        assert not bool(enc(Q.probs, P.probs.at[7].set(bad))), bad
+    msg, _, _, _ = _roundtrip(state)
+    decode = jax.jit(lambda p, m: klms_decode(KEYS.shared, Bernoulli(p), state, m, CFG))
+    _, dec = decode(P.probs.at[3].set(jnp.nan), msg)
+    assert not bool(dec.valid) and int(dec.errors) & ERR_PRIOR
+    q2, p2 = Bernoulli(jnp.full(D + 1, 0.3)), Bernoulli(jnp.full(D + 1, 0.5))
+    with pytest.raises(ValueError, match=f"q has {D + 1} coordinates but the KLMS state's blocks .* dim={D}"):
+        klms_encode(KEYS, q2, p2, state, CFG)
+    with pytest.raises(ValueError, match=f"p has {D + 1} coordinates .* dim={D}"):
+        klms_decode(KEYS.shared, p2, state, msg, CFG)
+
+
+CRC_CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16, crc32=True)
+
+
+def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silently():
+    """Issue 12: a flipped index bit or a wrong shared key decoded silently to another sample. Without the
+    checksum that is still so (documented); with crc32=True the stream costs 32 more bits and both are
+    detected (valid=False in jit, ValueError on the host)."""
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
+    other = client_keys(jax.random.key(3), 6).shared
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(cfg):
+        msg, _ = klms_encode(KEYS, Q, P, state, cfg)
+        flipped = Message(msg.payload.at[0].set(msg.payload[0] ^ jnp.uint32(1 << 5)), msg.num_bits)  # index 2
+        pairs = ((KEYS.shared, msg), (KEYS.shared, flipped), (other, msg))
+        outs = [klms_decode(k, P, state, m, cfg) for k, m in pairs]
+        return msg, [(y, d.valid, d.errors) for y, d in outs]
+
+    plain_msg, plain = run(CFG)
+    crc_msg, crc = run(CRC_CFG)
+    assert float(crc_msg.num_bits) == float(plain_msg.num_bits) + 32
+    (y, ok, _), (y_flip, ok_flip, _), (y_key, ok_key, _) = plain
+    assert bool(ok) and bool(ok_flip) and bool(ok_key)  # silent without the checksum
+    assert np.sum(np.asarray(y_flip) != np.asarray(y)) > 0 and np.sum(np.asarray(y_key) != np.asarray(y)) > 0
+    (y_c, ok_c, _), (_, ok_cflip, e_flip), (_, ok_ckey, e_key) = crc
+    assert bool(ok_c) and np.array_equal(np.asarray(y_c), np.asarray(y))  # the checksum changes no sample
+    assert not bool(ok_cflip) and int(e_flip) == ERR_CRC
+    assert not bool(ok_ckey) and int(e_key) == ERR_CRC
+    # the host API raises on the exact-length message
+    n = -(-int(crc_msg.num_bits) // 32)
+    exact = Message(crc_msg.payload[:n], crc_msg.num_bits)
+    assert bool(klms_decode(KEYS.shared, P, state, exact, CRC_CFG)[1].valid)
+    with pytest.raises(ValueError, match="CRC-32 mismatch"):
+        klms_decode(other, P, state, exact, CRC_CFG)
+
+
 def test_fixed_mode_sends_indices_only():
     cfg = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
     state = klms_init(D, cfg)
@@ -117,7 +227,24 @@ def test_fixed_mode_sends_indices_only():
 
 def _decoded(starts, nums, stat):
     C = starts.shape[0]
-    return KLMSDecoded(starts, nums, jnp.full((C,), stat, jnp.float32), jnp.ones(C, bool))
+    return KLMSDecoded(
+        starts, nums, jnp.full((C,), stat, jnp.float32), jnp.ones(C, bool), jnp.zeros(C, jnp.int32)
+    )
+
+
+def test_server_info_flags_each_clients_stream():
+    """Regression (issue 12): streams_valid was one scalar for the round, so a driver could not name the bad
+    client. Now it is one flag per participant (with its error bitmask), in the order of the client ids."""
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
+    msg, _, _, _ = _roundtrip(state)
+    bad = Message(msg.payload, msg.num_bits + 1)  # a field count that does not match the stream
+    msgs = jax.tree.map(lambda a, b: jnp.stack([a, b, a]), msg, bad)
+    _, decoded = jax.jit(jax.vmap(lambda m: klms_decode(KEYS.shared, P, state, m, CFG)))(msgs)
+    _, sinfo = klms_server_update(state, decoded, CFG)
+    assert sinfo.streams_valid.shape == (3,)
+    assert np.asarray(sinfo.streams_valid).tolist() == [True, False, True]
+    assert np.asarray(sinfo.stream_errors).tolist()[1] != 0
+    assert "num_bits" in " ".join(stream_errors(sinfo.stream_errors[1]))
 
 
 def test_update_round_aggregates_partitions_and_triggers_fire():

@@ -1,7 +1,16 @@
 """Coders: every message a client or the server sends is built here, with its real length in bits."""
 
 from sidejax.coding.base import Message, decode_float32, encode_float32
-from sidejax.coding.bitstream import check_stream, num_words, pack_fixed, unpack_fixed
+from sidejax.coding.bitstream import (
+    check_stream,
+    crc32_words,
+    mask_to_length,
+    num_words,
+    pack_fixed,
+    sent_words,
+    trim_payload,
+    unpack_fixed,
+)
 from sidejax.coding.importance import (
     ImportanceInfo,
     candidate_uniforms,
@@ -19,6 +28,10 @@ __all__ = [
     "decode_float32",
     "check_stream",
     "num_words",
+    "sent_words",
+    "mask_to_length",
+    "trim_payload",
+    "crc32_words",
     "pack_fixed",
     "unpack_fixed",
     "ImportanceInfo",

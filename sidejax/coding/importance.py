@@ -38,7 +38,7 @@ from jax.extend.random import threefry_2x32
 from sidejax.blocks import Blocks
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import num_words, pack_fixed, unpack_fixed
-from sidejax.distributions import bits_to_open_uniform
+from sidejax.distributions import bits_to_open_uniform, dist_dim
 
 __all__ = [
     "ImportanceInfo",
@@ -122,6 +122,16 @@ def candidates(shared_key, p, log2_num_candidates: int) -> jax.Array:
     return p.icdf(u)
 
 
+def _check_dims(blocks: Blocks, **dists) -> None:
+    """``ValueError`` naming both dimensions when a distribution does not match the partition."""
+    for name, d in dists.items():
+        if dist_dim(d) != blocks.dim:
+            raise ValueError(
+                f"{name} has {dist_dim(d)} coordinates but the blocks were built for dim={blocks.dim}: "
+                "build the partition for the same flat vector as the distributions"
+            )
+
+
 def _slice(dist, start, length: int):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, length, axis=0), dist)
 
@@ -157,6 +167,7 @@ def importance_encode(
       ``(indices, info)``: int32 ``[max_blocks]`` indices (dead slots 0) and :class:`ImportanceInfo`.
     """
     _check_log2k(log2_num_candidates)
+    _check_dims(blocks, q=q, p=p)
     K = 2**log2_num_candidates
     dim = blocks.dim
     if chunk_size is None:
@@ -201,6 +212,7 @@ def importance_decode(shared_key, p, blocks: Blocks, indices: jax.Array) -> jax.
 
     Costs ``dim`` hashes (only the selected candidates are generated).
     """
+    _check_dims(blocks, p=p)
     dim = blocks.dim
     k = indices[blocks.block_ids]
     u = candidate_uniforms(shared_key, k, jnp.arange(dim))
