@@ -8,7 +8,8 @@ Output folder layout::
     summary.json            final/best/last-5-mean accuracy, total bits, wall time
     accuracy_vs_round.png   test accuracy against round
     accuracy_vs_bits.png    test accuracy against cumulative communicated bits (uplink + downlink)
-    checkpoint/             the last good RoundState (see experiments.checkpoint)
+    checkpoint/state.ckpt   the last good RoundState and the metrics rows up to it, one atomic checksummed
+                            file (see experiments.checkpoint); --resume continues from it
 
 Bits in the metrics are the lengths of the messages the algorithm built (``RoundInfo``), summed over the
 participants; ``*_bpp`` columns are bits per parameter per participating client.
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.algorithms import build_algorithm
-from experiments.checkpoint import checkpoint_exists, load_checkpoint, save_checkpoint
+from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.fl import build_evaluator, classification_loss, run_rounds
@@ -196,6 +197,28 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[Path
     return paths
 
 
+def _checkpoint_meta(round_index: int, rows: list[dict[str, Any]], wall_time_s: float) -> dict[str, Any]:
+    """The checkpoint's metadata: it carries the metrics rows of every round up to ``round_index``, so the
+    state and the metrics (and with them the cumulative bits) are saved and restored as one unit."""
+    return {"round_index": round_index, "wall_time_s": wall_time_s, "rows": rows}
+
+
+def _checkpointed_rows(meta: dict[str, Any], state_round: int, ckpt_dir: Path) -> list[dict[str, Any]]:
+    """The metrics rows stored with a checkpoint, checked against the state's round index."""
+    rows = meta.get("rows")
+    if (
+        int(meta.get("round_index", -1)) != state_round
+        or not isinstance(rows, list)
+        or [r.get("round") for r in rows] != list(range(1, state_round + 1))
+    ):
+        raise CheckpointError(
+            f"checkpoint in {ckpt_dir} is inconsistent: its state is at round {state_round} but its metadata "
+            f"says round {meta.get('round_index')!r} with {len(rows) if isinstance(rows, list) else 'no'} "
+            f"metrics rows; it cannot be resumed"
+        )
+    return rows
+
+
 def _fmt_row(row: dict[str, Any]) -> str:
     acc = row["test_accuracy"]
     acc_s = f"{100 * acc:6.2f}%" if acc is not None else "      -"
@@ -254,18 +277,19 @@ def run_experiment(
             diff = {k: (v, saved[k]) for k, v in config.to_dict().items() if k != "rounds" and saved[k] != v}
             raise ValueError(f"--resume: config differs from the checkpointed run (now, saved): {diff}")
         state, meta = load_checkpoint(ckpt_dir, state)
-        done = int(meta["round_index"])
-        rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["round"] <= done]  # 1-based rounds
+        rows = _checkpointed_rows(meta, int(state.round_index), ckpt_dir)
         t_start -= float(meta.get("wall_time_s", 0.0))
     else:
         (out / "metrics.jsonl").unlink(missing_ok=True)
-        save_checkpoint(ckpt_dir, state, {"round_index": 0, "wall_time_s": 0.0})
+        save_checkpoint(ckpt_dir, state, _checkpoint_meta(0, [], 0.0))
     (out / "config.json").write_text(
         json.dumps(
             {**config.to_dict(), "clients_per_round": config.clients_per_round, "num_params": num_params},
             indent=2,
         )
     )
+    # metrics.jsonl is a log for watching a run; the checkpoint holds the authoritative rows, so on resume
+    # the file is rewritten from them (rows written after the checkpointed round are dropped, none are lost)
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -316,7 +340,7 @@ def run_experiment(
                 f.write(json.dumps(r) + "\n")
         rows.extend(new_rows)
         done += chunk
-        save_checkpoint(ckpt_dir, state, {"round_index": done, "wall_time_s": time.perf_counter() - t_start})
+        save_checkpoint(ckpt_dir, state, _checkpoint_meta(done, rows, time.perf_counter() - t_start))
         _write_csv(out / "metrics.csv", rows)
         if verbose:
             for r in new_rows:

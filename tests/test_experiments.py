@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
 
-from experiments.checkpoint import checkpoint_exists
+from experiments.checkpoint import (
+    CheckpointError,
+    checkpoint_exists,
+    checkpoint_path,
+    load_checkpoint,
+    read_checkpoint_meta,
+    save_checkpoint,
+)
 from experiments.config import ExperimentConfig, config_from_dict, list_presets, load_preset
 from experiments.driver import NonFiniteError, run_experiment
 from experiments.mask_eval import evaluate_final_mask
@@ -133,7 +141,7 @@ def test_nan_stops_with_round_and_client_after_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError, match=r"round \d+, in client\(s\) \[") as err:
         run_experiment(config, tmp_path, progress=False, verbose=False)
     assert "checkpoint" in str(err.value)
-    meta = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    meta = read_checkpoint_meta(tmp_path / "checkpoint")
     bad_round = int(str(err.value).split("round ")[1].split(",")[0])
     assert meta["round_index"] == bad_round  # the last good state is the one before the bad round
     assert len(_rows(tmp_path)) == bad_round
@@ -196,3 +204,123 @@ def test_mask_eval_reports_sampled_and_threshold_accuracy(tmp_path):
             json.dumps({**config.to_dict(), "algorithm": "fedavg"})
         )
         evaluate_final_mask(tmp_path / "fedavg")
+
+
+def _interrupted_at_write(monkeypatch, out, config, round_index, k):
+    """Runs ``config`` into ``out``, raising KeyboardInterrupt at the ``k``-th ``os.replace`` of the
+    checkpoint save of ``round_index`` (a power cut or Ctrl-C part-way through writing it). Returns False if
+    that save makes fewer than ``k`` replacements (so the run completed)."""
+    import experiments.driver as driver
+
+    real_save, real_replace = driver.save_checkpoint, os.replace
+    hit = {"calls": 0, "raised": False}
+
+    def replace(src, dst):
+        hit["calls"] += 1
+        if hit["calls"] == k:
+            hit["raised"] = True
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    def save(directory, state, meta):
+        if int(state.round_index) != round_index:
+            return real_save(directory, state, meta)
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", replace)
+            real_save(directory, state, meta)
+
+    with monkeypatch.context() as m:
+        m.setattr(driver, "save_checkpoint", save)
+        try:
+            run_experiment(config, out, progress=False, verbose=False)
+        except KeyboardInterrupt:
+            pass
+    return hit["raised"]
+
+
+def test_interrupt_while_checkpointing_then_resume_loses_nothing(full_run, tmp_path, monkeypatch):
+    """An interrupt at any write of the last checkpoint, then --resume, gives the uninterrupted run's metrics.
+
+    Before the fix (two files: state.msgpack then state.json), an interrupt between them resumed from the new
+    state with the old round index: rounds 3-4 vanished from metrics.jsonl and total bits fell by half."""
+    config = ExperimentConfig(**SMALL)
+    keys = ("round", "test_accuracy", "train_loss", "uplink_bits", "cumulative_bits")
+    want = [[r[k] for k in keys] for r in _rows(full_run)]
+    want_total = json.loads((full_run / "summary.json").read_text())["total_bits"]
+    for k in range(1, 10):
+        out = tmp_path / f"cut{k}"
+        if not _interrupted_at_write(monkeypatch, out, config, config.rounds, k):
+            break
+        summary = run_experiment(config, out, resume=True, progress=False, verbose=False)
+        assert [[r[key] for key in keys] for r in _rows(out)] == want, f"interrupted at write {k}"
+        assert summary.total_bits == want_total, f"interrupted at write {k}"
+    assert k > 1  # at least one interrupted write was exercised
+
+
+@pytest.fixture()
+def small_checkpoint(tmp_path):
+    state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "round_index": np.int32(7)}
+    save_checkpoint(tmp_path, state, {"round_index": 7, "rows": [{"round": 1}]})
+    return tmp_path, state
+
+
+def test_checkpoint_round_trips(small_checkpoint):
+    d, state = small_checkpoint
+    restored, meta = load_checkpoint(d, {"w": np.zeros((3, 4), np.float32), "round_index": np.int32(0)})
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert int(restored["round_index"]) == 7 and meta == {"round_index": 7, "rows": [{"round": 1}]}
+    assert read_checkpoint_meta(d) == meta
+    assert sorted(p.name for p in d.iterdir()) == ["state.ckpt"]  # one file, no temporary left behind
+
+
+@pytest.mark.parametrize("where", ["magic", "header", "meta", "state_first", "state_last"])
+def test_bit_flipped_checkpoint_is_rejected_naming_the_file(small_checkpoint, where):
+    """Before the fix a flipped bit in the weights loaded silently (no checksum)."""
+    d, state = small_checkpoint
+    path = checkpoint_path(d)
+    data = bytearray(path.read_bytes())
+    header_end = data.index(b"\n", data.index(b"\n") + 1)
+    offset = {
+        "magic": 3,
+        "header": data.index(b"\n") + 12,
+        "meta": header_end + 5,
+        "state_first": len(data) - 60,
+        "state_last": len(data) - 1,
+    }[where]
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    target = {"w": np.zeros((3, 4), np.float32), "round_index": np.int32(0)}
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(d, target)
+
+
+@pytest.mark.parametrize("keep", [0, 10, 40, -1])
+def test_truncated_checkpoint_is_rejected_naming_the_file(small_checkpoint, keep):
+    d, state = small_checkpoint
+    path = checkpoint_path(d)
+    data = path.read_bytes()
+    path.write_bytes(data[: keep if keep >= 0 else len(data) + keep])
+    target = {"w": np.zeros((3, 4), np.float32), "round_index": np.int32(0)}
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(d, target)
+
+
+def test_checkpoint_of_another_structure_is_rejected(small_checkpoint):
+    d, _ = small_checkpoint
+    with pytest.raises(CheckpointError, match="structure|shapes"):
+        load_checkpoint(d, {"w": np.zeros((4, 3), np.float32), "round_index": np.int32(0)})
+
+
+def test_resume_from_a_damaged_checkpoint_fails_without_resuming(full_run, tmp_path):
+    """A bit flip in the run's checkpoint: resume stops with an error naming the file; the run is kept."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    path = checkpoint_path(run / "checkpoint")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match="checksum") as err:
+        run_experiment(ExperimentConfig(**SMALL), run, resume=True, progress=False, verbose=False)
+    assert str(path) in str(err.value)
+    assert (run / "metrics.jsonl").read_text() == before
