@@ -324,3 +324,94 @@ def test_resume_from_a_damaged_checkpoint_fails_without_resuming(full_run, tmp_p
         run_experiment(ExperimentConfig(**SMALL), run, resume=True, progress=False, verbose=False)
     assert str(path) in str(err.value)
     assert (run / "metrics.jsonl").read_text() == before
+
+
+FLAGS = [  # the full_run's configuration as CLI flags
+    *("--dataset digits --model mlp_32_16 --clients 4 --batch-size 32 --client-lr 0.1").split(),
+    *("--train-subset 400 --eval-every 2 --no-progress --quiet").split(),
+]
+
+
+def _snapshot(run):
+    return {p.name: p.read_bytes() for p in [run / "config.json", run / "metrics.jsonl", run / "summary.json"]}
+
+
+def test_output_on_an_existing_run_is_refused_unless_resume_or_overwrite(full_run, tmp_path, capsys):
+    """Before: a second run into the same --output silently replaced the first (rc 0)."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    before = _snapshot(run)
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert str(run) in err and "--resume" in err and "--overwrite" in err
+    assert _snapshot(run) == before
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run), "--resume", "--overwrite"]) == 2
+    assert _snapshot(run) == before
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run), "--overwrite"]) == 0
+    assert [r["round"] for r in _rows(run)] == [1, 2]
+    assert json.loads((run / "config.json").read_text())["rounds"] == 2
+
+
+def test_resume_with_more_rounds_keeps_the_saved_config(full_run, tmp_path):
+    """Before: --resume --rounds 6 rewrote config.json (rounds 4 -> 6)."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    saved = (run / "config.json").read_bytes()
+    assert cli_main(["--output", str(run), "--resume", "--rounds", "6", "--no-progress", "--quiet"]) == 0
+    assert (run / "config.json").read_bytes() == saved
+    assert [r["round"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
+    log = [json.loads(line) for line in (run / "resume_log.jsonl").read_text().splitlines()]
+    assert [(e["from_round"], e["rounds"]) for e in log] == [(4, 6)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_run"] == 6 and summary["rounds_target"] == 6
+    # a plain --resume keeps the extended target (nothing to do); fewer rounds than done is refused
+    assert cli_main(["--output", str(run), "--resume", "--no-progress", "--quiet"]) == 0
+    assert len(_rows(run)) == 6
+    assert cli_main(["--output", str(run), "--resume", "--rounds", "5", "--no-progress", "--quiet"]) == 2
+    assert len(_rows(run)) == 6 and (run / "config.json").read_bytes() == saved
+
+
+def test_resume_of_a_missing_run_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    """Before: the folder was created and the data loaded before the missing checkpoint was noticed."""
+    import experiments.driver as driver
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("prepared data and model before noticing there is nothing to resume")
+
+    monkeypatch.setattr(driver, "prepare", no_work)
+    missing = tmp_path / "missing"
+    assert cli_main(["fedavg", *FLAGS, "--output", str(missing), "--resume"]) == 2
+    assert "--resume" in capsys.readouterr().err and not missing.exists()
+    with pytest.raises(FileNotFoundError, match="no run to resume"):
+        run_experiment(ExperimentConfig(**SMALL), missing, resume=True, progress=False, verbose=False)
+    assert not missing.exists()
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["fedavg", *FLAGS, "--output", str(tmp_path / "empty"), "--resume"]) == 2
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_ctrl_c_prints_the_resume_command_and_exits_130(full_run, tmp_path, monkeypatch, capsys):
+    """Before: KeyboardInterrupt propagated as a traceback. The printed command continues the run exactly."""
+    import shlex
+
+    import experiments.driver as driver
+
+    real_run_rounds, calls = driver.run_rounds, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run_rounds(*args, **kwargs)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(driver, "run_rounds", interrupted)
+        assert cli_main(["fedavg", *FLAGS, "--rounds", "4", "--output", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "round 2" in err
+    command = shlex.split(next(line for line in err.splitlines() if "--resume" in line).strip())
+    assert command[1:3] == ["-m", "experiments.run"]
+    assert cli_main([*command[3:], "--no-progress", "--quiet"]) == 0
+    keys = ("round", "test_accuracy", "train_loss", "uplink_bits", "cumulative_bits")
+    assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(full_run)]
