@@ -333,7 +333,9 @@ FLAGS = [  # the full_run's configuration as CLI flags
 
 
 def _snapshot(run):
-    return {p.name: p.read_bytes() for p in [run / "config.json", run / "metrics.jsonl", run / "summary.json"]}
+    return {
+        p.name: p.read_bytes() for p in [run / "config.json", run / "metrics.jsonl", run / "summary.json"]
+    }
 
 
 def test_output_on_an_existing_run_is_refused_unless_resume_or_overwrite(full_run, tmp_path, capsys):
@@ -415,3 +417,17 @@ def test_ctrl_c_prints_the_resume_command_and_exits_130(full_run, tmp_path, monk
     assert cli_main([*command[3:], "--no-progress", "--quiet"]) == 0
     keys = ("round", "test_accuracy", "train_loss", "uplink_bits", "cumulative_bits")
     assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(full_run)]
+
+
+def test_model_that_does_not_fit_the_input_is_refused_up_front(tmp_path, capsys):
+    """Before: --model lenet5 on 8x8 digits died in parameter init with a ZeroDivisionError traceback."""
+    with pytest.raises(ValueError, match=r"'lenet5'.*\(8, 8, 1\)") as err:
+        get_model("lenet5", num_classes=10, input_shape=(8, 8, 1))
+    fits = str(err.value).split("models that fit")[1]
+    assert "mlp_100" in fits and "conv4" in fits and "cepam_cnn" not in fits and "klms_lenet" not in fits
+    assert get_model("conv4", input_shape=(8, 8, 1)).input_shape == (8, 8, 1)  # a model that fits passes
+    out = tmp_path / "run"
+    assert cli_main(["fedavg", "--model", "lenet5", "--output", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "lenet5" in err and "(8, 8, 1)" in err and "mlp_100" in err
+    assert not out.exists()
