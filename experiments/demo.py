@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds:
             config = config.replace(rounds=args.rounds)
         print(f"\n=== {label}  (preset {preset})")
-        summary = run_experiment(config, args.output / preset, label=label)
+        summary = run_experiment(config, args.output / preset, label=label, overwrite=True)
         runs[label] = summary.metrics
         lines.append(
             f"| {label} | {100 * summary.final_accuracy:.2f} | {100 * summary.best_accuracy:.2f} | "

@@ -8,7 +8,8 @@ Output folder layout::
     summary.json            final/best/last-5-mean accuracy, total bits, wall time
     accuracy_vs_round.png   test accuracy against round
     accuracy_vs_bits.png    test accuracy against cumulative communicated bits (uplink + downlink)
-    checkpoint/             the last good RoundState (see experiments.checkpoint)
+    checkpoint/state.ckpt   the last good RoundState and the metrics rows up to it, one atomic checksummed
+                            file (see experiments.checkpoint); --resume continues from it
 
 Bits in the metrics are the lengths of the messages the algorithm built (``RoundInfo``), summed over the
 participants; ``*_bpp`` columns are bits per parameter per participating client.
@@ -19,8 +20,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.algorithms import build_algorithm
-from experiments.checkpoint import checkpoint_exists, load_checkpoint, save_checkpoint
+from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.fl import build_evaluator, classification_loss, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import count_params, get_model, init_params
 
-__all__ = ["NonFiniteError", "RunSummary", "prepare", "run_experiment", "METRIC_COLUMNS"]
+__all__ = [
+    "NonFiniteError",
+    "RunExistsError",
+    "RunSummary",
+    "prepare",
+    "run_experiment",
+    "is_run_folder",
+    "METRIC_COLUMNS",
+]
 
 METRIC_COLUMNS = (
     "round",
@@ -164,6 +175,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+PLOT_FILES = ("accuracy_vs_round.png", "accuracy_vs_bits.png")
+
+
 def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
     """Writes ``accuracy_vs_round.png`` and ``accuracy_vs_bits.png`` for one or several labelled runs."""
     import matplotlib
@@ -196,6 +210,35 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[Path
     return paths
 
 
+def _checkpoint_meta(
+    round_index: int, rows: list[dict[str, Any]], wall_time_s: float, rounds_target: int
+) -> dict[str, Any]:
+    """The checkpoint's metadata: it carries the metrics rows of every round up to ``round_index``, so the
+    state and the metrics (and with them the cumulative bits) are saved and restored as one unit."""
+    return {
+        "round_index": round_index,
+        "wall_time_s": wall_time_s,
+        "rows": rows,
+        "rounds_target": rounds_target,
+    }
+
+
+def _checkpointed_rows(meta: dict[str, Any], state_round: int, ckpt_dir: Path) -> list[dict[str, Any]]:
+    """The metrics rows stored with a checkpoint, checked against the state's round index."""
+    rows = meta.get("rows")
+    if (
+        int(meta.get("round_index", -1)) != state_round
+        or not isinstance(rows, list)
+        or [r.get("round") for r in rows] != list(range(1, state_round + 1))
+    ):
+        raise CheckpointError(
+            f"checkpoint in {ckpt_dir} is inconsistent: its state is at round {state_round} but its metadata "
+            f"says round {meta.get('round_index')!r} with {len(rows) if isinstance(rows, list) else 'no'} "
+            f"metrics rows; it cannot be resumed"
+        )
+    return rows
+
+
 def _fmt_row(row: dict[str, Any]) -> str:
     acc = row["test_accuracy"]
     acc_s = f"{100 * acc:6.2f}%" if acc is not None else "      -"
@@ -208,34 +251,109 @@ def _fmt_row(row: dict[str, Any]) -> str:
 TABLE_HEADER = "round |  test acc | trainloss | up bpp    | down bpp  | cum. bits"
 
 
+RUN_FILES = (
+    "config.json",
+    "metrics.jsonl",
+    "metrics.csv",
+    "summary.json",
+    "resume_log.jsonl",
+    *PLOT_FILES,
+)
+"""The files a run writes in its folder (besides ``checkpoint/``): what ``overwrite`` removes."""
+
+
+class RunExistsError(FileExistsError):
+    """The output folder already holds a run, and neither ``resume`` nor ``overwrite`` was asked for."""
+
+
+def is_run_folder(output_dir: str | Path) -> bool:
+    """Whether ``output_dir`` holds (part of) a run: a config, metrics or a checkpoint."""
+    out = Path(output_dir)
+    return (
+        (out / "config.json").is_file()
+        or (out / "metrics.jsonl").is_file()
+        or checkpoint_exists(out / "checkpoint")
+    )
+
+
+def _remove_run(out: Path) -> None:
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    if (out / "checkpoint").is_dir():
+        shutil.rmtree(out / "checkpoint")
+
+
+def _check_resumable(out: Path, config: ExperimentConfig) -> dict[str, Any]:
+    """Checks, before any work, that ``out`` holds a run of ``config`` (``rounds`` aside) with a checkpoint.
+    Returns the saved ``config.json``."""
+    ckpt_dir = out / "checkpoint"
+    if not (out / "config.json").is_file() or not checkpoint_exists(ckpt_dir):
+        what = "does not exist" if not out.exists() else "has no config.json and checkpoint/"
+        raise FileNotFoundError(
+            f"--resume: no run to resume in {out} (the folder {what}); start it without --resume"
+        )
+    saved = json.loads((out / "config.json").read_text())
+    if run_config(saved).replace(rounds=config.rounds) != config:
+        diff = {
+            k: (v, saved.get(k)) for k, v in config.to_dict().items() if k != "rounds" and saved.get(k) != v
+        }
+        raise ValueError(f"--resume: config differs from the checkpointed run in {out} (now, saved): {diff}")
+    return saved
+
+
 def run_experiment(
     config: ExperimentConfig,
     output_dir: str | Path,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     verbose: bool = True,
     label: str | None = None,
 ) -> RunSummary:
     """Runs (or resumes) one experiment and writes its results folder.
 
+    Rules for the folder: a new run refuses a folder that already holds a run (:func:`is_run_folder`)
+    unless ``overwrite`` (which removes that run's files once the new run's data and model are built);
+    ``resume`` needs a run with a checkpoint there and checks it before any work, creating nothing.
+    ``config.json`` is the configuration the run was started with and is never rewritten by a resume;
+    ``config.rounds`` is the target: resuming with a larger one extends the run, and each resume appends
+    ``{"time", "from_round", "rounds"}`` to ``resume_log.jsonl`` (the target is also kept in the
+    checkpoint as ``rounds_target`` and in ``summary.json``).
+
     Args:
       config: the experiment.
       output_dir: results folder (created).
-      resume: continue from ``output_dir/checkpoint`` (the config must match, except ``rounds``).
+      resume: continue from ``output_dir/checkpoint`` (the config must match, except ``rounds``, which
+        must not be below the rounds already done).
+      overwrite: replace a run already in ``output_dir``.
       progress: show a tqdm progress bar over rounds.
       verbose: print the per-round table.
       label: the run's name in plots (default: the algorithm name).
 
     Raises:
       NonFiniteError: a NaN/inf appeared; the last good state is checkpointed first.
+      RunExistsError: ``output_dir`` holds a run and neither ``resume`` nor ``overwrite`` is set.
+      FileNotFoundError: ``resume`` without a run to resume in ``output_dir``.
+      CheckpointError: ``resume`` from a damaged or inconsistent checkpoint.
       ValueError: bad configuration, or ``resume`` with a different configuration.
     """
     from tqdm.auto import tqdm
 
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoint"
+    if resume and overwrite:
+        raise ValueError(
+            "resume and overwrite exclude each other: resume continues the run in the folder, "
+            "overwrite replaces it"
+        )
+    if resume:
+        _check_resumable(out, config)
+    elif is_run_folder(out) and not overwrite:
+        raise RunExistsError(
+            f"{out} already holds a run (config.json, metrics or checkpoint/); pass --resume to continue it, "
+            f"--overwrite to replace it, or choose another --output"
+        )
     t_start = time.perf_counter()
 
     algorithm, spec, fed, (x_test, y_test) = prepare(config)
@@ -246,26 +364,30 @@ def run_experiment(
     rows: list[dict[str, Any]] = []
 
     if resume:
-        if not checkpoint_exists(ckpt_dir):
-            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_dir}; run without --resume first")
-        saved = json.loads((out / "config.json").read_text())
-        saved_cfg = run_config(saved)
-        if saved_cfg.replace(rounds=config.rounds) != config:
-            diff = {k: (v, saved[k]) for k, v in config.to_dict().items() if k != "rounds" and saved[k] != v}
-            raise ValueError(f"--resume: config differs from the checkpointed run (now, saved): {diff}")
         state, meta = load_checkpoint(ckpt_dir, state)
-        done = int(meta["round_index"])
-        rows = [r for r in read_jsonl(out / "metrics.jsonl") if r["round"] <= done]  # 1-based rounds
+        rows = _checkpointed_rows(meta, int(state.round_index), ckpt_dir)
+        if config.rounds < len(rows):
+            raise ValueError(
+                f"--resume: rounds={config.rounds} is below the {len(rows)} rounds already done in {out}; "
+                f"a run cannot be shortened (its metrics up to any round are in metrics.jsonl)"
+            )
         t_start -= float(meta.get("wall_time_s", 0.0))
+        with (out / "resume_log.jsonl").open("a") as f:
+            entry = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "from_round": len(rows)}
+            f.write(json.dumps({**entry, "rounds": config.rounds}) + "\n")
     else:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        save_checkpoint(ckpt_dir, state, {"round_index": 0, "wall_time_s": 0.0})
-    (out / "config.json").write_text(
-        json.dumps(
-            {**config.to_dict(), "clients_per_round": config.clients_per_round, "num_params": num_params},
-            indent=2,
+        if overwrite:
+            _remove_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(
+            json.dumps(
+                {**config.to_dict(), "clients_per_round": config.clients_per_round, "num_params": num_params},
+                indent=2,
+            )
         )
-    )
+        save_checkpoint(ckpt_dir, state, _checkpoint_meta(0, [], 0.0, config.rounds))
+    # metrics.jsonl is a log for watching a run; the checkpoint holds the authoritative rows, so on resume
+    # the file is rewritten from them (rows written after the checkpointed round are dropped, none are lost)
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -316,7 +438,9 @@ def run_experiment(
                 f.write(json.dumps(r) + "\n")
         rows.extend(new_rows)
         done += chunk
-        save_checkpoint(ckpt_dir, state, {"round_index": done, "wall_time_s": time.perf_counter() - t_start})
+        save_checkpoint(
+            ckpt_dir, state, _checkpoint_meta(done, rows, time.perf_counter() - t_start, config.rounds)
+        )
         _write_csv(out / "metrics.csv", rows)
         if verbose:
             for r in new_rows:
@@ -345,6 +469,7 @@ def run_experiment(
         json.dumps(
             {
                 "rounds_run": done,
+                "rounds_target": config.rounds,
                 "final_accuracy": summary.final_accuracy,
                 "best_accuracy": summary.best_accuracy,
                 "tail_accuracy": summary.tail_accuracy,

@@ -119,13 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.table", description=__doc__.split("\n")[0])
     parser.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
     parser.add_argument("--run", nargs="*", default=[], metavar="PRESET", help="run these presets first")
-    parser.add_argument("--force", action="store_true", help="re-run presets that already have a summary")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="re-run presets from scratch (default: skip finished, resume interrupted)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
     args = parser.parse_args(argv)
 
     if args.run:
+        from experiments.checkpoint import checkpoint_exists
         from experiments.config import load_preset
-        from experiments.driver import run_experiment
+        from experiments.driver import is_run_folder, run_experiment
 
         for preset in args.run:
             config = load_preset(preset)
@@ -135,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             if (out / "summary.json").is_file() and not args.force:
                 print(f"{preset}: finished run found in {out}, skipped (use --force to re-run)")
                 continue
-            print(f"\n=== {preset}")
-            run_experiment(config, out, label=preset)
+            # an interrupted run (a checkpoint but no summary) is continued unless --force
+            resume = not args.force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
+            print(f"\n=== {preset}" + (" (resuming the interrupted run)" if resume else ""))
+            run_experiment(config, out, label=preset, resume=resume, overwrite=not resume)
     if not args.directory.is_dir():
         print(f"error: {args.directory} is not a directory", file=sys.stderr)
         return 2

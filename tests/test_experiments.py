@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
 
-from experiments.checkpoint import checkpoint_exists
+from experiments.checkpoint import (
+    CheckpointError,
+    checkpoint_exists,
+    checkpoint_path,
+    load_checkpoint,
+    read_checkpoint_meta,
+    save_checkpoint,
+)
 from experiments.config import ExperimentConfig, config_from_dict, list_presets, load_preset
 from experiments.driver import NonFiniteError, run_experiment
 from experiments.mask_eval import evaluate_final_mask
@@ -133,7 +141,7 @@ def test_nan_stops_with_round_and_client_after_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError, match=r"round \d+, in client\(s\) \[") as err:
         run_experiment(config, tmp_path, progress=False, verbose=False)
     assert "checkpoint" in str(err.value)
-    meta = json.loads((tmp_path / "checkpoint" / "state.json").read_text())
+    meta = read_checkpoint_meta(tmp_path / "checkpoint")
     bad_round = int(str(err.value).split("round ")[1].split(",")[0])
     assert meta["round_index"] == bad_round  # the last good state is the one before the bad round
     assert len(_rows(tmp_path)) == bad_round
@@ -196,3 +204,230 @@ def test_mask_eval_reports_sampled_and_threshold_accuracy(tmp_path):
             json.dumps({**config.to_dict(), "algorithm": "fedavg"})
         )
         evaluate_final_mask(tmp_path / "fedavg")
+
+
+def _interrupted_at_write(monkeypatch, out, config, round_index, k):
+    """Runs ``config`` into ``out``, raising KeyboardInterrupt at the ``k``-th ``os.replace`` of the
+    checkpoint save of ``round_index`` (a power cut or Ctrl-C part-way through writing it). Returns False if
+    that save makes fewer than ``k`` replacements (so the run completed)."""
+    import experiments.driver as driver
+
+    real_save, real_replace = driver.save_checkpoint, os.replace
+    hit = {"calls": 0, "raised": False}
+
+    def replace(src, dst):
+        hit["calls"] += 1
+        if hit["calls"] == k:
+            hit["raised"] = True
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    def save(directory, state, meta):
+        if int(state.round_index) != round_index:
+            return real_save(directory, state, meta)
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", replace)
+            real_save(directory, state, meta)
+
+    with monkeypatch.context() as m:
+        m.setattr(driver, "save_checkpoint", save)
+        try:
+            run_experiment(config, out, progress=False, verbose=False)
+        except KeyboardInterrupt:
+            pass
+    return hit["raised"]
+
+
+def test_interrupt_while_checkpointing_then_resume_loses_nothing(full_run, tmp_path, monkeypatch):
+    """An interrupt at any write of the last checkpoint, then --resume, gives the uninterrupted run's metrics.
+
+    Before the fix (two files: state.msgpack then state.json), an interrupt between them resumed from the new
+    state with the old round index: rounds 3-4 vanished from metrics.jsonl and total bits fell by half."""
+    config = ExperimentConfig(**SMALL)
+    keys = ("round", "test_accuracy", "train_loss", "uplink_bits", "cumulative_bits")
+    want = [[r[k] for k in keys] for r in _rows(full_run)]
+    want_total = json.loads((full_run / "summary.json").read_text())["total_bits"]
+    for k in range(1, 10):
+        out = tmp_path / f"cut{k}"
+        if not _interrupted_at_write(monkeypatch, out, config, config.rounds, k):
+            break
+        summary = run_experiment(config, out, resume=True, progress=False, verbose=False)
+        assert [[r[key] for key in keys] for r in _rows(out)] == want, f"interrupted at write {k}"
+        assert summary.total_bits == want_total, f"interrupted at write {k}"
+    assert k > 1  # at least one interrupted write was exercised
+
+
+@pytest.fixture()
+def small_checkpoint(tmp_path):
+    state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "round_index": np.int32(7)}
+    save_checkpoint(tmp_path, state, {"round_index": 7, "rows": [{"round": 1}]})
+    return tmp_path, state
+
+
+def test_checkpoint_round_trips(small_checkpoint):
+    d, state = small_checkpoint
+    restored, meta = load_checkpoint(d, {"w": np.zeros((3, 4), np.float32), "round_index": np.int32(0)})
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert int(restored["round_index"]) == 7 and meta == {"round_index": 7, "rows": [{"round": 1}]}
+    assert read_checkpoint_meta(d) == meta
+    assert sorted(p.name for p in d.iterdir()) == ["state.ckpt"]  # one file, no temporary left behind
+
+
+@pytest.mark.parametrize("where", ["magic", "header", "meta", "state_first", "state_last"])
+def test_bit_flipped_checkpoint_is_rejected_naming_the_file(small_checkpoint, where):
+    """Before the fix a flipped bit in the weights loaded silently (no checksum)."""
+    d, state = small_checkpoint
+    path = checkpoint_path(d)
+    data = bytearray(path.read_bytes())
+    header_end = data.index(b"\n", data.index(b"\n") + 1)
+    offset = {
+        "magic": 3,
+        "header": data.index(b"\n") + 12,
+        "meta": header_end + 5,
+        "state_first": len(data) - 60,
+        "state_last": len(data) - 1,
+    }[where]
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    target = {"w": np.zeros((3, 4), np.float32), "round_index": np.int32(0)}
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(d, target)
+
+
+@pytest.mark.parametrize("keep", [0, 10, 40, -1])
+def test_truncated_checkpoint_is_rejected_naming_the_file(small_checkpoint, keep):
+    d, state = small_checkpoint
+    path = checkpoint_path(d)
+    data = path.read_bytes()
+    path.write_bytes(data[: keep if keep >= 0 else len(data) + keep])
+    target = {"w": np.zeros((3, 4), np.float32), "round_index": np.int32(0)}
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(d, target)
+
+
+def test_checkpoint_of_another_structure_is_rejected(small_checkpoint):
+    d, _ = small_checkpoint
+    with pytest.raises(CheckpointError, match="structure|shapes"):
+        load_checkpoint(d, {"w": np.zeros((4, 3), np.float32), "round_index": np.int32(0)})
+
+
+def test_resume_from_a_damaged_checkpoint_fails_without_resuming(full_run, tmp_path):
+    """A bit flip in the run's checkpoint: resume stops with an error naming the file; the run is kept."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    path = checkpoint_path(run / "checkpoint")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match="checksum") as err:
+        run_experiment(ExperimentConfig(**SMALL), run, resume=True, progress=False, verbose=False)
+    assert str(path) in str(err.value)
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+FLAGS = [  # the full_run's configuration as CLI flags
+    *("--dataset digits --model mlp_32_16 --clients 4 --batch-size 32 --client-lr 0.1").split(),
+    *("--train-subset 400 --eval-every 2 --no-progress --quiet").split(),
+]
+
+
+def _snapshot(run):
+    return {
+        p.name: p.read_bytes() for p in [run / "config.json", run / "metrics.jsonl", run / "summary.json"]
+    }
+
+
+def test_output_on_an_existing_run_is_refused_unless_resume_or_overwrite(full_run, tmp_path, capsys):
+    """Before: a second run into the same --output silently replaced the first (rc 0)."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    before = _snapshot(run)
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert str(run) in err and "--resume" in err and "--overwrite" in err
+    assert _snapshot(run) == before
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run), "--resume", "--overwrite"]) == 2
+    assert _snapshot(run) == before
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run), "--overwrite"]) == 0
+    assert [r["round"] for r in _rows(run)] == [1, 2]
+    assert json.loads((run / "config.json").read_text())["rounds"] == 2
+
+
+def test_resume_with_more_rounds_keeps_the_saved_config(full_run, tmp_path):
+    """Before: --resume --rounds 6 rewrote config.json (rounds 4 -> 6)."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    saved = (run / "config.json").read_bytes()
+    assert cli_main(["--output", str(run), "--resume", "--rounds", "6", "--no-progress", "--quiet"]) == 0
+    assert (run / "config.json").read_bytes() == saved
+    assert [r["round"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
+    log = [json.loads(line) for line in (run / "resume_log.jsonl").read_text().splitlines()]
+    assert [(e["from_round"], e["rounds"]) for e in log] == [(4, 6)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_run"] == 6 and summary["rounds_target"] == 6
+    # a plain --resume keeps the extended target (nothing to do); fewer rounds than done is refused
+    assert cli_main(["--output", str(run), "--resume", "--no-progress", "--quiet"]) == 0
+    assert len(_rows(run)) == 6
+    assert cli_main(["--output", str(run), "--resume", "--rounds", "5", "--no-progress", "--quiet"]) == 2
+    assert len(_rows(run)) == 6 and (run / "config.json").read_bytes() == saved
+
+
+def test_resume_of_a_missing_run_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    """Before: the folder was created and the data loaded before the missing checkpoint was noticed."""
+    import experiments.driver as driver
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("prepared data and model before noticing there is nothing to resume")
+
+    monkeypatch.setattr(driver, "prepare", no_work)
+    missing = tmp_path / "missing"
+    assert cli_main(["fedavg", *FLAGS, "--output", str(missing), "--resume"]) == 2
+    assert "--resume" in capsys.readouterr().err and not missing.exists()
+    with pytest.raises(FileNotFoundError, match="no run to resume"):
+        run_experiment(ExperimentConfig(**SMALL), missing, resume=True, progress=False, verbose=False)
+    assert not missing.exists()
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["fedavg", *FLAGS, "--output", str(tmp_path / "empty"), "--resume"]) == 2
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_ctrl_c_prints_the_resume_command_and_exits_130(full_run, tmp_path, monkeypatch, capsys):
+    """Before: KeyboardInterrupt propagated as a traceback. The printed command continues the run exactly."""
+    import shlex
+
+    import experiments.driver as driver
+
+    real_run_rounds, calls = driver.run_rounds, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run_rounds(*args, **kwargs)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(driver, "run_rounds", interrupted)
+        assert cli_main(["fedavg", *FLAGS, "--rounds", "4", "--output", str(run)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "round 2" in err
+    command = shlex.split(next(line for line in err.splitlines() if "--resume" in line).strip())
+    assert command[1:3] == ["-m", "experiments.run"]
+    assert cli_main([*command[3:], "--no-progress", "--quiet"]) == 0
+    keys = ("round", "test_accuracy", "train_loss", "uplink_bits", "cumulative_bits")
+    assert [[r[k] for k in keys] for r in _rows(run)] == [[r[k] for k in keys] for r in _rows(full_run)]
+
+
+def test_model_that_does_not_fit_the_input_is_refused_up_front(tmp_path, capsys):
+    """Before: --model lenet5 on 8x8 digits died in parameter init with a ZeroDivisionError traceback."""
+    with pytest.raises(ValueError, match=r"'lenet5'.*\(8, 8, 1\)") as err:
+        get_model("lenet5", num_classes=10, input_shape=(8, 8, 1))
+    fits = str(err.value).split("models that fit")[1]
+    assert "mlp_100" in fits and "conv4" in fits and "cepam_cnn" not in fits and "klms_lenet" not in fits
+    assert get_model("conv4", input_shape=(8, 8, 1)).input_shape == (8, 8, 1)  # a model that fits passes
+    out = tmp_path / "run"
+    assert cli_main(["fedavg", "--model", "lenet5", "--output", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "lenet5" in err and "(8, 8, 1)" in err and "mlp_100" in err
+    assert not out.exists()

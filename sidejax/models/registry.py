@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -104,8 +105,12 @@ def get_model(
         ``None``.
 
     Raises:
-        ValueError: If ``name`` is unknown, ``num_classes < 1``, or
-            ``input_shape`` is not a tuple of positive integers.
+        ValueError: If ``name`` is unknown, ``num_classes < 1``,
+            ``input_shape`` is not a tuple of positive integers, or the model
+            cannot take inputs of ``input_shape`` (e.g. ``lenet5`` on 8x8
+            digits: its convolutions and pools leave nothing); the message
+            lists the models that fit. Checked abstractly with
+            :func:`jax.eval_shape` when ``input_shape`` is not the default.
     """
     key = name.lower() if isinstance(name, str) else name
     key = ALIASES.get(key, key)
@@ -128,6 +133,15 @@ def get_model(
     if not input_shape or any(d < 1 for d in input_shape):
         raise ValueError(f"input_shape must be a tuple of positive integers, got {input_shape!r}")
 
+    if input_shape != entry.input_shape:
+        problem = _input_problem(key, num_classes, input_shape)
+        if problem is not None:
+            fits = [n for n in _REGISTRY if _input_problem(n, num_classes, input_shape) is None]
+            raise ValueError(
+                f"model {key!r} does not fit inputs of shape {input_shape} (it is built for "
+                f"{entry.input_shape}): {problem}. models that fit {input_shape}: {', '.join(fits) or 'none'}"
+            )
+
     is_default = num_classes == entry.num_classes and input_shape == entry.input_shape
     return ModelSpec(
         name=key,
@@ -135,6 +149,29 @@ def get_model(
         input_shape=input_shape,
         num_params=entry.num_params if is_default else None,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _input_problem(name: str, num_classes: int, input_shape: tuple[int, ...]) -> str | None:
+    """Why model ``name`` cannot take one example of ``input_shape``, or ``None`` if it can.
+
+    Traces the model's initialisation and forward pass abstractly (:func:`jax.eval_shape`: no parameters are
+    allocated, nothing runs) and checks that the logits have shape ``(1, num_classes)``. An input too small
+    for a CNN's convolutions and pools (e.g. LeNet5 on 8x8 digits) leaves a zero-sized feature map, which
+    fails here instead of deep inside initialisation.
+    """
+    module = _REGISTRY[name].build(num_classes)
+    x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+    try:
+        logits, _ = jax.eval_shape(module.init_with_output, jax.random.key(0), x)
+    except Exception as err:  # noqa: BLE001 - any failure means it does not fit; the cause is reported
+        cause = f"{type(err).__name__}: {err}".split("\n")[0][:300]
+        if isinstance(err, ZeroDivisionError):  # a zero-sized feature map reaches a Dense layer's init
+            cause += " (the input is too small for its convolutions and pooling)"
+        return cause
+    if logits.shape != (1, num_classes):
+        return f"its output has shape {logits.shape[1:]} per example, not ({num_classes},)"
+    return None
 
 
 def init_params(key: jax.Array, spec: ModelSpec) -> Any:
