@@ -5,13 +5,17 @@ Setting (issue #2): Fashion-MNIST (real files; falls back to random images of th
 the JSON, if they are not installed), 10 iid clients of 6,000 examples, batch 32, SGD, 1 local epoch per
 round, FedAvg rounds through :func:`sidejax.fl.run_rounds`. Each strategy is compiled and warmed up once,
 then timed over ``--repeats`` calls of ``--rounds`` rounds; a client-epoch is one client's pass over its
-data. Every strategy runs twice: with the models' convolution (``sidejax``, whose kernel gradient stays on
-XLA CPU's fast path inside the local-training scan) and with plain ``lax`` (the baseline, traced inside
+data. Every strategy runs with each of ``--convs``: the models' convolution (``sidejax``, whose kernel and
+input gradients stay on XLA CPU's fast path inside the local-training scan), ``kernel_only`` (the
+convolution before issue 12: canonical kernel gradient, JAX's ``b01f_01oi`` input gradient; traced inside
+:func:`sidejax.models.conv.lax_input_gradient`) and plain ``lax`` (the baseline, traced inside
 :func:`sidejax.models.conv.plain_lax_convolution`). Writes JSON (default
 ``results/bench/local_training.json``) with the throughput of each (strategy, convolution), the
-``map / vmap`` ratio and the ``sidejax / lax`` speed-up measured in the same run.
+``map / vmap`` ratio and the ``sidejax / lax`` and ``sidejax / kernel_only`` speed-ups measured in the same
+run. ``experiments.bench.torch_compare`` compares one client's local training with PyTorch.
 
-Run: ``python -m experiments.bench.local_training [--clients 10] [--rounds 1] [--repeats 2]``.
+Run: ``python -m experiments.bench.local_training [--clients 10] [--rounds 1] [--repeats 2]
+[--convs sidejax,kernel_only,lax]``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from sidejax.data import dataset_available, iid_partition, load_dataset, make_fe
 from sidejax.fl import classification_loss, fedavg, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import get_model, init_params
-from sidejax.models.conv import plain_lax_convolution
+from sidejax.models.conv import lax_input_gradient, plain_lax_convolution
+
+_CONVS = {"sidejax": contextlib.nullcontext, "kernel_only": lax_input_gradient, "lax": plain_lax_convolution}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -44,13 +50,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--strategies", default="vmap,map")
     p.add_argument(
-        "--convs", default="sidejax,lax", help="convolutions to time: sidejax (the models') and/or lax"
+        "--convs",
+        default="sidejax,lax",
+        help="convolutions to time: sidejax (the models'), kernel_only (before issue 12) and/or lax",
     )
     p.add_argument("--output", type=Path, default=Path("results/bench/local_training.json"))
     args = p.parse_args(argv)
-    bad = sorted(set(args.convs.split(",")) - {"sidejax", "lax"})
+    bad = sorted(set(args.convs.split(",")) - set(_CONVS))
     if bad:
-        p.error(f"--convs takes sidejax and/or lax, got {','.join(bad)}")
+        p.error(f"--convs takes sidejax, kernel_only and/or lax, got {','.join(bad)}")
 
     real = dataset_available("fashion_mnist")
     n = args.clients * args.examples_per_client
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                 client_strategy=strategy,
             )
             state = algo.init(init_key, params, args.clients)
-            trace_ctx = plain_lax_convolution() if conv == "lax" else contextlib.nullcontext()
+            trace_ctx = _CONVS[conv]()
             t0 = time.perf_counter()
             with trace_ctx:  # tracing and compilation happen in this first call
                 warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
@@ -128,10 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
             report[f"map_over_vmap_speedup_{conv}"] = rate[f"map/{conv}"] / rate[f"vmap/{conv}"]
             print(f"map / vmap throughput ratio ({conv} conv): {report[f'map_over_vmap_speedup_{conv}']:.2f}")
     for strategy in args.strategies.split(","):
-        if f"{strategy}/sidejax" in rate and f"{strategy}/lax" in rate:
-            ratio = rate[f"{strategy}/sidejax"] / rate[f"{strategy}/lax"]
-            report[f"sidejax_over_lax_conv_speedup_{strategy}"] = ratio
-            print(f"sidejax / lax conv throughput ({strategy}): {ratio:.2f}")
+        for base in ("lax", "kernel_only"):
+            if f"{strategy}/sidejax" in rate and f"{strategy}/{base}" in rate:
+                ratio = rate[f"{strategy}/sidejax"] / rate[f"{strategy}/{base}"]
+                report[f"sidejax_over_{base}_conv_speedup_{strategy}"] = ratio
+                print(f"sidejax / {base} conv throughput ({strategy}): {ratio:.2f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output}")

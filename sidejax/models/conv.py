@@ -1,20 +1,26 @@
-"""A 2-D convolution whose kernel gradient stays fast inside loops on the XLA CPU backend.
+"""A 2-D convolution whose gradients stay fast inside loops on the XLA CPU backend.
 
 Why: every federated round trains clients with ``lax.scan`` over minibatch steps, so the backward pass of
-each convolution runs inside an XLA ``while`` body. On the CPU backend the kernel-gradient convolution that
-JAX's transpose rule emits (``dim_labels=f01b_i01o->01bf``: the batch is the contracted dimension) is
-rewritten into the canonical NHWC/HWIO form, which runs on the fast Eigen path, only outside loops; inside a
-loop body it is left as it is and runs on a generic emitted loop (upstream: jax-ml/jax#12868, "Convolution
-is significantly slower inside a loop body (CPU)"). Measured here (jax 0.10.2, 2 CPU cores): Conv6, two SGD
-steps of batch 32 inside ``lax.scan``, 39.5 s with ``flax.linen.Conv``'s default and 1.9 s with
-:func:`conv_general_dilated` below.
+each convolution runs inside an XLA ``while`` body. On the CPU backend the two convolutions that JAX's
+transpose rules emit are non-canonical: the kernel gradient ``dim_labels=f01b_i01o->01bf`` (the batch is the
+contracted dimension) and the input gradient ``b01f_01oi->b01f`` (the reversed kernel read with input and
+output features swapped). XLA CPU rewrites both into the canonical NHWC/HWIO form, which runs on the fast
+Eigen path, only outside loops; inside a loop body they are left as they are and run on a generic emitted
+loop (upstream: jax-ml/jax#12868, "Convolution is significantly slower inside a loop body (CPU)"). Measured
+here (jax 0.10.2, 2 shared CPU cores): Conv6, two SGD steps of batch 32 inside ``lax.scan``, 39.5 s with
+``flax.linen.Conv``'s default and 1.9 s with the canonical kernel gradient; LeNet5 local training (batch 32),
+where only the second convolution needs an input gradient, 1.6-1.7x faster again with the canonical input
+gradient (``experiments/bench/local_training.py`` measures both in one run).
 
 What: :func:`conv_general_dilated` has ``lax.conv_general_dilated``'s signature (so it can be handed to
 ``flax.linen.Conv(conv_general_dilated=...)``; :data:`Conv` does that). For a plain 2-D NHWC/HWIO
 convolution (no input dilation, no feature or batch groups, default precision) on the CPU backend it is a
-``jax.custom_vjp`` whose rule gives
+``jax.custom_vjp`` whose rule gives, with stride ``s``, kernel dilation ``d`` and padding ``(lo, hi)``,
 
-- the input gradient by JAX's own transpose rule (already canonical), and
+- the input gradient ``dx[n, p, q, i] = sum_{a, b, o} dy_s[n, p + d*a - P, q + d*b - Q, o] *
+  K[KH-1-a, KW-1-b, i, o]`` (``dy_s``: ``dy`` dilated by ``s``; ``P = d*(KH-1) - lo`` and likewise ``Q``:
+  the padding of JAX's transpose rule) written as a canonical NHWC/HWIO convolution of ``dy`` with the kernel
+  flipped and transposed explicitly to ``[KH, KW, O, I]`` (a few KB of data movement per step), and
 - the kernel gradient ``dK[a, b, i, o] = sum_{n, h, w} x_pad[n, s*h + d*a, s*w + d*b, i] * dy[n, h, w, o]``
   written as a canonical NHWC/HWIO convolution of ``x_pad`` transposed to ``[I, H, W, N]`` (channels as the
   batch, examples as the features) with ``dy`` transposed to ``[H_out, W_out, N, O]`` as the kernel,
@@ -22,9 +28,12 @@ convolution (no input dilation, no feature or batch groups, default precision) o
   are ``dK`` in ``[I, KH, KW, O]`` order.
 
 Everything else (and every other backend) calls ``lax.conv_general_dilated`` unchanged. The forward pass and
-both gradients are the same mathematical quantities as JAX's; only the order of floating-point summation
-in ``dK`` differs (``tests/test_models.py`` checks both against ``lax`` under ``grad``, ``vmap`` and
-``scan``).
+both gradients are the same mathematical quantities as JAX's; the input gradient has JAX's products in JAX's
+order (measured bit-identical outside loops), only the order of floating-point summation in ``dK`` may
+differ. ``tests/test_conv.py`` checks both against ``lax`` (2 ULP) and a float64 oracle (the float32
+summation error bound) on the models' layer shapes, and that every convolution of a training scan is
+canonical; ``tests/test_models.py`` checks strided, dilated and negative-padding cases under ``grad``,
+``vmap`` and ``scan``.
 """
 
 from __future__ import annotations
@@ -38,10 +47,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Conv", "conv_general_dilated", "plain_lax_convolution"]
+__all__ = ["Conv", "conv_general_dilated", "plain_lax_convolution", "lax_input_gradient"]
 
 _DN = ("NHWC", "HWIO", "NHWC")
 _CUSTOM_GRADIENT = [True]
+_CANONICAL_INPUT_GRADIENT = [True]
 
 
 @contextlib.contextmanager
@@ -63,19 +73,61 @@ def _conv2d(x, kernel, strides, pads, dilation):
     return lax.conv_general_dilated(x, kernel, strides, pads, rhs_dilation=dilation, dimension_numbers=_DN)
 
 
+@contextlib.contextmanager
+def lax_input_gradient():
+    """Within this context, :func:`conv_general_dilated` keeps its canonical kernel gradient but takes the
+    input gradient from JAX's transpose rule (the ``b01f_01oi`` convolution: the treatment before issue 12).
+
+    For benchmarks (``experiments.bench.local_training --convs sidejax,kernel_only,lax`` measures the three
+    in one run) and debugging. It acts at trace time, like :func:`plain_lax_convolution`.
+    """
+    _CANONICAL_INPUT_GRADIENT.append(False)
+    try:
+        yield
+    finally:
+        _CANONICAL_INPUT_GRADIENT.pop()
+
+
 def _conv2d_fwd(x, kernel, strides, pads, dilation):
     return _conv2d(x, kernel, strides, pads, dilation), (x, kernel)
 
 
+def _dilated(size: int, dilation: int) -> int:
+    return 0 if size == 0 else 1 + dilation * (size - 1)
+
+
+def _input_gradient(dy, kernel, x_shape, strides, pads, dilation):
+    """``dx`` as a canonical NHWC/HWIO convolution of ``dy`` with the flipped, in/out-swapped kernel.
+
+    ``dx[n, p, q, i] = sum_{a, b, o} dy_dil[n, p + a', q + b', o] * K[KH-1-a, KW-1-b, i, o]``, where
+    ``dy_dil`` is ``dy`` dilated by the stride and padded so that the window lines up (the padding of
+    JAX's transpose rule). JAX's rule writes the same convolution with ``rev(K)`` and the kernel spec
+    ``01oi`` (dimension numbers only, no data movement); XLA CPU moves that kernel to ``HWIO`` outside
+    loops but not inside a ``while`` body, where the ``b01f_01oi`` convolution then runs on the slow
+    generic loop. Here the kernel is flipped and transposed explicitly (``KH x KW x O x I``: a few KB),
+    so the convolution itself is canonical everywhere; the products and their summation order are
+    JAX's.
+    """
+    bwd_pads = []
+    for size, k, s, d, (lo, _), out in zip(
+        x_shape[1:3], kernel.shape[:2], strides, dilation, pads, dy.shape[1:3], strict=True
+    ):
+        before = _dilated(k, d) - lo - 1
+        bwd_pads.append((before, size + _dilated(k, d) - 1 - _dilated(out, s) - before))
+    k_t = lax.rev(kernel, (0, 1)).transpose(0, 1, 3, 2).astype(dy.dtype)  # [KH, KW, O, I]
+    dx = lax.conv_general_dilated(
+        dy, k_t, (1, 1), bwd_pads, lhs_dilation=strides, rhs_dilation=dilation, dimension_numbers=_DN
+    )
+    return dx
+
+
 def _conv2d_bwd(strides, pads, dilation, residuals, dy):
     x, kernel = residuals
-    _, vjp_x = jax.vjp(
-        lambda x_: lax.conv_general_dilated(
-            x_, kernel, strides, pads, rhs_dilation=dilation, dimension_numbers=_DN
-        ),
-        x,
-    )
-    (dx,) = vjp_x(dy)
+    if _CANONICAL_INPUT_GRADIENT[-1]:
+        dx = _input_gradient(dy, kernel, x.shape, strides, pads, dilation).astype(x.dtype)
+    else:  # JAX's transpose rule (benchmarks only, see lax_input_gradient)
+        conv = functools.partial(lax.conv_general_dilated, rhs_dilation=dilation, dimension_numbers=_DN)
+        (dx,) = jax.vjp(lambda x_: conv(x_, kernel, strides, pads), x)[1](dy)
     (ph_lo, ph_hi), (pw_lo, pw_hi) = pads
     x_pad = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (ph_lo, ph_hi, 0), (pw_lo, pw_hi, 0), (0, 0, 0)))
     out = lax.conv_general_dilated(
@@ -117,7 +169,7 @@ def conv_general_dilated(
     precision=None,
     preferred_element_type=None,
 ) -> jax.Array:
-    """``lax.conv_general_dilated`` with a loop-friendly kernel gradient on CPU (see the module docstring).
+    """``lax.conv_general_dilated`` with loop-friendly input and kernel gradients on CPU (module docstring).
 
     Same arguments and result as :func:`jax.lax.conv_general_dilated`. The custom gradient is used for plain
     2-D NHWC/HWIO convolutions when the default backend is CPU; every other call is passed through.

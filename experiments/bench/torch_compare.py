@@ -1,0 +1,287 @@
+"""Benchmark: LeNet5 local training in sidejax vs PyTorch on CPU, single-threaded, side by side in one run.
+
+Setting (issue 12): one client's local training, one epoch over ``--examples`` Fashion-MNIST images (random
+images of the same shape if the files are not installed, flagged in the JSON), SGD (learning rate 0.05,
+momentum 0.9), softmax cross-entropy, a fresh random order each epoch, at each of ``--batch-sizes``. The
+model is the same LeNet5 in both (61,706 parameters): PyTorch's copy is loaded with sidejax's initial
+weights and its logits are checked against sidejax's before timing.
+
+Contestants, timed in turn within each repeat (so machine noise hits all of them alike), median reported:
+
+- ``sidejax``: :func:`sidejax.fl.local.build_local_trainer` (the ``lax.scan`` local trainer every FedAvg-type
+  algorithm runs per client), jitted, with the models' convolution (:mod:`sidejax.models.conv`);
+- ``kernel_only`` (with ``--before``): the same, traced inside
+  :func:`sidejax.models.conv.lax_input_gradient`, the convolution before issue 12 (canonical kernel gradient,
+  JAX's ``b01f_01oi`` input gradient): the before/after of that change in the same run;
+- ``lax`` (with ``--lax``): the same with plain ``lax.conv_general_dilated`` (slow: both gradients
+  non-canonical inside the loop);
+- ``torch``: the usual PyTorch loop (``zero_grad``, forward, ``backward``, ``step``) on NCHW tensors, batches
+  gathered from the epoch's permutation as sidejax does. Skipped with a message, and recorded as
+  ``"torch": null``, when PyTorch is not installed.
+
+Threads: ``--threads 1`` (default) pins both to one thread: ``torch.set_num_threads(1)`` and, for XLA,
+``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` in ``XLA_FLAGS``, which must be set
+before jax is imported: when jax is already imported (``main()`` called from Python), the benchmark re-runs
+itself in a fresh interpreter. ``--threads 0`` leaves both libraries at their defaults.
+
+Writes JSON (default ``results/bench/torch_compare.json``): per batch size, each contestant's seconds per
+epoch (all repeats and median) and microseconds per example, ``sidejax_over_torch_time`` (the target of
+issue 12 is <= 1.2 at batch 32), ``kernel_only_over_sidejax_time`` (the speed-up of the input-gradient
+change) and the per-example cost of batch 128 relative to batch 32 for each contestant.
+
+Run: ``python -m experiments.bench.torch_compare [--batch-sizes 32,128] [--examples 6000] [--repeats 5]
+[--before] [--lax]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench.torch_compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--batch-sizes", default="32,128", help="comma-separated batch sizes (default 32,128)")
+    p.add_argument("--examples", type=int, default=6000, help="examples in the client's epoch (default 6000)")
+    p.add_argument("--repeats", type=int, default=5, help="timed epochs per contestant (median reported)")
+    p.add_argument("--threads", type=int, default=1, choices=(0, 1), help="1: single-threaded; 0: defaults")
+    p.add_argument("--before", action="store_true", help="also time kernel_only (the conv before issue 12)")
+    p.add_argument("--lax", action="store_true", help="also time plain lax convolutions (slow)")
+    p.add_argument("--no-torch", action="store_true", help="skip PyTorch even when it is installed")
+    p.add_argument("--output", type=Path, default=Path("results/bench/torch_compare.json"))
+    args = p.parse_args(argv)
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        p.error(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}")
+    if any(b < 1 for b in args.batch_sizes) or args.examples < 1 or args.repeats < 1:
+        p.error("--batch-sizes, --examples and --repeats must be >= 1")
+    return args
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+class _Data:
+    def __init__(self, n: int):
+        import numpy as np
+
+        from sidejax.data import dataset_available, load_dataset
+
+        self.real = dataset_available("fashion_mnist")
+        if self.real:
+            train = load_dataset("fashion_mnist", "train")
+            self.x, self.y = np.asarray(train.x[:n], np.float32), np.asarray(train.y[:n], np.int32)
+        else:
+            rng = np.random.default_rng(0)
+            self.x = rng.random((n, 28, 28, 1), dtype=np.float32)
+            self.y = rng.integers(0, 10, n).astype(np.int32)
+        if len(self.y) < n:
+            raise SystemExit(f"--examples {n} exceeds the {len(self.y)} training images available")
+
+
+def _sidejax_trainers(data: _Data, batch_size: int, variants: list[str]):
+    """Jitted one-epoch local trainers ``() -> params`` (compiled and run once here), initial params."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from sidejax.fl import classification_loss
+    from sidejax.fl.base import ClientData
+    from sidejax.fl.local import build_local_trainer
+    from sidejax.keys import run_keys
+    from sidejax.models import get_model, init_params
+    from sidejax.models.conv import lax_input_gradient, plain_lax_convolution
+
+    spec = get_model("lenet5")
+    init_key, client_key = run_keys(0)
+    params = init_params(init_key, spec)
+    n = len(data.y)
+    client = ClientData(
+        jnp.asarray(data.x), jnp.asarray(data.y), jnp.arange(n, dtype=jnp.int32), jnp.int32(n)
+    )
+    loss = classification_loss(spec.module.apply)
+    contexts = {
+        "sidejax": contextlib.nullcontext,
+        "kernel_only": lax_input_gradient,
+        "lax": plain_lax_convolution,
+    }
+    trainers = {}
+    for name in variants:
+        train = jax.jit(
+            build_local_trainer(loss, optax.sgd(0.05, momentum=0.9), batch_size=batch_size, num_epochs=1)
+        )
+        with contexts[name]():  # tracing happens in the first call
+            jax.block_until_ready(train(client_key, params, client))
+        trainers[name] = lambda train=train: jax.block_until_ready(train(client_key, params, client)[0])
+    return trainers, params, spec
+
+
+def _torch_trainer(torch, data: _Data, batch_size: int, params, spec):
+    """PyTorch LeNet5 with sidejax's initial weights, logits checked; returns ``() -> None`` (one epoch)."""
+    import numpy as np
+
+    nn, F = torch.nn, torch.nn.functional
+
+    class LeNet5(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
+            self.conv2 = nn.Conv2d(6, 16, 5)
+            self.fc1, self.fc2, self.fc3 = nn.Linear(400, 120), nn.Linear(120, 84), nn.Linear(84, 10)
+
+        def forward(self, x):
+            x = F.avg_pool2d(F.relu(self.conv1(x)), 2)
+            x = F.avg_pool2d(F.relu(self.conv2(x)), 2)
+            x = F.relu(self.fc1(x.flatten(1)))
+            return self.fc3(F.relu(self.fc2(x)))
+
+    model = LeNet5()
+    p = {k: {n: np.asarray(v) for n, v in layer.items()} for k, layer in params.items()}
+    t = lambda a: torch.from_numpy(np.array(a, np.float32))  # a writable copy
+    with torch.no_grad():
+        for name in ("conv1", "conv2"):
+            getattr(model, name).weight.copy_(t(p[name]["kernel"].transpose(3, 2, 0, 1)))  # HWIO -> OIHW
+            getattr(model, name).bias.copy_(t(p[name]["bias"]))
+        # sidejax flattens [5, 5, 16] (h, w, c); PyTorch flattens [16, 5, 5] (c, h, w)
+        fc1 = p["fc1"]["kernel"].reshape(5, 5, 16, 120).transpose(2, 0, 1, 3).reshape(400, 120)
+        model.fc1.weight.copy_(t(fc1.T))
+        model.fc1.bias.copy_(t(p["fc1"]["bias"]))
+        for name in ("fc2", "fc3"):
+            getattr(model, name).weight.copy_(t(p[name]["kernel"].T))
+            getattr(model, name).bias.copy_(t(p[name]["bias"]))
+    if sum(v.numel() for v in model.parameters()) != spec.num_params:
+        raise AssertionError("PyTorch LeNet5 parameter count differs from sidejax's")
+    x = torch.from_numpy(np.ascontiguousarray(data.x.transpose(0, 3, 1, 2)))  # NHWC -> NCHW
+    y = torch.from_numpy(data.y.astype(np.int64))
+    with torch.no_grad():
+        got = model(x[:8]).numpy()
+    want = np.asarray(spec.module.apply({"params": params}, data.x[:8]))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg="PyTorch and sidejax LeNet5 differ")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(0)
+    n = len(y)
+
+    def epoch():
+        order = torch.randperm(n, generator=gen)
+        for s in range(0, n, batch_size):
+            idx = order[s : s + batch_size]
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+
+    epoch()  # warm-up
+    return epoch
+
+
+def _run(args: argparse.Namespace) -> dict:
+    import jax
+    import numpy as np
+
+    torch = None if args.no_torch else _import_torch()
+    if torch is None:
+        why = "--no-torch" if args.no_torch else "PyTorch is not installed (pip install torch to compare)"
+        print(f'skipping PyTorch: {why}; the JSON records "torch": null', flush=True)
+    elif args.threads == 1:
+        torch.set_num_threads(1)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already set (or parallel work already started) in this process
+            pass
+    data = _Data(args.examples)
+    variants = ["sidejax"] + ["kernel_only"] * args.before + ["lax"] * args.lax
+    per_batch = {}
+    for b in args.batch_sizes:
+        trainers, params, spec = _sidejax_trainers(data, b, variants)
+        if torch is not None:
+            trainers["torch"] = _torch_trainer(torch, data, b, params, spec)
+        times = {name: [] for name in trainers}
+        for _ in range(args.repeats):
+            for name, fn in trainers.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        med = {name: float(np.median(v)) for name, v in times.items()}
+        entry = {
+            name: {
+                "seconds_per_epoch": med[name],
+                "seconds_per_epoch_all": times[name],
+                "us_per_example": 1e6 * med[name] / args.examples,
+            }
+            for name in trainers
+        }
+        entry["torch"] = entry.get("torch")
+        entry["sidejax_over_torch_time"] = med["sidejax"] / med["torch"] if "torch" in med else None
+        if "kernel_only" in med:
+            entry["kernel_only_over_sidejax_time"] = med["kernel_only"] / med["sidejax"]
+        if "lax" in med:
+            entry["lax_over_sidejax_time"] = med["lax"] / med["sidejax"]
+        per_batch[str(b)] = entry
+        line = ", ".join(f"{k} {v['us_per_example']:.1f}" for k, v in entry.items() if isinstance(v, dict))
+        print(f"batch {b}: us/example {line}", flush=True)
+        if entry["sidejax_over_torch_time"] is not None:
+            print(f"batch {b}: sidejax / torch time {entry['sidejax_over_torch_time']:.2f}", flush=True)
+        if "kernel_only_over_sidejax_time" in entry:
+            print(f"batch {b}: input-gradient change speed-up {entry['kernel_only_over_sidejax_time']:.2f}x")
+    report = {
+        "benchmark": "lenet5_local_training_vs_torch",
+        "data": "fashion_mnist" if data.real else "random (fashion_mnist not installed)",
+        "examples": args.examples,
+        "batch_sizes": args.batch_sizes,
+        "repeats": args.repeats,
+        "threads": "1" if args.threads == 1 else "library defaults",
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "optimizer": "sgd(lr=0.05, momentum=0.9)",
+        "backend": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax_version": jax.__version__,
+        "torch_version": None if torch is None else torch.__version__,
+        "torch": None if torch is None else {"num_threads": torch.get_num_threads()},
+        "results": per_batch,
+    }
+    if "32" in per_batch and "128" in per_batch:
+        report["batch128_over_batch32_time_per_example"] = {
+            name: per_batch["128"][name]["us_per_example"] / per_batch["32"][name]["us_per_example"]
+            for name in per_batch["32"]
+            if isinstance(per_batch["32"][name], dict) and isinstance(per_batch["128"].get(name), dict)
+        }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.output}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
+    if args.threads == 1 and _SINGLE_THREAD_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+        if "jax" in sys.modules:  # too late for XLA_FLAGS in this process: run in a fresh interpreter
+            cmd = [sys.executable, "-m", "experiments.bench.torch_compare"]
+            subprocess.run([*cmd, *(sys.argv[1:] if argv is None else argv)], check=True)
+            return json.loads(args.output.read_text())
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SINGLE_THREAD_XLA_FLAGS}".strip()
+    return _run(args)
+
+
+if __name__ == "__main__":
+    main()
