@@ -37,9 +37,11 @@ from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.fl import build_evaluator, classification_loss, run_rounds
 from sidejax.keys import run_keys
+from sidejax.klms import KLMSServerInfo, stream_errors
 from sidejax.models import count_params, get_model, init_params
 
 __all__ = [
+    "InvalidStreamError",
     "NonFiniteError",
     "RunExistsError",
     "RunSummary",
@@ -84,6 +86,10 @@ def run_config(saved: dict[str, Any]) -> ExperimentConfig:
 
 class NonFiniteError(FloatingPointError):
     """Raised when a loss or a parameter becomes NaN/inf; names the first round and clients affected."""
+
+
+class InvalidStreamError(RuntimeError):
+    """Raised when the server found a client's KLMS stream malformed; names the first round and clients."""
 
 
 @dataclass
@@ -150,6 +156,33 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
         f"The last good state (round {last_good_round}) is checkpointed in {ckpt_dir}; lower the learning "
         f"rate or check the data, then run again (with --resume to continue from that checkpoint)."
     )
+
+
+def _klms_infos(server_info) -> list[KLMSServerInfo]:
+    """Every :class:`KLMSServerInfo` inside an algorithm's (round-stacked) server diagnostics."""
+    leaves = jax.tree_util.tree_leaves(server_info, is_leaf=lambda x: isinstance(x, KLMSServerInfo))
+    return [leaf for leaf in leaves if isinstance(leaf, KLMSServerInfo)]
+
+
+def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
+    """Stops the run at the first round in which the server decoded an invalid KLMS stream (like NaN)."""
+    for kinfo in _klms_infos(infos.server):
+        valid = np.asarray(kinfo.streams_valid).reshape(np.shape(infos.client_ids))
+        if valid.all():
+            continue
+        r = int(np.flatnonzero(~valid.all(axis=1))[0])
+        round_index = int(np.asarray(infos.round_index)[r])
+        bad = np.flatnonzero(~valid[r])
+        errors = np.asarray(kinfo.stream_errors).reshape(valid.shape)[r]
+        details = "; ".join(
+            f"client {int(np.asarray(infos.client_ids)[r][i])}: {', '.join(stream_errors(errors[i])) or 'invalid'}"
+            for i in bad
+        )
+        raise InvalidStreamError(
+            f"the server decoded an invalid KLMS stream in round {round_index} ({details}). Nothing from that "
+            f"round was kept: the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. "
+            f"This is a bug or a corrupted input, not a tuning problem; please report it with the config."
+        )
 
 
 def _ideal_kl_bits(infos) -> np.ndarray | None:
@@ -407,6 +440,7 @@ def run_experiment(
         chunk = min(config.eval_every, config.rounds - done)
         new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk)
         _check_finite(infos, ckpt_dir, done)
+        _check_streams(infos, ckpt_dir, done)
         state = new_state
         ev = evaluate(algorithm.eval_params(state.server), x_test, y_test)
         acc, tloss = float(ev.accuracy), float(ev.loss)

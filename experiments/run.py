@@ -36,7 +36,7 @@ from pathlib import Path
 from experiments.algorithms import ALGORITHMS
 from experiments.checkpoint import read_checkpoint_meta
 from experiments.config import ExperimentConfig, config_from_dict, list_presets, load_preset
-from experiments.driver import NonFiniteError, run_config, run_experiment
+from experiments.driver import InvalidStreamError, NonFiniteError, run_config, run_experiment
 
 
 def _parse_bool(text: str) -> bool:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except KeyboardInterrupt:
         return _interrupted(out, config.rounds)
-    except NonFiniteError as e:
+    except (NonFiniteError, InvalidStreamError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     except (ValueError, FileNotFoundError, FileExistsError) as e:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -431,3 +432,31 @@ def test_model_that_does_not_fit_the_input_is_refused_up_front(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "lenet5" in err and "(8, 8, 1)" in err and "mlp_100" in err
     assert not out.exists()
+
+
+def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monkeypatch):
+    """Fault injection on the wire: one participant's message loses its last word in round 0. The real
+    decoder flags the stream invalid; the driver must stop (like NaN) naming the round and the client, and
+    keep nothing from that round. Before the driver checked ``streams_valid`` the run finished silently."""
+    import importlib
+
+    fedpm_module = importlib.import_module("sidejax.algorithms.fedpm")  # the package attribute is the builder
+    from experiments.driver import InvalidStreamError
+
+    real = fedpm_module.klms_decode_clients
+
+    def corrupted(round_key, client_ids, p, state, messages, config):
+        words = jnp.ceil(messages.num_bits / 32).astype(jnp.int32)  # [C]
+        col = jnp.arange(messages.payload.shape[-1])
+        drop_last = (jnp.arange(messages.payload.shape[0]) == 0)[:, None] & (col[None, :] == words[:, None] - 1)
+        payload = jnp.where(drop_last, jnp.uint32(0xFFFFFFFF), messages.payload)  # garbage in client 0's last word
+        short = messages.num_bits.at[0].add(-32.0)  # ... and a length that no longer covers it
+        return real(round_key, client_ids, p, state, messages._replace(payload=payload, num_bits=short), config)
+
+    monkeypatch.setattr(fedpm_module, "klms_decode_clients", corrupted)
+    config = ExperimentConfig(**{**SMALL, "algorithm": "fedpm_klms", "rounds": 2, "eval_every": 1})
+    with pytest.raises(InvalidStreamError, match=r"round 0 \(client \d+: ") as err:
+        run_experiment(config, tmp_path, progress=False, verbose=False)
+    assert "checkpoint" in str(err.value)
+    metrics = tmp_path / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # nothing from the bad round was kept
