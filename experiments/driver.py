@@ -174,14 +174,14 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
         round_index = int(np.asarray(infos.round_index)[r])
         bad = np.flatnonzero(~valid[r])
         errors = np.asarray(kinfo.stream_errors).reshape(valid.shape)[r]
+        ids = np.asarray(infos.client_ids)[r]
         details = "; ".join(
-            f"client {int(np.asarray(infos.client_ids)[r][i])}: {', '.join(stream_errors(errors[i])) or 'invalid'}"
-            for i in bad
+            f"client {int(ids[i])}: {', '.join(stream_errors(errors[i])) or 'invalid'}" for i in bad
         )
         raise InvalidStreamError(
-            f"the server decoded an invalid KLMS stream in round {round_index} ({details}). Nothing from that "
-            f"round was kept: the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. "
-            f"This is a bug or a corrupted input, not a tuning problem; please report it with the config."
+            f"the server decoded an invalid KLMS stream in round {round_index} ({details}). Nothing from "
+            f"that round was kept: the last good state (round {last_good_round}) is checkpointed in "
+            f"{ckpt_dir}. This is a bug or a corrupted input, not a tuning problem; please report it with the config."
         )
 
 

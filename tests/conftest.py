@@ -8,8 +8,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
 # JAX's persistent compilation cache: the suite compiles the same programs on every run (and CI runs on the
 # machine that ran them last), so compiled executables are kept on disk and reused. Set through environment
-# variables so that notebook kernels and CLI subprocesses started by the tests share it. A cached executable is
-# the same compiled program, so bit-equality tests within one program are unaffected. Override with
+# variables so that notebook kernels and CLI subprocesses started by the tests share it. A cached executable
+# is the same compiled program, so bit-equality tests within one program are unaffected. Override with
 # JAX_COMPILATION_CACHE_DIR (an empty value disables it).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",

@@ -448,10 +448,13 @@ def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monke
     def corrupted(round_key, client_ids, p, state, messages, config):
         words = jnp.ceil(messages.num_bits / 32).astype(jnp.int32)  # [C]
         col = jnp.arange(messages.payload.shape[-1])
-        drop_last = (jnp.arange(messages.payload.shape[0]) == 0)[:, None] & (col[None, :] == words[:, None] - 1)
-        payload = jnp.where(drop_last, jnp.uint32(0xFFFFFFFF), messages.payload)  # garbage in client 0's last word
-        short = messages.num_bits.at[0].add(-32.0)  # ... and a length that no longer covers it
-        return real(round_key, client_ids, p, state, messages._replace(payload=payload, num_bits=short), config)
+        drop_last = (jnp.arange(messages.payload.shape[0]) == 0)[:, None] & (
+            col[None, :] == words[:, None] - 1
+        )
+        # garbage in client 0's last word, and a length that no longer covers it
+        payload = jnp.where(drop_last, jnp.uint32(0xFFFFFFFF), messages.payload)
+        corrupt = messages._replace(payload=payload, num_bits=messages.num_bits.at[0].add(-32.0))
+        return real(round_key, client_ids, p, state, corrupt, config)
 
     monkeypatch.setattr(fedpm_module, "klms_decode_clients", corrupted)
     config = ExperimentConfig(**{**SMALL, "algorithm": "fedpm_klms", "rounds": 2, "eval_every": 1})
