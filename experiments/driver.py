@@ -181,7 +181,7 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
         raise InvalidStreamError(
             f"the server decoded an invalid KLMS stream in round {round_index} ({details}). Nothing from "
             f"that round was kept: the last good state (round {last_good_round}) is checkpointed in "
-            f"{ckpt_dir}. This is a bug or a corrupted input, not a tuning problem; please report it with the config."
+            f"{ckpt_dir}. This is a bug or a corrupted input, not a tuning problem: please report it."
         )
 
 
