@@ -7,7 +7,7 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
 .. code-block:: text
 
     key(seed)
-    ├─ INIT ─ init_key                 model init; FedPM's init: SIGNS ─ leaf l, SCORES, EVAL
+    ├─ INIT ─ init_key                 MODEL (flax init); FedPM: SIGNS ─ leaf l, SCORES, EVAL
     └─ ROUNDS ─ rounds_key             the base_key of run_rounds
        └─ ROUND ─ round t
           ├─ SAMPLING                  the participants
@@ -78,6 +78,7 @@ __all__ = [
     "SCORES",
     "EVAL",
     "DRAWS",
+    "MODEL",
     "TAGS",
     "ClientKeys",
     "ClientStreams",
@@ -116,6 +117,7 @@ SIGNS = 17  # FedPM init key -> the family of frozen-sign keys (index: pytree le
 SCORES = 18  # FedPM init key -> the initial mask scores
 EVAL = 19  # FedPM init key -> the evaluation-mask uniforms
 DRAWS = 20  # any key -> a family of independent draws (index: draw j), e.g. evaluation masks
+MODEL = 21  # init key -> the model's parameters (flax folds its module-path hashes in below this tag)
 
 #: name of every tag (what :func:`record_keys` reports for a tag derivation)
 TAGS = {
@@ -141,9 +143,10 @@ TAGS = {
         SCORES=SCORES,
         EVAL=EVAL,
         DRAWS=DRAWS,
+        MODEL=MODEL,
     ).items()
 }
-assert len(TAGS) == 20, "tag values must be distinct"
+assert len(TAGS) == 21, "tag values must be distinct"
 
 
 class ClientKeys(NamedTuple):

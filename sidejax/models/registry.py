@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidejax.keys import MODEL, stream_key
 from sidejax.models.cnn import CEPAMCNN, BPCFLConvNet, Conv4, Conv6, KLMSLeNet, LeNet5
 from sidejax.models.mlp import MLP, MoonsMLP, RegressionMLP
 from sidejax.models.resnet import ResNet18
@@ -183,14 +184,17 @@ def init_params(key: jax.Array, spec: ModelSpec) -> Any:
     ``jax.eval_shape(lambda k: init_params(k, spec), key)``.
 
     Args:
-        key: A PRNG key.
+        key: A PRNG key, e.g. a run's ``init_key`` (:func:`sidejax.keys.run_keys`).
         spec: The model specification.
 
     Returns:
-        The ``params`` pytree (``module.init(key, zeros((1, *input_shape)))["params"]``).
+        The ``params`` pytree: ``module.init(stream_key(key, MODEL), zeros((1, *input_shape)))["params"]``.
+        Flax folds hashes of module paths into the key it is given; taking them below the ``MODEL`` tag
+        keeps them apart from every other stream of ``key`` (e.g. an algorithm's own init streams, which
+        :func:`sidejax.keys` derives from the same ``init_key``).
     """
     dummy = jnp.zeros((1, *spec.input_shape), jnp.float32)
-    return spec.module.init(key, dummy)["params"]
+    return spec.module.init(stream_key(key, MODEL), dummy)["params"]
 
 
 def count_params(params: Any) -> int:
