@@ -16,7 +16,7 @@ from experiments.config import load_preset
 from experiments.driver import plot_runs, run_experiment
 
 DEMO_PRESETS = {
-    "FedAvg, iid, full participation": "demo_digits_fedavg_iid",
+    "FedAvg, iid, full participation": "demo_digits_fedavg",
     "FedAvg, label shards (c_max=2), 50% participation": "demo_digits_fedavg_noniid",
     "FedPM, iid": "demo_digits_fedpm",
     "FedPM-KLMS, iid": "demo_digits_fedpm_klms",
