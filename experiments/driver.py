@@ -2,14 +2,18 @@
 
 Output folder layout::
 
-    config.json             the ExperimentConfig (plus the derived clients_per_round and num_params)
-    metrics.jsonl           one JSON object per round (appended as rounds finish)
-    metrics.csv             the same table as CSV (rewritten after every chunk)
-    summary.json            final/best/last-5-mean accuracy, total bits, wall time
-    accuracy_vs_round.png   test accuracy against round
-    accuracy_vs_bits.png    test accuracy against cumulative communicated bits (uplink + downlink)
-    checkpoint/state.ckpt   the last good RoundState and the metrics rows up to it, one atomic checksummed
-                            file (see experiments.checkpoint); --resume continues from it
+    config.json                  the ExperimentConfig the run was started with (plus the derived
+                                 clients_per_round and num_params); never rewritten by --resume
+    metrics.jsonl                one JSON object per round (appended as rounds finish)
+    metrics.csv                  the same table as CSV (rewritten after every chunk)
+    summary.json                 final/best/last-5-mean accuracy, total bits, rounds run and target, wall time
+    accuracy_vs_round.png        test accuracy against round
+    accuracy_vs_bits.png         test accuracy against cumulative bits, uplink + downlink
+    accuracy_vs_uplink_bits.png  test accuracy against cumulative uplink bits: what compression saves (the
+                                 total is dominated by the 32-bit downlink broadcast that every method pays)
+    resume_log.jsonl             one line per --resume: time, round resumed from, target rounds
+    checkpoint/state.ckpt        the last good RoundState and the metrics rows up to it, one atomic
+                                 checksummed file (see experiments.checkpoint); --resume continues from it
 
 Bits in the metrics are the lengths of the messages the algorithm built (``RoundInfo``), summed over the
 participants; ``*_bpp`` columns are bits per parameter per participating client.
@@ -60,6 +64,7 @@ METRIC_COLUMNS = (
     "downlink_bits",
     "kl_bpp",
     "cumulative_bits",
+    "cumulative_uplink_bits",
     "wall_time_s",
 )
 
@@ -175,36 +180,91 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-PLOT_FILES = ("accuracy_vs_round.png", "accuracy_vs_bits.png")
+PLOT_FILES = ("accuracy_vs_round.png", "accuracy_vs_bits.png", "accuracy_vs_uplink_bits.png")
+
+_PLOTS = (  # (x column, file, title, x label, log x)
+    ("round", "accuracy_vs_round.png", "Test accuracy by round", "round", False),
+    (
+        "cumulative_bits",
+        "accuracy_vs_bits.png",
+        "Test accuracy vs total bits (uplink + downlink)",
+        "cumulative bits communicated, uplink + downlink (log scale)",
+        True,
+    ),
+    (
+        "cumulative_uplink_bits",
+        "accuracy_vs_uplink_bits.png",
+        "Test accuracy vs uplink bits (clients to server)",
+        "cumulative uplink bits, all clients (log scale)",
+        True,
+    ),
+)
 
 
-def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
-    """Writes ``accuracy_vs_round.png`` and ``accuracy_vs_bits.png`` for one or several labelled runs."""
+def _with_uplink_cumsum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with ``cumulative_uplink_bits`` (computed from ``uplink_bits`` for folders written before it)."""
+    if all("cumulative_uplink_bits" in r for r in rows):
+        return rows
+    total, out = 0.0, []
+    for r in rows:
+        total += r["uplink_bits"]
+        out.append({**r, "cumulative_uplink_bits": total})
+    return out
+
+
+def accuracy_figures(runs: dict[str, list[dict[str, Any]]], *, title: str | None = None) -> dict[str, Any]:
+    """The accuracy plots of one or several labelled runs, as matplotlib figures keyed by file name.
+
+    ``accuracy_vs_uplink_bits.png`` is the one that shows what compression buys: the total-bits plot is
+    dominated by the 32-bit downlink broadcast, which every method here pays alike. Rounds are integer ticks;
+    the legend sits below the axes, so it never covers a curve. ``title`` (e.g. the dataset and model) is
+    added under each plot's title.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    paths = []
-    for xkey, fname, xlabel, logx in (
-        ("round", "accuracy_vs_round.png", "round", False),
-        ("cumulative_bits", "accuracy_vs_bits.png", "cumulative bits communicated (uplink + downlink)", True),
-    ):
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    figures = {}
+    for xkey, fname, heading, xlabel, logx in _PLOTS:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
         for label, rows in runs.items():
+            rows = _with_uplink_cumsum(rows)
             pts = [(r[xkey], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, [100 * v for v in ys], marker="o", ms=3, label=label)
+        ax.set_title(f"{heading}\n{title}" if title else heading, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy (%)")
         if logx:
             ax.set_xscale("log")
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / fname
-        fig.savefig(path)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(
+                fontsize=8,
+                loc="upper center",
+                bbox_to_anchor=(0.5, -0.16),
+                ncol=min(2, len(runs)),
+                frameon=False,
+            )
+        figures[fname] = fig
+    return figures
+
+
+def plot_runs(
+    runs: dict[str, list[dict[str, Any]]], out_dir: Path, *, title: str | None = None
+) -> list[Path]:
+    """Writes :func:`accuracy_figures` (the files :data:`PLOT_FILES`) to ``out_dir``; returns their paths."""
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for fname, fig in accuracy_figures(runs, title=title).items():
+        path = Path(out_dir) / fname
+        fig.savefig(path, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
@@ -394,6 +454,7 @@ def run_experiment(
 
     evaluate = jax.jit(build_evaluator(spec.module.apply, batch_size=config.eval_batch_size))
     cum_bits = rows[-1]["cumulative_bits"] if rows else 0.0
+    cum_up = rows[-1]["cumulative_uplink_bits"] if rows else 0.0
     done = int(state.round_index)
     if verbose:
         print(
@@ -417,6 +478,7 @@ def run_experiment(
         new_rows = []
         for s in range(chunk):
             cum_bits += up[s].sum() + down[s].sum()
+            cum_up += up[s].sum()
             last = s == chunk - 1
             new_rows.append(
                 {
@@ -430,6 +492,7 @@ def run_experiment(
                     "downlink_bits": float(down[s].sum()),
                     "kl_bpp": None if kl_bits is None else float(kl_bits[s] / num_params),
                     "cumulative_bits": float(cum_bits),
+                    "cumulative_uplink_bits": float(cum_up),
                     "wall_time_s": round(time.perf_counter() - t_start, 3),
                 }
             )
@@ -464,7 +527,11 @@ def run_experiment(
         mean_downlink_bpp=float(np.mean([r["downlink_bpp"] for r in rows])) if rows else math.nan,
         metrics=rows,
     )
-    plot_runs({label or config.algorithm: rows}, out)
+    plot_runs(
+        {label or config.algorithm: rows},
+        out,
+        title=f"{config.dataset} / {config.model}, {config.num_clients} clients ({config.partition})",
+    )
     (out / "summary.json").write_text(
         json.dumps(
             {

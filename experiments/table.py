@@ -9,7 +9,8 @@ Examples::
 
 A run folder is any directory with ``summary.json`` and ``config.json`` (written by
 :func:`experiments.driver.run_experiment`). The table is written as ``table.md`` and ``table.csv`` in the
-directory and printed. Columns:
+directory and printed, and the runs of each dataset and model are plotted together in
+``plots/<dataset>_<model>/`` (accuracy against round, total bits and uplink bits). Columns:
 
 - ``last-5 mean acc``: mean test accuracy of the last five evaluations (less noisy than the final one
   for methods that evaluate a sampled network, such as FedPM);
@@ -31,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.algorithms import KLMS_HOSTS
-from experiments.driver import read_jsonl, tail_accuracy
+from experiments.driver import plot_runs, read_jsonl, tail_accuracy
 
-__all__ = ["collect_runs", "results_table", "main"]
+__all__ = ["collect_runs", "results_table", "comparison_plots", "main"]
 
 COLUMNS = (
     "run",
@@ -109,6 +110,22 @@ def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     return rows
 
 
+def comparison_plots(directory: Path, runs: list[dict[str, Any]]) -> list[Path]:
+    """Side-by-side accuracy plots (:data:`experiments.driver.PLOT_FILES`: against round, total bits and
+    uplink bits) of the runs that share a dataset and model, in ``directory/plots/<dataset>_<model>/``."""
+    groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    for r in runs:
+        rows = read_jsonl(directory / r["name"] / "metrics.jsonl")
+        if rows:
+            groups.setdefault((r["config"]["dataset"], r["config"]["model"]), {})[r["name"]] = rows
+    paths = []
+    for (dataset, model), group in groups.items():
+        out = directory / "plots" / f"{dataset}_{model}"
+        out.mkdir(parents=True, exist_ok=True)
+        paths += plot_runs(group, out, title=f"{dataset} / {model}")
+    return paths
+
+
 def _markdown(rows: list[dict[str, str]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
@@ -162,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     print(md)
     print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}")
+    for path in comparison_plots(args.directory, runs):
+        print(f"plot: {path}")
     return 0
 
 

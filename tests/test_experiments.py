@@ -26,7 +26,7 @@ from experiments.config import (
     load_preset,
     preset_description,
 )
-from experiments.driver import NonFiniteError, run_experiment
+from experiments.driver import PLOT_FILES, NonFiniteError, accuracy_figures, run_experiment
 from experiments.mask_eval import evaluate_final_mask
 from experiments.run import build_parser, resolve
 from experiments.run import main as cli_main
@@ -92,6 +92,7 @@ def test_cli_writes_results_folder(full_run):
         "summary.json",
         "accuracy_vs_round.png",
         "accuracy_vs_bits.png",
+        "accuracy_vs_uplink_bits.png",
     ):
         assert (full_run / name).is_file(), name
     assert checkpoint_exists(full_run / "checkpoint")
@@ -104,6 +105,7 @@ def test_cli_writes_results_folder(full_run):
     assert all(r["uplink_bpp"] == 32.0 and r["downlink_bpp"] == 32.0 for r in rows)
     assert rows[0]["uplink_bits"] == 4 * 32 * d
     assert rows[-1]["cumulative_bits"] == 4 * 2 * 4 * 32 * d
+    assert [r["cumulative_uplink_bits"] for r in rows] == [k * 4 * 32 * d for k in (1, 2, 3, 4)]
     csv_lines = (full_run / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("round,test_accuracy") and len(csv_lines) == 5
     summary = json.loads((full_run / "summary.json").read_text())
@@ -124,6 +126,8 @@ def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
     assert row["run"] == "fedavg_small" and row["uplink bpp"] == "32.0000" and row["x vs 32-bit"] == "1"
     assert row["last-5 mean acc (%)"] == f"{100 * summary['tail_accuracy']:.2f}"
     assert (tmp_path / "runs" / "table.csv").is_file()
+    for name in PLOT_FILES:  # the runs of one dataset and model, plotted together
+        assert (tmp_path / "runs" / "plots" / "digits_mlp_32_16" / name).is_file()
     assert table_main([str(tmp_path / "empty_dir_that_does_not_exist")]) == 2
 
 
@@ -490,3 +494,44 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
         assert name in text, name
     assert "--resume" in text and "--overwrite" in text and "0.02 for signsgd, signsgd_klms" in text
     assert cli_main(["fedavg", "--model", "nope"]) == 2  # not a choice: argparse's error, no traceback
+
+
+def test_plots_have_titles_integer_rounds_an_uplink_plot_and_legends_off_the_data(full_run):
+    """Before: no titles, round ticks at 1.5, 2.5, ..., legends inside the axes, no uplink-bits plot."""
+    import matplotlib.pyplot as plt
+
+    rows = _rows(full_run)
+    compressed = [  # a second run with 845x fewer uplink bits
+        {
+            **r,
+            "uplink_bits": r["uplink_bits"] / 845,
+            "cumulative_uplink_bits": r["cumulative_uplink_bits"] / 845,
+        }
+        for r in rows
+    ]
+    figures = accuracy_figures({"fedavg": rows, "compressed": compressed}, title="digits / mlp_32_16")
+    assert (
+        set(figures)
+        == set(PLOT_FILES)
+        == {
+            "accuracy_vs_round.png",
+            "accuracy_vs_bits.png",
+            "accuracy_vs_uplink_bits.png",
+        }
+    )
+    for name, fig in figures.items():
+        ax = fig.axes[0]
+        assert "Test accuracy" in ax.get_title() and "digits / mlp_32_16" in ax.get_title(), name
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.y1 <= ax.get_window_extent().y0, f"{name}: the legend overlaps the axes"
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["fedavg", "compressed"]
+    ticks = [t for t in figures["accuracy_vs_round.png"].axes[0].get_xticks() if 1 <= t <= 4]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    uplink = figures["accuracy_vs_uplink_bits.png"].axes[0]
+    assert uplink.get_xscale() == "log"
+    evaluated = [r["cumulative_uplink_bits"] for r in rows if r["test_accuracy"] is not None]
+    np.testing.assert_array_equal(uplink.lines[0].get_xdata(), evaluated)
+    np.testing.assert_allclose(uplink.lines[1].get_xdata(), np.array(evaluated) / 845, rtol=1e-15)
+    for fig in figures.values():
+        plt.close(fig)
