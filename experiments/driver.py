@@ -467,6 +467,8 @@ def run_experiment(
     while done < config.rounds and not stopped_early:
         chunk = min(config.eval_every, config.rounds - done)
         new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk)
+        # Checks of the chunk's flags, before its state is accepted or checkpointed (the last good state
+        # stays on disk): NaN/inf here; the server's per-client stream-validity flag belongs next to it.
         _check_finite(infos, ckpt_dir, done)
         state = new_state
         ev = evaluate(algorithm.eval_params(state.server), x_test, y_test)
