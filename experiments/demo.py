@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds:
             config = config.replace(rounds=args.rounds)
         print(f"\n=== {label}  (preset {preset})")
-        summary = run_experiment(config, args.output / preset, label=label, overwrite=True)
+        try:
+            summary = run_experiment(config, args.output / preset, label=label, overwrite=True)
+        except KeyboardInterrupt:
+            print("\ninterrupted: the demo starts its runs afresh; run it again to redo it", file=sys.stderr)
+            return 130
         runs[label] = summary.metrics
         lines.append(
             f"| {label} | {100 * summary.final_accuracy:.2f} | {100 * summary.best_accuracy:.2f} | "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             # an interrupted run (a checkpoint but no summary) is continued unless --force
             resume = not args.force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
             print(f"\n=== {preset}" + (" (resuming the interrupted run)" if resume else ""))
-            run_experiment(config, out, label=preset, resume=resume, overwrite=not resume)
+            try:
+                run_experiment(config, out, label=preset, resume=resume, overwrite=not resume)
+            except KeyboardInterrupt:
+                given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]
+                print(
+                    f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
+                    f"runs):\n    python -m experiments.table {shlex.join(given)}",
+                    file=sys.stderr,
+                )
+                return 130
     if not args.directory.is_dir():
         print(f"error: {args.directory} is not a directory", file=sys.stderr)
         return 2

@@ -535,3 +535,16 @@ def test_plots_have_titles_integer_rounds_an_uplink_plot_and_legends_off_the_dat
     np.testing.assert_allclose(uplink.lines[1].get_xdata(), np.array(evaluated) / 845, rtol=1e-15)
     for fig in figures.values():
         plt.close(fig)
+
+
+def test_table_run_ctrl_c_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    import experiments.driver as driver
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "run_experiment", interrupted)
+    assert table_main([str(tmp_path), "--run", "demo_digits_fedavg", "--force"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"python -m experiments.table {tmp_path} --run demo_digits_fedavg" in err and "--force" not in err
