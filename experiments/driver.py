@@ -50,6 +50,7 @@ __all__ = [
     "prepare",
     "run_experiment",
     "is_run_folder",
+    "check_resumable_folder",
     "METRIC_COLUMNS",
 ]
 
@@ -343,15 +344,26 @@ def _remove_run(out: Path) -> None:
         shutil.rmtree(out / "checkpoint")
 
 
+def check_resumable_folder(output_dir: str | Path) -> None:
+    """Raises ``FileNotFoundError`` (saying what to do instead) unless ``output_dir`` holds a run with a
+    ``config.json`` and a checkpoint. Reads nothing else and creates nothing."""
+    out = Path(output_dir)
+    if (out / "config.json").is_file() and checkpoint_exists(out / "checkpoint"):
+        return
+    if not out.exists():
+        hint = "the folder does not exist; start the run without --resume"
+    elif is_run_folder(out):
+        hint = "a run was started there but has no config.json and checkpoint to continue from; start it "
+        hint += "again with --overwrite"
+    else:
+        hint = "the folder has no config.json and checkpoint/; start the run without --resume"
+    raise FileNotFoundError(f"--resume: no run to resume in {out} ({hint})")
+
+
 def _check_resumable(out: Path, config: ExperimentConfig) -> dict[str, Any]:
     """Checks, before any work, that ``out`` holds a run of ``config`` (``rounds`` aside) with a checkpoint.
     Returns the saved ``config.json``."""
-    ckpt_dir = out / "checkpoint"
-    if not (out / "config.json").is_file() or not checkpoint_exists(ckpt_dir):
-        what = "does not exist" if not out.exists() else "has no config.json and checkpoint/"
-        raise FileNotFoundError(
-            f"--resume: no run to resume in {out} (the folder {what}); start it without --resume"
-        )
+    check_resumable_folder(out)
     saved = json.loads((out / "config.json").read_text())
     if run_config(saved).replace(rounds=config.rounds) != config:
         diff = {
@@ -410,9 +422,11 @@ def run_experiment(
     if resume:
         _check_resumable(out, config)
     elif is_run_folder(out) and not overwrite:
+        resumable = (out / "config.json").is_file() and checkpoint_exists(ckpt_dir)
         raise RunExistsError(
-            f"{out} already holds a run (config.json, metrics or checkpoint/); pass --resume to continue it, "
-            f"--overwrite to replace it, or choose another --output"
+            f"{out} already holds a run (config.json, metrics or checkpoint/); "
+            + ("pass --resume to continue it, " if resumable else "")
+            + "pass --overwrite to replace it, or choose another --output"
         )
     t_start = time.perf_counter()
 

@@ -47,7 +47,7 @@ from experiments.config import (
     load_preset,
     preset_description,
 )
-from experiments.driver import NonFiniteError, run_config, run_experiment
+from experiments.driver import NonFiniteError, check_resumable_folder, run_config, run_experiment
 from sidejax.data import DATASETS, PARTITION_KINDS
 from sidejax.models import MODELS
 
@@ -223,10 +223,7 @@ def resolve(args: argparse.Namespace) -> tuple[ExperimentConfig, Path]:
         # continue the saved run: its config.json is the base, the preset and the flags given must agree
         # with it (the driver checks), and the target rounds is --rounds if given, else the last target
         # recorded in the checkpoint
-        if not (out / "config.json").is_file():
-            raise FileNotFoundError(
-                f"--resume: no run to resume in {out} (no config.json there); start it without --resume"
-            )
+        check_resumable_folder(out)
         saved = run_config(json.loads((out / "config.json").read_text())).to_dict()
         values = {**saved, **preset, **explicit}
         if "rounds" not in explicit:

@@ -548,3 +548,14 @@ def test_table_run_ctrl_c_says_how_to_resume(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert f"python -m experiments.table {tmp_path} --run demo_digits_fedavg" in err and "--force" not in err
+
+
+def test_a_run_interrupted_before_its_first_checkpoint_says_to_overwrite(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(ExperimentConfig(**SMALL).to_dict()))  # no checkpoint yet
+    assert cli_main(["fedavg", *FLAGS, "--output", str(run), "--resume"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "1", "--output", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "--resume" not in err
