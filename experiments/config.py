@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ExperimentConfig", "PRESET_DIR", "list_presets", "load_preset", "config_from_dict"]
+__all__ = [
+    "ExperimentConfig",
+    "PRESET_DIR",
+    "list_presets",
+    "load_preset",
+    "preset_description",
+    "config_from_dict",
+    "field_docs",
+]
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -39,7 +48,7 @@ class ExperimentConfig:
       eval_every: rounds per jit call; the test set is evaluated and a checkpoint written after each.
       eval_batch_size: batch size of evaluation.
       client_strategy: ``map`` (sequential, best on CPU) or ``vmap`` (best on accelerators).
-      stop_at_accuracy: if > 0, stop once test accuracy reaches it.
+      stop_at_accuracy: if > 0, stop once test accuracy (a fraction, e.g. 0.9) reaches it.
       log2_candidates: KLMS ``log2 K`` (candidates per block), also the target KL per block in bits.
       klms_overhead_bits: KLMS overhead r: blocks carry ``log2_candidates - r`` bits of KL.
       klms_adaptive: Adaptive-KLMS (KL-sized blocks, update protocol) if true, Fixed-KLMS if false.
@@ -159,12 +168,45 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
-def load_preset(name: str) -> ExperimentConfig:
-    """Loads ``experiments/presets/<name>.toml`` into a checked :class:`ExperimentConfig`."""
+def _read_preset(name: str) -> tuple[Path, dict[str, Any]]:
     path = PRESET_DIR / f"{name}.toml"
     if not path.is_file():
         raise ValueError(f"unknown preset {name!r}; valid presets: {list_presets()}")
     with path.open("rb") as f:
-        values = tomllib.load(f)
+        return path, tomllib.load(f)
+
+
+def load_preset(name: str) -> ExperimentConfig:
+    """Loads ``experiments/presets/<name>.toml`` into a checked :class:`ExperimentConfig`.
+
+    A preset sets its fields completely: fields it leaves out take :class:`ExperimentConfig`'s defaults (not
+    the per-algorithm CLI defaults), so a preset means the same run whatever those defaults become.
+    """
+    path, values = _read_preset(name)
     values.pop("description", None)
     return config_from_dict(values, source=str(path))
+
+
+def preset_description(name: str) -> str:
+    """The ``description`` line of a preset (every shipped preset has one)."""
+    path, values = _read_preset(name)
+    if not isinstance(values.get("description"), str) or not values["description"].strip():
+        raise ValueError(f"{path}: the preset has no description")
+    return values["description"]
+
+
+def field_docs() -> dict[str, str]:
+    """One line of help per config field, from the ``Attributes:`` section of :class:`ExperimentConfig`."""
+    doc = ExperimentConfig.__doc__ or ""
+    docs: dict[str, str] = {}
+    name = None
+    for line in doc.split("Attributes:", 1)[-1].splitlines():
+        m = re.match(r"^      (\w+): (.*)$", line)
+        if m and m.group(1) in _FIELDS:
+            name = m.group(1)
+            docs[name] = m.group(2).strip()
+        elif name and line.startswith("        "):
+            docs[name] += " " + line.strip()
+        elif line.strip():
+            name = None
+    return {k: re.sub(r":\w+:`([^`]*)`", r"\1", v).replace("``", "") for k, v in docs.items()}

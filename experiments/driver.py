@@ -2,14 +2,18 @@
 
 Output folder layout::
 
-    config.json             the ExperimentConfig (plus the derived clients_per_round and num_params)
-    metrics.jsonl           one JSON object per round (appended as rounds finish)
-    metrics.csv             the same table as CSV (rewritten after every chunk)
-    summary.json            final/best/last-5-mean accuracy, total bits, wall time
-    accuracy_vs_round.png   test accuracy against round
-    accuracy_vs_bits.png    test accuracy against cumulative communicated bits (uplink + downlink)
-    checkpoint/state.ckpt   the last good RoundState and the metrics rows up to it, one atomic checksummed
-                            file (see experiments.checkpoint); --resume continues from it
+    config.json                  the ExperimentConfig the run was started with (plus the derived
+                                 clients_per_round and num_params); never rewritten by --resume
+    metrics.jsonl                one JSON object per round (appended as rounds finish)
+    metrics.csv                  the same table as CSV (rewritten after every chunk)
+    summary.json                 final/best/last-5-mean accuracy, total bits, rounds run and target, wall time
+    accuracy_vs_round.png        test accuracy against round
+    accuracy_vs_bits.png         test accuracy against cumulative bits, uplink + downlink
+    accuracy_vs_uplink_bits.png  test accuracy against cumulative uplink bits: what compression saves (the
+                                 total is dominated by the 32-bit downlink broadcast that every method pays)
+    resume_log.jsonl             one line per --resume: time, round resumed from, target rounds
+    checkpoint/state.ckpt        the last good RoundState and the metrics rows up to it, one atomic
+                                 checksummed file (see experiments.checkpoint); --resume continues from it
 
 Bits in the metrics are the lengths of the messages the algorithm built (``RoundInfo``), summed over the
 participants; ``*_bpp`` columns are bits per parameter per participating client.
@@ -48,6 +52,7 @@ __all__ = [
     "prepare",
     "run_experiment",
     "is_run_folder",
+    "check_resumable_folder",
     "METRIC_COLUMNS",
 ]
 
@@ -62,6 +67,7 @@ METRIC_COLUMNS = (
     "downlink_bits",
     "kl_bpp",
     "cumulative_bits",
+    "cumulative_uplink_bits",
     "wall_time_s",
 )
 
@@ -208,36 +214,91 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-PLOT_FILES = ("accuracy_vs_round.png", "accuracy_vs_bits.png")
+PLOT_FILES = ("accuracy_vs_round.png", "accuracy_vs_bits.png", "accuracy_vs_uplink_bits.png")
+
+_PLOTS = (  # (x column, file, title, x label, log x)
+    ("round", "accuracy_vs_round.png", "Test accuracy by round", "round", False),
+    (
+        "cumulative_bits",
+        "accuracy_vs_bits.png",
+        "Test accuracy vs total bits (uplink + downlink)",
+        "cumulative bits communicated, uplink + downlink (log scale)",
+        True,
+    ),
+    (
+        "cumulative_uplink_bits",
+        "accuracy_vs_uplink_bits.png",
+        "Test accuracy vs uplink bits (clients to server)",
+        "cumulative uplink bits, all clients (log scale)",
+        True,
+    ),
+)
 
 
-def plot_runs(runs: dict[str, list[dict[str, Any]]], out_dir: Path) -> list[Path]:
-    """Writes ``accuracy_vs_round.png`` and ``accuracy_vs_bits.png`` for one or several labelled runs."""
+def _with_uplink_cumsum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with ``cumulative_uplink_bits`` (computed from ``uplink_bits`` for folders written before it)."""
+    if all("cumulative_uplink_bits" in r for r in rows):
+        return rows
+    total, out = 0.0, []
+    for r in rows:
+        total += r["uplink_bits"]
+        out.append({**r, "cumulative_uplink_bits": total})
+    return out
+
+
+def accuracy_figures(runs: dict[str, list[dict[str, Any]]], *, title: str | None = None) -> dict[str, Any]:
+    """The accuracy plots of one or several labelled runs, as matplotlib figures keyed by file name.
+
+    ``accuracy_vs_uplink_bits.png`` is the one that shows what compression buys: the total-bits plot is
+    dominated by the 32-bit downlink broadcast, which every method here pays alike. Rounds are integer ticks;
+    the legend sits below the axes, so it never covers a curve. ``title`` (e.g. the dataset and model) is
+    added under each plot's title.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    paths = []
-    for xkey, fname, xlabel, logx in (
-        ("round", "accuracy_vs_round.png", "round", False),
-        ("cumulative_bits", "accuracy_vs_bits.png", "cumulative bits communicated (uplink + downlink)", True),
-    ):
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    figures = {}
+    for xkey, fname, heading, xlabel, logx in _PLOTS:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
         for label, rows in runs.items():
+            rows = _with_uplink_cumsum(rows)
             pts = [(r[xkey], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, [100 * v for v in ys], marker="o", ms=3, label=label)
+        ax.set_title(f"{heading}\n{title}" if title else heading, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy (%)")
         if logx:
             ax.set_xscale("log")
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / fname
-        fig.savefig(path)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(
+                fontsize=8,
+                loc="upper center",
+                bbox_to_anchor=(0.5, -0.16),
+                ncol=min(2, len(runs)),
+                frameon=False,
+            )
+        figures[fname] = fig
+    return figures
+
+
+def plot_runs(
+    runs: dict[str, list[dict[str, Any]]], out_dir: Path, *, title: str | None = None
+) -> list[Path]:
+    """Writes :func:`accuracy_figures` (the files :data:`PLOT_FILES`) to ``out_dir``; returns their paths."""
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for fname, fig in accuracy_figures(runs, title=title).items():
+        path = Path(out_dir) / fname
+        fig.savefig(path, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
@@ -316,15 +377,26 @@ def _remove_run(out: Path) -> None:
         shutil.rmtree(out / "checkpoint")
 
 
+def check_resumable_folder(output_dir: str | Path) -> None:
+    """Raises ``FileNotFoundError`` (saying what to do instead) unless ``output_dir`` holds a run with a
+    ``config.json`` and a checkpoint. Reads nothing else and creates nothing."""
+    out = Path(output_dir)
+    if (out / "config.json").is_file() and checkpoint_exists(out / "checkpoint"):
+        return
+    if not out.exists():
+        hint = "the folder does not exist; start the run without --resume"
+    elif is_run_folder(out):
+        hint = "a run was started there but has no config.json and checkpoint to continue from; start it "
+        hint += "again with --overwrite"
+    else:
+        hint = "the folder has no config.json and checkpoint/; start the run without --resume"
+    raise FileNotFoundError(f"--resume: no run to resume in {out} ({hint})")
+
+
 def _check_resumable(out: Path, config: ExperimentConfig) -> dict[str, Any]:
     """Checks, before any work, that ``out`` holds a run of ``config`` (``rounds`` aside) with a checkpoint.
     Returns the saved ``config.json``."""
-    ckpt_dir = out / "checkpoint"
-    if not (out / "config.json").is_file() or not checkpoint_exists(ckpt_dir):
-        what = "does not exist" if not out.exists() else "has no config.json and checkpoint/"
-        raise FileNotFoundError(
-            f"--resume: no run to resume in {out} (the folder {what}); start it without --resume"
-        )
+    check_resumable_folder(out)
     saved = json.loads((out / "config.json").read_text())
     if run_config(saved).replace(rounds=config.rounds) != config:
         diff = {
@@ -383,9 +455,11 @@ def run_experiment(
     if resume:
         _check_resumable(out, config)
     elif is_run_folder(out) and not overwrite:
+        resumable = (out / "config.json").is_file() and checkpoint_exists(ckpt_dir)
         raise RunExistsError(
-            f"{out} already holds a run (config.json, metrics or checkpoint/); pass --resume to continue it, "
-            f"--overwrite to replace it, or choose another --output"
+            f"{out} already holds a run (config.json, metrics or checkpoint/); "
+            + ("pass --resume to continue it, " if resumable else "")
+            + "pass --overwrite to replace it, or choose another --output"
         )
     t_start = time.perf_counter()
 
@@ -427,6 +501,7 @@ def run_experiment(
 
     evaluate = jax.jit(build_evaluator(spec.module.apply, batch_size=config.eval_batch_size))
     cum_bits = rows[-1]["cumulative_bits"] if rows else 0.0
+    cum_up = rows[-1]["cumulative_uplink_bits"] if rows else 0.0
     done = int(state.round_index)
     if verbose:
         print(
@@ -439,6 +514,8 @@ def run_experiment(
     while done < config.rounds and not stopped_early:
         chunk = min(config.eval_every, config.rounds - done)
         new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk)
+        # Checks of the chunk's flags, before its state is accepted or checkpointed (the last good state
+        # stays on disk): NaN/inf, then the server's per-client KLMS stream-validity flags.
         _check_finite(infos, ckpt_dir, done)
         _check_streams(infos, ckpt_dir, done)
         state = new_state
@@ -451,6 +528,7 @@ def run_experiment(
         new_rows = []
         for s in range(chunk):
             cum_bits += up[s].sum() + down[s].sum()
+            cum_up += up[s].sum()
             last = s == chunk - 1
             new_rows.append(
                 {
@@ -464,6 +542,7 @@ def run_experiment(
                     "downlink_bits": float(down[s].sum()),
                     "kl_bpp": None if kl_bits is None else float(kl_bits[s] / num_params),
                     "cumulative_bits": float(cum_bits),
+                    "cumulative_uplink_bits": float(cum_up),
                     "wall_time_s": round(time.perf_counter() - t_start, 3),
                 }
             )
@@ -498,7 +577,11 @@ def run_experiment(
         mean_downlink_bpp=float(np.mean([r["downlink_bpp"] for r in rows])) if rows else math.nan,
         metrics=rows,
     )
-    plot_runs({label or config.algorithm: rows}, out)
+    plot_runs(
+        {label or config.algorithm: rows},
+        out,
+        title=f"{config.dataset} / {config.model}, {config.num_clients} clients ({config.partition})",
+    )
     (out / "summary.json").write_text(
         json.dumps(
             {

@@ -9,7 +9,8 @@ Examples::
 
 A run folder is any directory with ``summary.json`` and ``config.json`` (written by
 :func:`experiments.driver.run_experiment`). The table is written as ``table.md`` and ``table.csv`` in the
-directory and printed. Columns:
+directory and printed, and the runs of each dataset and model are plotted together in
+``plots/<dataset>_<model>/`` (accuracy against round, total bits and uplink bits). Columns:
 
 - ``last-5 mean acc``: mean test accuracy of the last five evaluations (less noisy than the final one
   for methods that evaluate a sampled network, such as FedPM);
@@ -26,14 +27,15 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from experiments.algorithms import KLMS_HOSTS
-from experiments.driver import read_jsonl, tail_accuracy
+from experiments.driver import plot_runs, read_jsonl, tail_accuracy
 
-__all__ = ["collect_runs", "results_table", "main"]
+__all__ = ["collect_runs", "results_table", "comparison_plots", "main"]
 
 COLUMNS = (
     "run",
@@ -109,6 +111,22 @@ def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     return rows
 
 
+def comparison_plots(directory: Path, runs: list[dict[str, Any]]) -> list[Path]:
+    """Side-by-side accuracy plots (:data:`experiments.driver.PLOT_FILES`: against round, total bits and
+    uplink bits) of the runs that share a dataset and model, in ``directory/plots/<dataset>_<model>/``."""
+    groups: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    for r in runs:
+        rows = read_jsonl(directory / r["name"] / "metrics.jsonl")
+        if rows:
+            groups.setdefault((r["config"]["dataset"], r["config"]["model"]), {})[r["name"]] = rows
+    paths = []
+    for (dataset, model), group in groups.items():
+        out = directory / "plots" / f"{dataset}_{model}"
+        out.mkdir(parents=True, exist_ok=True)
+        paths += plot_runs(group, out, title=f"{dataset} / {model}")
+    return paths
+
+
 def _markdown(rows: list[dict[str, str]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
@@ -143,7 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             # an interrupted run (a checkpoint but no summary) is continued unless --force
             resume = not args.force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
             print(f"\n=== {preset}" + (" (resuming the interrupted run)" if resume else ""))
-            run_experiment(config, out, label=preset, resume=resume, overwrite=not resume)
+            try:
+                run_experiment(config, out, label=preset, resume=resume, overwrite=not resume)
+            except KeyboardInterrupt:
+                given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]
+                print(
+                    f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
+                    f"runs):\n    python -m experiments.table {shlex.join(given)}",
+                    file=sys.stderr,
+                )
+                return 130
     if not args.directory.is_dir():
         print(f"error: {args.directory} is not a directory", file=sys.stderr)
         return 2
@@ -162,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     print(md)
     print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}")
+    for path in comparison_plots(args.directory, runs):
+        print(f"plot: {path}")
     return 0
 
 

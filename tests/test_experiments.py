@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.algorithms import ALGORITHM_DEFAULTS, ALGORITHMS, build_algorithm, default_config
 from experiments.checkpoint import (
     CheckpointError,
     checkpoint_exists,
@@ -18,9 +19,17 @@ from experiments.checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
-from experiments.config import ExperimentConfig, config_from_dict, list_presets, load_preset
-from experiments.driver import NonFiniteError, run_experiment
+from experiments.config import (
+    ExperimentConfig,
+    config_from_dict,
+    field_docs,
+    list_presets,
+    load_preset,
+    preset_description,
+)
+from experiments.driver import PLOT_FILES, NonFiniteError, accuracy_figures, run_experiment
 from experiments.mask_eval import evaluate_final_mask
+from experiments.run import build_parser, resolve
 from experiments.run import main as cli_main
 from experiments.table import main as table_main
 from sidejax.data import load_dataset, partition
@@ -58,6 +67,8 @@ def full_run(tmp_path_factory):
             "4",
             "--batch-size",
             "32",
+            "--client-optimizer",
+            "sgd",
             "--client-lr",
             "0.1",
             "--train-subset",
@@ -82,6 +93,7 @@ def test_cli_writes_results_folder(full_run):
         "summary.json",
         "accuracy_vs_round.png",
         "accuracy_vs_bits.png",
+        "accuracy_vs_uplink_bits.png",
     ):
         assert (full_run / name).is_file(), name
     assert checkpoint_exists(full_run / "checkpoint")
@@ -94,6 +106,7 @@ def test_cli_writes_results_folder(full_run):
     assert all(r["uplink_bpp"] == 32.0 and r["downlink_bpp"] == 32.0 for r in rows)
     assert rows[0]["uplink_bits"] == 4 * 32 * d
     assert rows[-1]["cumulative_bits"] == 4 * 2 * 4 * 32 * d
+    assert [r["cumulative_uplink_bits"] for r in rows] == [k * 4 * 32 * d for k in (1, 2, 3, 4)]
     csv_lines = (full_run / "metrics.csv").read_text().splitlines()
     assert csv_lines[0].startswith("round,test_accuracy") and len(csv_lines) == 5
     summary = json.loads((full_run / "summary.json").read_text())
@@ -114,6 +127,8 @@ def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
     assert row["run"] == "fedavg_small" and row["uplink bpp"] == "32.0000" and row["x vs 32-bit"] == "1"
     assert row["last-5 mean acc (%)"] == f"{100 * summary['tail_accuracy']:.2f}"
     assert (tmp_path / "runs" / "table.csv").is_file()
+    for name in PLOT_FILES:  # the runs of one dataset and model, plotted together
+        assert (tmp_path / "runs" / "plots" / "digits_mlp_32_16" / name).is_file()
     assert table_main([str(tmp_path / "empty_dir_that_does_not_exist")]) == 2
 
 
@@ -150,7 +165,7 @@ def test_nan_stops_with_round_and_client_after_last_good_checkpoint(tmp_path):
 
 def test_presets_load_and_are_typed():
     names = list_presets()
-    assert {"demo_digits_fedavg_iid", "demo_digits_fedavg_noniid", "fedavg_fmnist_lenet5_iid"} <= set(names)
+    assert {"demo_digits_fedavg", "demo_digits_fedavg_noniid", "fedavg_fmnist_lenet5_iid"} <= set(names)
     for name in names:
         cfg = load_preset(name)
         get_model(cfg.model)  # the model name is valid
@@ -328,7 +343,8 @@ def test_resume_from_a_damaged_checkpoint_fails_without_resuming(full_run, tmp_p
 
 
 FLAGS = [  # the full_run's configuration as CLI flags
-    *("--dataset digits --model mlp_32_16 --clients 4 --batch-size 32 --client-lr 0.1").split(),
+    *("--dataset digits --model mlp_32_16 --clients 4 --batch-size 32 --client-optimizer sgd").split(),
+    *("--client-lr 0.1").split(),
     *("--train-subset 400 --eval-every 2 --no-progress --quiet").split(),
 ]
 
@@ -432,6 +448,118 @@ def test_model_that_does_not_fit_the_input_is_refused_up_front(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "lenet5" in err and "(8, 8, 1)" in err and "mlp_100" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_has_cli_defaults_and_a_digits_preset(algorithm, small_model):
+    """The command line without a preset applies the algorithm's tuned defaults; flags override them."""
+    defaults = ALGORITHM_DEFAULTS[algorithm]
+    config, out = resolve(build_parser().parse_args([algorithm]))
+    assert config == default_config(algorithm)
+    assert {k: getattr(config, k) for k in defaults} == defaults
+    assert out.name == f"{algorithm}_digits_mlp_100_s0"
+    build_algorithm(config, small_model[2])  # the defaults build the algorithm
+    config, _ = resolve(build_parser().parse_args([algorithm, "--client-lr", "0.003", "--rounds", "7"]))
+    assert config.client_lr == 0.003 and config.rounds == 7
+    # each method has a small digits preset, which sets its fields itself
+    preset = load_preset(f"demo_digits_{algorithm}")
+    assert preset.algorithm == algorithm and preset.dataset == "digits"
+    config, _ = resolve(build_parser().parse_args(["--preset", f"demo_digits_{algorithm}"]))
+    assert config == preset
+
+
+def test_signsgd_learns_with_the_cli_defaults(tmp_path):
+    """Before (ExperimentConfig's defaults: plain SGD, server lr 1): 7.78% after 5 rounds on digits."""
+    out = tmp_path / "run"
+    assert cli_main(["signsgd", "--rounds", "5", "--output", str(out), "--no-progress", "--quiet"]) == 0
+    assert json.loads((out / "summary.json").read_text())["final_accuracy"] > 0.6
+
+
+def test_list_presets_prints_every_description(capsys):
+    assert cli_main(["--list-presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(list_presets())
+    for name, line in zip(list_presets(), lines, strict=True):
+        assert line.split()[0] == name and line.endswith(preset_description(name))
+
+
+def test_help_explains_every_flag_and_lists_choices(capsys):
+    assert cli_main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo the line wrapping
+    docs = field_docs()
+    assert set(docs) == {f for f in ExperimentConfig().to_dict()}
+    for field, doc in docs.items():
+        if field != "algorithm":
+            assert " ".join(doc.rstrip(".").split()) in text, field
+    for name in ("fashion_mnist", "lenet5", "dirichlet", "adam", "vmap", "rho", "ste", *ALGORITHMS):
+        assert name in text, name
+    assert "--resume" in text and "--overwrite" in text and "0.02 for signsgd, signsgd_klms" in text
+    assert cli_main(["fedavg", "--model", "nope"]) == 2  # not a choice: argparse's error, no traceback
+
+
+def test_plots_have_titles_integer_rounds_an_uplink_plot_and_legends_off_the_data(full_run):
+    """Before: no titles, round ticks at 1.5, 2.5, ..., legends inside the axes, no uplink-bits plot."""
+    import matplotlib.pyplot as plt
+
+    rows = _rows(full_run)
+    compressed = [  # a second run with 845x fewer uplink bits
+        {
+            **r,
+            "uplink_bits": r["uplink_bits"] / 845,
+            "cumulative_uplink_bits": r["cumulative_uplink_bits"] / 845,
+        }
+        for r in rows
+    ]
+    figures = accuracy_figures({"fedavg": rows, "compressed": compressed}, title="digits / mlp_32_16")
+    assert (
+        set(figures)
+        == set(PLOT_FILES)
+        == {
+            "accuracy_vs_round.png",
+            "accuracy_vs_bits.png",
+            "accuracy_vs_uplink_bits.png",
+        }
+    )
+    for name, fig in figures.items():
+        ax = fig.axes[0]
+        assert "Test accuracy" in ax.get_title() and "digits / mlp_32_16" in ax.get_title(), name
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.y1 <= ax.get_window_extent().y0, f"{name}: the legend overlaps the axes"
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["fedavg", "compressed"]
+    ticks = [t for t in figures["accuracy_vs_round.png"].axes[0].get_xticks() if 1 <= t <= 4]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    uplink = figures["accuracy_vs_uplink_bits.png"].axes[0]
+    assert uplink.get_xscale() == "log"
+    evaluated = [r["cumulative_uplink_bits"] for r in rows if r["test_accuracy"] is not None]
+    np.testing.assert_array_equal(uplink.lines[0].get_xdata(), evaluated)
+    np.testing.assert_allclose(uplink.lines[1].get_xdata(), np.array(evaluated) / 845, rtol=1e-15)
+    for fig in figures.values():
+        plt.close(fig)
+
+
+def test_table_run_ctrl_c_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    import experiments.driver as driver
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "run_experiment", interrupted)
+    assert table_main([str(tmp_path), "--run", "demo_digits_fedavg", "--force"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"python -m experiments.table {tmp_path} --run demo_digits_fedavg" in err and "--force" not in err
+
+
+def test_a_run_interrupted_before_its_first_checkpoint_says_to_overwrite(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(ExperimentConfig(**SMALL).to_dict()))  # no checkpoint yet
+    assert cli_main(["fedavg", *FLAGS, "--output", str(run), "--resume"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli_main(["fedavg", *FLAGS, "--rounds", "1", "--output", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "--resume" not in err
 
 
 def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monkeypatch):

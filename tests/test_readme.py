@@ -1,14 +1,16 @@
-"""The README's Python examples run as written."""
+"""The README's Python examples run as written; its commands use the project's environment and valid flags."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+BASH = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 
 
 def test_readme_has_python_examples():
@@ -19,3 +21,27 @@ def test_readme_has_python_examples():
 def test_readme_example_runs(index, capsys):
     exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
     assert capsys.readouterr().out.strip()  # each example prints its result
+
+
+def test_readme_commands_use_the_projects_environment():
+    """Before: `python -m experiments.run ...` (the system interpreter, no sidejax) after the quick start."""
+    bare = [m.start() for m in re.finditer(r"(?<![\w/.])python3? -m ", README)]
+    assert not bare, [README[i : i + 60] for i in bare]
+    assert len(re.findall(r"\.venv/bin/python -m experiments\.", README)) >= 10
+
+
+def test_readme_cli_commands_parse():
+    """Every experiments.run command in the README has valid flags and choices."""
+    from experiments.run import build_parser
+
+    commands = [
+        shlex.split(line, comments=True)
+        for block in BASH
+        for line in block.replace("\\\n", " ").splitlines()
+        if "-m experiments.run" in line
+    ]
+    assert len(commands) >= 8
+    for argv in commands:
+        assert argv[:3] == [".venv/bin/python", "-m", "experiments.run"], argv
+        if "--help" not in argv:
+            build_parser().parse_args(argv[3:])  # argparse exits (SystemExit) on a bad flag or choice
