@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
-.PHONY: demo test test-fast test-floor lint bench clean
+.PHONY: demo test test-fast test-floor lint bench notebooks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test-floor: $(FLOOR)/.installed
 
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -m "not slow"
+
+# Re-execute the notebooks in place so their committed outputs (plots, tables) match the code.
+notebooks: $(VENV)/.installed-dev
+	$(BIN)/python -m experiments.refresh_notebooks
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check sidejax experiments tests

@@ -36,6 +36,11 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {list(OPTIMIZERS)}")
 
 
+def _client_strategy(config: ExperimentConfig) -> str | None:
+    """``None`` (the library's backend default) for ``auto``, else the strategy the config forces."""
+    return None if config.client_strategy == "auto" else config.client_strategy
+
+
 def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
     server = None
     if config.server_optimizer != "none":
@@ -47,7 +52,7 @@ def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
         batch_size=config.batch_size,
         local_epochs=config.local_epochs,
         server_optimizer=server,
-        client_strategy=config.client_strategy,
+        client_strategy=_client_strategy(config),
     )
 
 
@@ -72,7 +77,7 @@ def _common(config: ExperimentConfig) -> dict:
         clients_per_round=config.clients_per_round,
         batch_size=config.batch_size,
         local_epochs=config.local_epochs,
-        client_strategy=config.client_strategy,
+        client_strategy=_client_strategy(config),
     )
 
 
@@ -120,7 +125,7 @@ def _langevin(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Al
         levels=config.qsgd_levels,
         klms=klms_config(config) if use_klms else None,
         paper_compat=config.paper_compat,
-        client_strategy=config.client_strategy,
+        client_strategy=_client_strategy(config),
     )
 
 

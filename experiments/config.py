@@ -47,7 +47,8 @@ class ExperimentConfig:
       seed: the run's seed; every key derives from it (:func:`sidejax.keys.run_keys`).
       eval_every: rounds per jit call; the test set is evaluated and a checkpoint written after each.
       eval_batch_size: batch size of evaluation.
-      client_strategy: ``map`` (sequential, best on CPU) or ``vmap`` (best on accelerators).
+      client_strategy: ``auto`` (the library's backend default, :func:`sidejax.fl.default_client_strategy`:
+        ``map`` on CPU, ``vmap`` on GPU/TPU), or ``map`` (sequential) / ``vmap`` to force one.
       stop_at_accuracy: if > 0, stop once test accuracy (a fraction, e.g. 0.9) reaches it.
       log2_candidates: KLMS ``log2 K`` (candidates per block), also the target KL per block in bits.
       klms_overhead_bits: KLMS overhead r: blocks carry ``log2_candidates - r`` bits of KL.
@@ -87,7 +88,7 @@ class ExperimentConfig:
     seed: int = 0
     eval_every: int = 1
     eval_batch_size: int = 1000
-    client_strategy: str = "map"
+    client_strategy: str = "auto"
     stop_at_accuracy: float = 0.0
     log2_candidates: int = 2
     klms_overhead_bits: float = 0.0
@@ -131,8 +132,8 @@ class ExperimentConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: see ExperimentConfig's docstring")
-        if self.client_strategy not in ("map", "vmap"):
-            raise ValueError(f"client_strategy must be 'map' or 'vmap', got {self.client_strategy!r}")
+        if self.client_strategy not in ("auto", "map", "vmap"):
+            raise ValueError(f"client_strategy must be 'auto', 'map' or 'vmap', got {self.client_strategy!r}")
 
     @property
     def clients_per_round(self) -> int:

@@ -74,7 +74,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "client_optimizer": OPTIMIZERS,
     "server_optimizer": ("none", *OPTIMIZERS),
     "partition": tuple(PARTITION_KINDS),
-    "client_strategy": ("map", "vmap"),
+    "client_strategy": ("auto", "map", "vmap"),
     "klms_trigger": ("thresholds", "rho"),
     "fedpm_estimator": ("fedpm", "ste"),
 }
