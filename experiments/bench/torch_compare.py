@@ -6,7 +6,8 @@ momentum 0.9), softmax cross-entropy, a fresh random order each epoch, at each o
 model is the same LeNet5 in both (61,706 parameters): PyTorch's copy is loaded with sidejax's initial
 weights and its logits are checked against sidejax's before timing.
 
-Contestants, timed in turn within each repeat (so machine noise hits all of them alike), median reported:
+Contestants, each (batch size, contestant) timed in turn within each repeat (so machine load drifts over all
+of them alike), median reported:
 
 - ``sidejax``: :func:`sidejax.fl.local.build_local_trainer` (the ``lax.scan`` local trainer every FedAvg-type
   algorithm runs per client), jitted, with the models' convolution (:mod:`sidejax.models.conv`);
@@ -216,17 +217,22 @@ def _run(args: argparse.Namespace) -> dict:
             pass
     data = _Data(args.examples)
     variants = ["sidejax"] + ["no_banded", "kernel_only"] * args.before + ["lax"] * args.lax
-    per_batch = {}
+    by_batch = {}
     for b in args.batch_sizes:
-        trainers, params, spec = _sidejax_trainers(data, b, variants)
+        by_batch[b], params, spec = _sidejax_trainers(data, b, variants)
         if torch is not None:
-            trainers["torch"] = _torch_trainer(torch, data, b, params, spec)
-        times = {name: [] for name in trainers}
-        for _ in range(args.repeats):
+            by_batch[b]["torch"] = _torch_trainer(torch, data, b, params, spec)
+    # every (batch size, contestant) in turn within each repeat: machine load drifts alike over all of them
+    all_times = {b: {name: [] for name in trainers} for b, trainers in by_batch.items()}
+    for _ in range(args.repeats):
+        for b, trainers in by_batch.items():
             for name, fn in trainers.items():
                 t0 = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                all_times[b][name].append(time.perf_counter() - t0)
+    per_batch = {}
+    for b, trainers in by_batch.items():
+        times = all_times[b]
         med = {name: float(np.median(v)) for name, v in times.items()}
         entry = {
             name: {
