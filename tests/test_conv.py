@@ -139,10 +139,15 @@ def test_banded_matmul_path_matches_float64_oracle(case):
 
 
 def test_banded_matmul_only_for_small_stride1_convolutions():
-    """The models' large or strided convolutions keep the convolution path (a banded matrix would be big)."""
+    """Only small stride-1 convolutions with few output channels are banded (where it measured faster); the
+    models' wider, larger or strided convolutions keep the convolution path."""
     uses = conv_module._uses_banded_matmul
     assert uses((32, 28, 28, 1), (5, 5, 1, 6), (1, 1), ((2, 2), (2, 2)), (1, 1))  # LeNet5 conv1: 26,880
     assert uses((32, 14, 14, 6), (5, 5, 6, 16), (1, 1), ((0, 0), (0, 0)), (1, 1))  # LeNet5 conv2: 67,200
+    assert uses((32, 12, 12, 6), (5, 5, 6, 6), (1, 1), ((0, 0), (0, 0)), (1, 1))  # CEPAM conv2
+    assert not uses((32, 28, 28, 1), (5, 5, 1, 20), (1, 1), ((0, 0), (0, 0)), (1, 1))  # KLMS LeNet conv1
+    assert not uses((32, 28, 28, 1), (3, 3, 1, 32), (1, 1), ((0, 0), (0, 0)), (1, 1))  # BPC-FL conv1
+    assert not uses((32, 28, 28, 1), (3, 3, 1, 64), (1, 1), ((1, 1), (1, 1)), (1, 1))  # Conv4 conv1
     assert not uses((32, 28, 28, 64), (3, 3, 64, 64), (1, 1), ((1, 1), (1, 1)), (1, 1))  # Conv4 conv2
     assert not uses((32, 32, 32, 3), (3, 3, 3, 64), (1, 1), ((1, 1), (1, 1)), (1, 1))  # Conv6 conv1
     assert not uses((32, 14, 14, 6), (5, 5, 6, 16), (2, 2), ((0, 0), (0, 0)), (1, 1))  # strided

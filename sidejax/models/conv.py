@@ -29,16 +29,19 @@ convolution (no input dilation, no feature or batch groups, default precision) o
 
 Small convolutions: even canonical, XLA CPU's convolutions are slow for few channels (Eigen's im2col with a
 depth of 1 for LeNet5's first layer; measured single-threaded, batch 32: its forward pass 63 us per example,
-PyTorch's 8). A stride-1, undilated convolution with non-negative padding whose banded matrix has at most
-:data:`BANDED_MAX_ENTRIES` entries is therefore computed as one matrix product instead: the ``KH`` padded
+PyTorch's 8). A stride-1, undilated convolution with non-negative padding, at most
+:data:`BANDED_MAX_OUT_CHANNELS` output channels and a banded matrix of at most :data:`BANDED_MAX_ENTRIES`
+entries is therefore computed as one matrix product instead: the ``KH`` padded
 input rows that each output row reads, ``[N * H_out, KH * W_pad * I]``, times the block-Toeplitz matrix
 ``T[a, p, i, w, o] = K[a, p - w, i, o]`` (0 outside the band), ``[KH * W_pad * I, W_out * O]``. It does
 ``W_pad / KW`` times the multiply-adds of a direct convolution (6.4x and 2.8x for LeNet5's two layers) but
 as one well-shaped GEMM, and its gradients are matrix products too (JAX's own autodiff; no convolution is
-left in the training loop). LeNet5 local training, batch 32, single-threaded: 1.7-1.8x faster than the
-canonical convolution path. Large layers (Conv4, Conv6, ResNet) keep the convolution path, where the matrix
-would be large and the extra work dominant. The summation order differs from ``lax``'s (results agree to
-float32 rounding, not bit for bit).
+left in the training loop). LeNet5 local training, batch 32, single-threaded: 1.7x faster than the
+canonical convolution path (batch 128: 1.9-2.5x). Per layer (one SGD step per batch of 32 in a scan,
+single-threaded, convolution path / banded): LeNet5 conv1 2.7x, conv2 1.3x, CEPAM conv2 3.3x; with more
+output channels the convolution path wins (KLMS LeNet conv1, 20 channels: 0.91x; BPC-FL conv1, 32: 0.60x;
+Conv4 conv1, 64: 0.41x), hence the channel bound; Conv4, Conv6 and ResNet layers keep the convolution path.
+The summation order differs from ``lax``'s (results agree to float32 rounding, not bit for bit).
 
 Everything else (and every other backend) calls ``lax.conv_general_dilated`` unchanged. The forward pass and
 both gradients are the same mathematical quantities as JAX's; on the convolution path the input gradient has
@@ -68,9 +71,11 @@ _CUSTOM_GRADIENT = [True]
 _CANONICAL_INPUT_GRADIENT = [True]
 _BANDED = [True]
 
-#: Largest banded matrix (``KH * W_pad * I * W_out * O`` float32 entries, 512 KiB) for which a stride-1
-#: convolution is computed as one matrix product (see the module docstring). LeNet5: 26,880 and 67,200.
+#: A stride-1 convolution is computed as one banded matrix product (module docstring) when it has at most
+#: ``BANDED_MAX_OUT_CHANNELS`` output channels and its banded matrix at most ``BANDED_MAX_ENTRIES``
+#: (``KH * W_pad * I * W_out * O``) float32 entries (512 KiB). LeNet5: 6 and 16 channels, 26,880 and 67,200.
 BANDED_MAX_ENTRIES = 2**17
+BANDED_MAX_OUT_CHANNELS = 16
 
 
 @contextlib.contextmanager
@@ -127,7 +132,10 @@ def _uses_banded_matmul(lhs_shape, rhs_shape, strides, pads, dilation) -> bool:
         return False
     kh, kw, cin, cout = rhs_shape
     w_pad = lhs_shape[2] + pads[1][0] + pads[1][1]
-    return 0 < kh * w_pad * cin * (w_pad - kw + 1) * cout <= BANDED_MAX_ENTRIES
+    return (
+        cout <= BANDED_MAX_OUT_CHANNELS
+        and 0 < kh * w_pad * cin * (w_pad - kw + 1) * cout <= BANDED_MAX_ENTRIES
+    )
 
 
 def _banded_conv(x, kernel, pads):
