@@ -1,5 +1,7 @@
-"""sidejax.models.conv: both gradients of the loop-friendly convolution, against lax and a float64 oracle, and
-the canonical layout of every convolution of a training loop (the input gradient included)."""
+"""sidejax.models.conv: the forward pass and both gradients of its two paths (canonical custom-VJP
+convolution; banded matrix product for small stride-1 convolutions) against lax and a float64 oracle, which
+path each layer takes, and the canonical layout of every convolution of a training loop (the input gradient
+included)."""
 
 from __future__ import annotations
 
