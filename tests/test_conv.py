@@ -1,14 +1,19 @@
-"""sidejax.models.conv: both gradients of the loop-friendly convolution, against lax and a float64 oracle, and
-the canonical layout of every convolution of a training loop (the input gradient included)."""
+"""sidejax.models.conv: the forward pass and both gradients of its two paths (canonical custom-VJP
+convolution; banded matrix product for small stride-1 convolutions) against lax and a float64 oracle, which
+path each layer takes, and the canonical layout of every convolution of a training loop (the input gradient
+included)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidejax.models.conv import conv_general_dilated
+from sidejax.models import conv as conv_module
+from sidejax.models.conv import conv_general_dilated, no_banded_matmul
 
 DN = ("NHWC", "HWIO", "NHWC")
 EPS32 = float(np.finfo(np.float32).eps)
@@ -70,12 +75,7 @@ def _assert_within_summation_bound(got, exact, abs_sum, terms, what):
     assert np.all(err <= bound), f"{what}: error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
 
 
-@pytest.mark.parametrize("name,n,xshape,ks,cout,padding,strides,dilation", CASES, ids=[c[0] for c in CASES])
-def test_gradients_match_lax_and_float64_oracle(name, n, xshape, ks, cout, padding, strides, dilation):
-    """Input and kernel gradients of sidejax's convolution: dx equals jax.grad of the plain lax convolution to
-    within 2 ULP (the same products summed in the same order, but a different compiled program, so not
-    demanded bit-equal), and both gradients lie within the float32 summation error bound of a float64 oracle.
-    """
+def _case(n, xshape, ks, cout, padding, strides, dilation):
     kx, kk, kd = jax.random.split(jax.random.key(11), 3)
     x = jax.random.normal(kx, (n, *xshape))
     k = jax.random.normal(kk, (*ks, xshape[2], cout)) / np.sqrt(ks[0] * ks[1] * xshape[2])
@@ -92,17 +92,69 @@ def test_gradients_match_lax_and_float64_oracle(name, n, xshape, ks, cout, paddi
 
         return jax.jit(f)
 
-    y, dx, dk = vjp(conv_general_dilated)(x, k, dy)
+    return x, k, dy, pads, vjp
+
+
+def _check_against_oracle(x, k, dy, pads, strides, dilation, y, dx, dk):
+    n, _, _, cin = x.shape
+    kh, kw, _, cout = k.shape
+    y64, y_abs, dx64, dx_abs, dk64, dk_abs = _oracle(x, k, dy, strides, dilation, pads)
+    _assert_within_summation_bound(y, y64, y_abs, kh * kw * cin, "y")
+    _assert_within_summation_bound(dx, dx64, dx_abs, kh * kw * cout, "dx")
+    _assert_within_summation_bound(dk, dk64, dk_abs, n * dy.shape[1] * dy.shape[2], "dk")
+
+
+@pytest.mark.parametrize("name,n,xshape,ks,cout,padding,strides,dilation", CASES, ids=[c[0] for c in CASES])
+def test_convolution_path_gradients_match_lax_and_float64_oracle(
+    name, n, xshape, ks, cout, padding, strides, dilation
+):
+    """The convolution path (custom VJP; forced with no_banded_matmul): dx equals jax.grad of the plain lax
+    convolution to within 2 ULP (the same products summed in the same order, but a different compiled
+    program, so not demanded bit-equal), and y, dx and dk lie within the float32 summation error bound of a
+    float64 oracle."""
+    x, k, dy, pads, vjp = _case(n, xshape, ks, cout, padding, strides, dilation)
+    with no_banded_matmul():
+        y, dx, dk = vjp(conv_general_dilated)(x, k, dy)
     y_ref, dx_ref, dk_ref = vjp(jax.lax.conv_general_dilated)(x, k, dy)
     # Different compiled programs (custom VJP vs lax's transpose rule): tight ULP tolerance, not bit equality.
     np.testing.assert_array_max_ulp(np.asarray(y), np.asarray(y_ref), maxulp=2)
     np.testing.assert_array_max_ulp(np.asarray(dx), np.asarray(dx_ref), maxulp=2)
+    _check_against_oracle(x, k, dy, pads, strides, dilation, y, dx, dk)
+    _check_against_oracle(x, k, dy, pads, strides, dilation, y_ref, dx_ref, dk_ref)  # the oracle itself
 
-    y64, y_abs, dx64, dx_abs, dk64, dk_abs = _oracle(x, k, dy, strides, dilation, pads)
-    _assert_within_summation_bound(y, y64, y_abs, ks[0] * ks[1] * xshape[2], "y (oracle check)")
-    _assert_within_summation_bound(dx, dx64, dx_abs, ks[0] * ks[1] * cout, "dx")
-    _assert_within_summation_bound(dk, dk64, dk_abs, n * ho[1] * ho[2], "dk")
-    _assert_within_summation_bound(dk_ref, dk64, dk_abs, n * ho[1] * ho[2], "lax dk (oracle check)")
+
+BANDED = ["same_3x3", "valid_5x3", "lenet5_conv1", "lenet5_conv2"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in BANDED], ids=BANDED)
+def test_banded_matmul_path_matches_float64_oracle(case):
+    """Small stride-1 convolutions (LeNet5's two among them) are one banded matrix product: y, dx and dk lie
+    within the float32 summation error bound of a float64 oracle (the summation order is not lax's, so no ULP
+    comparison with lax), and the path is really taken: no convolution in the compiled program."""
+    name, n, xshape, ks, cout, padding, strides, dilation = case
+    x, k, dy, pads, vjp = _case(n, xshape, ks, cout, padding, strides, dilation)
+    assert conv_module._uses_banded_matmul(x.shape, k.shape, strides, tuple(pads), dilation)
+    f = vjp(conv_general_dilated)
+    if jax.default_backend() == "cpu":
+        assert " convolution(" not in f.lower(x, k, dy).compile().as_text()
+    _check_against_oracle(x, k, dy, pads, strides, dilation, *f(x, k, dy))
+
+
+def test_banded_matmul_only_for_small_stride1_convolutions():
+    """Only small stride-1 convolutions with few output channels are banded (where it measured faster); the
+    models' wider, larger or strided convolutions keep the convolution path."""
+    uses = conv_module._uses_banded_matmul
+    assert uses((32, 28, 28, 1), (5, 5, 1, 6), (1, 1), ((2, 2), (2, 2)), (1, 1))  # LeNet5 conv1: 26,880
+    assert uses((32, 14, 14, 6), (5, 5, 6, 16), (1, 1), ((0, 0), (0, 0)), (1, 1))  # LeNet5 conv2: 67,200
+    assert uses((32, 12, 12, 6), (5, 5, 6, 6), (1, 1), ((0, 0), (0, 0)), (1, 1))  # CEPAM conv2
+    assert not uses((32, 28, 28, 1), (5, 5, 1, 20), (1, 1), ((0, 0), (0, 0)), (1, 1))  # KLMS LeNet conv1
+    assert not uses((32, 28, 28, 1), (3, 3, 1, 32), (1, 1), ((0, 0), (0, 0)), (1, 1))  # BPC-FL conv1
+    assert not uses((32, 28, 28, 1), (3, 3, 1, 64), (1, 1), ((1, 1), (1, 1)), (1, 1))  # Conv4 conv1
+    assert not uses((32, 28, 28, 64), (3, 3, 64, 64), (1, 1), ((1, 1), (1, 1)), (1, 1))  # Conv4 conv2
+    assert not uses((32, 32, 32, 3), (3, 3, 3, 64), (1, 1), ((1, 1), (1, 1)), (1, 1))  # Conv6 conv1
+    assert not uses((32, 14, 14, 6), (5, 5, 6, 16), (2, 2), ((0, 0), (0, 0)), (1, 1))  # strided
+    with no_banded_matmul():
+        assert not uses((32, 28, 28, 1), (5, 5, 1, 6), (1, 1), ((2, 2), (2, 2)), (1, 1))
 
 
 def _two_conv_net(conv):
@@ -145,19 +197,22 @@ def test_every_convolution_of_a_training_scan_is_canonical():
     fix: ``b01f_01oi->b01f`` here, and LeNet5's local trainer 1.7x slower than a Python loop of jitted
     steps)."""
     params, xs = _params_and_data()
-    hlo = _scan_trainer(conv_general_dilated).lower(params, xs).compile().as_text()
+    with no_banded_matmul():  # these small convolutions would otherwise be banded matrix products
+        hlo = _scan_trainer(conv_general_dilated).lower(params, xs).compile().as_text()
     labels = [
         line.split("dim_labels=")[1].split(",")[0] for line in hlo.splitlines() if " convolution(" in line
     ]
     assert len(labels) == 5 and all(lab == "b01f_01io->b01f" for lab in labels), labels
 
 
-def test_training_scan_matches_lax():
+@pytest.mark.parametrize("banded", [True, False], ids=["banded", "convolution"])
+def test_training_scan_matches_lax(banded):
     """Three SGD steps through both convolutions inside lax.scan (gradients flow through the second conv's
-    input gradient into the first kernel) agree with plain lax: different programs, so a tolerance; the
-    2-ULP per-op agreement above compounds over steps, so relative 1e-5 of each kernel's scale."""
+    input gradient into the first kernel), on either path, agree with plain lax: different programs, so a
+    tolerance; per-op rounding differences (a few ULP) compound over steps, so 1e-5 of each kernel's scale."""
     params, xs = _params_and_data()
-    ours = _scan_trainer(conv_general_dilated)(params, xs)
+    with contextlib.nullcontext() if banded else no_banded_matmul():
+        ours = _scan_trainer(conv_general_dilated)(params, xs)
     ref = _scan_trainer(jax.lax.conv_general_dilated)(params, xs)
     for a, b in zip(ours, ref, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

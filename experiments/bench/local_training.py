@@ -6,8 +6,9 @@ the JSON, if they are not installed), 10 iid clients of 6,000 examples, batch 32
 round, FedAvg rounds through :func:`sidejax.fl.run_rounds`. Each strategy is compiled and warmed up once,
 then timed over ``--repeats`` calls of ``--rounds`` rounds; a client-epoch is one client's pass over its
 data. Every strategy runs with each of ``--convs``: the models' convolution (``sidejax``, whose kernel and
-input gradients stay on XLA CPU's fast path inside the local-training scan), ``kernel_only`` (the
-convolution before issue 12: canonical kernel gradient, JAX's ``b01f_01oi`` input gradient; traced inside
+input gradients stay on XLA CPU's fast path inside the local-training scan, and whose small stride-1
+convolutions are banded matrix products), ``no_banded`` (the same without banded products), ``kernel_only``
+(the convolution before issue 12: canonical kernel gradient, JAX's ``b01f_01oi`` input gradient; traced inside
 :func:`sidejax.models.conv.lax_input_gradient`) and plain ``lax`` (the baseline, traced inside
 :func:`sidejax.models.conv.plain_lax_convolution`). Writes JSON (default
 ``results/bench/local_training.json``) with the throughput of each (strategy, convolution), the
@@ -36,9 +37,14 @@ from sidejax.data import dataset_available, iid_partition, load_dataset, make_fe
 from sidejax.fl import classification_loss, fedavg, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import get_model, init_params
-from sidejax.models.conv import lax_input_gradient, plain_lax_convolution
+from sidejax.models.conv import lax_input_gradient, no_banded_matmul, plain_lax_convolution
 
-_CONVS = {"sidejax": contextlib.nullcontext, "kernel_only": lax_input_gradient, "lax": plain_lax_convolution}
+_CONVS = {
+    "sidejax": contextlib.nullcontext,
+    "no_banded": no_banded_matmul,
+    "kernel_only": lax_input_gradient,
+    "lax": plain_lax_convolution,
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--convs",
         default="sidejax,lax",
-        help="convolutions to time: sidejax (the models'), kernel_only (before issue 12) and/or lax",
+        help="convolutions to time: sidejax (the models'), no_banded, kernel_only (before issue 12), lax",
     )
     p.add_argument("--output", type=Path, default=Path("results/bench/local_training.json"))
     args = p.parse_args(argv)
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
             report[f"map_over_vmap_speedup_{conv}"] = rate[f"map/{conv}"] / rate[f"vmap/{conv}"]
             print(f"map / vmap throughput ratio ({conv} conv): {report[f'map_over_vmap_speedup_{conv}']:.2f}")
     for strategy in args.strategies.split(","):
-        for base in ("lax", "kernel_only"):
+        for base in ("lax", "kernel_only", "no_banded"):
             if f"{strategy}/sidejax" in rate and f"{strategy}/{base}" in rate:
                 ratio = rate[f"{strategy}/sidejax"] / rate[f"{strategy}/{base}"]
                 report[f"sidejax_over_{base}_conv_speedup_{strategy}"] = ratio

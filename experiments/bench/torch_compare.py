@@ -6,13 +6,16 @@ momentum 0.9), softmax cross-entropy, a fresh random order each epoch, at each o
 model is the same LeNet5 in both (61,706 parameters): PyTorch's copy is loaded with sidejax's initial
 weights and its logits are checked against sidejax's before timing.
 
-Contestants, timed in turn within each repeat (so machine noise hits all of them alike), median reported:
+Contestants, each (batch size, contestant) timed in turn within each repeat (so machine load drifts over all
+of them alike), median reported:
 
 - ``sidejax``: :func:`sidejax.fl.local.build_local_trainer` (the ``lax.scan`` local trainer every FedAvg-type
   algorithm runs per client), jitted, with the models' convolution (:mod:`sidejax.models.conv`);
-- ``kernel_only`` (with ``--before``): the same, traced inside
-  :func:`sidejax.models.conv.lax_input_gradient`, the convolution before issue 12 (canonical kernel gradient,
-  JAX's ``b01f_01oi`` input gradient): the before/after of that change in the same run;
+- ``no_banded`` and ``kernel_only`` (with ``--before``): the same, traced inside
+  :func:`sidejax.models.conv.no_banded_matmul` (every convolution on the convolution path with canonical
+  input and kernel gradients: issue 12's first change alone) and inside
+  :func:`sidejax.models.conv.lax_input_gradient` (the convolution before issue 12: canonical kernel
+  gradient, JAX's ``b01f_01oi`` input gradient): the before/after of both changes in the same run;
 - ``lax`` (with ``--lax``): the same with plain ``lax.conv_general_dilated`` (slow: both gradients
   non-canonical inside the loop);
 - ``torch``: the usual PyTorch loop (``zero_grad``, forward, ``backward``, ``step``) on NCHW tensors, batches
@@ -26,8 +29,9 @@ itself in a fresh interpreter. ``--threads 0`` leaves both libraries at their de
 
 Writes JSON (default ``results/bench/torch_compare.json``): per batch size, each contestant's seconds per
 epoch (all repeats and median) and microseconds per example, ``sidejax_over_torch_time`` (the target of
-issue 12 is <= 1.2 at batch 32), ``kernel_only_over_sidejax_time`` (the speed-up of the input-gradient
-change) and the per-example cost of batch 128 relative to batch 32 for each contestant.
+issue 12 is <= 1.2 at batch 32), ``kernel_only_over_sidejax_time`` (the speed-up of both changes),
+``kernel_only_over_no_banded_time`` (of the input-gradient change alone) and the per-example cost of batch
+128 relative to batch 32 for each contestant.
 
 Run: ``python -m experiments.bench.torch_compare [--batch-sizes 32,128] [--examples 6000] [--repeats 5]
 [--before] [--lax]``.
@@ -57,7 +61,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--examples", type=int, default=6000, help="examples in the client's epoch (default 6000)")
     p.add_argument("--repeats", type=int, default=5, help="timed epochs per contestant (median reported)")
     p.add_argument("--threads", type=int, default=1, choices=(0, 1), help="1: single-threaded; 0: defaults")
-    p.add_argument("--before", action="store_true", help="also time kernel_only (the conv before issue 12)")
+    p.add_argument(
+        "--before", action="store_true", help="also time no_banded and kernel_only (before issue 12)"
+    )
     p.add_argument("--lax", action="store_true", help="also time plain lax convolutions (slow)")
     p.add_argument("--no-torch", action="store_true", help="skip PyTorch even when it is installed")
     p.add_argument("--output", type=Path, default=Path("results/bench/torch_compare.json"))
@@ -110,7 +116,7 @@ def _sidejax_trainers(data: _Data, batch_size: int, variants: list[str]):
     from sidejax.fl.local import build_local_trainer
     from sidejax.keys import run_keys
     from sidejax.models import get_model, init_params
-    from sidejax.models.conv import lax_input_gradient, plain_lax_convolution
+    from sidejax.models.conv import lax_input_gradient, no_banded_matmul, plain_lax_convolution
 
     spec = get_model("lenet5")
     init_key, client_key = run_keys(0)
@@ -122,6 +128,7 @@ def _sidejax_trainers(data: _Data, batch_size: int, variants: list[str]):
     loss = classification_loss(spec.module.apply)
     contexts = {
         "sidejax": contextlib.nullcontext,
+        "no_banded": no_banded_matmul,
         "kernel_only": lax_input_gradient,
         "lax": plain_lax_convolution,
     }
@@ -209,18 +216,23 @@ def _run(args: argparse.Namespace) -> dict:
         except RuntimeError:  # already set (or parallel work already started) in this process
             pass
     data = _Data(args.examples)
-    variants = ["sidejax"] + ["kernel_only"] * args.before + ["lax"] * args.lax
-    per_batch = {}
+    variants = ["sidejax"] + ["no_banded", "kernel_only"] * args.before + ["lax"] * args.lax
+    by_batch = {}
     for b in args.batch_sizes:
-        trainers, params, spec = _sidejax_trainers(data, b, variants)
+        by_batch[b], params, spec = _sidejax_trainers(data, b, variants)
         if torch is not None:
-            trainers["torch"] = _torch_trainer(torch, data, b, params, spec)
-        times = {name: [] for name in trainers}
-        for _ in range(args.repeats):
+            by_batch[b]["torch"] = _torch_trainer(torch, data, b, params, spec)
+    # every (batch size, contestant) in turn within each repeat: machine load drifts alike over all of them
+    all_times = {b: {name: [] for name in trainers} for b, trainers in by_batch.items()}
+    for _ in range(args.repeats):
+        for b, trainers in by_batch.items():
             for name, fn in trainers.items():
                 t0 = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                all_times[b][name].append(time.perf_counter() - t0)
+    per_batch = {}
+    for b, trainers in by_batch.items():
+        times = all_times[b]
         med = {name: float(np.median(v)) for name, v in times.items()}
         entry = {
             name: {
@@ -234,6 +246,8 @@ def _run(args: argparse.Namespace) -> dict:
         entry["sidejax_over_torch_time"] = med["sidejax"] / med["torch"] if "torch" in med else None
         if "kernel_only" in med:
             entry["kernel_only_over_sidejax_time"] = med["kernel_only"] / med["sidejax"]
+            entry["kernel_only_over_no_banded_time"] = med["kernel_only"] / med["no_banded"]
+            entry["no_banded_over_sidejax_time"] = med["no_banded"] / med["sidejax"]
         if "lax" in med:
             entry["lax_over_sidejax_time"] = med["lax"] / med["sidejax"]
         per_batch[str(b)] = entry
@@ -242,7 +256,11 @@ def _run(args: argparse.Namespace) -> dict:
         if entry["sidejax_over_torch_time"] is not None:
             print(f"batch {b}: sidejax / torch time {entry['sidejax_over_torch_time']:.2f}", flush=True)
         if "kernel_only_over_sidejax_time" in entry:
-            print(f"batch {b}: input-gradient change speed-up {entry['kernel_only_over_sidejax_time']:.2f}x")
+            print(
+                f"batch {b}: speed-up over before issue 12 {entry['kernel_only_over_sidejax_time']:.2f}x"
+                f" (input gradient {entry['kernel_only_over_no_banded_time']:.2f}x,"
+                f" then banded matmul {entry['no_banded_over_sidejax_time']:.2f}x)"
+            )
     report = {
         "benchmark": "lenet5_local_training_vs_torch",
         "data": "fashion_mnist" if data.real else "random (fashion_mnist not installed)",
