@@ -5,6 +5,7 @@ Statistical tests use fixed keys and sample sizes where the tolerance is several
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -244,6 +245,46 @@ def test_gaussian_decode_is_the_same_computation_in_jit_eager_and_vmap():
     )
     np.testing.assert_array_max_ulp(np.asarray(y_eager), np.asarray(y_jit), maxulp=4)
     np.testing.assert_array_max_ulp(np.asarray(y_vmap[1]), np.asarray(y_jit), maxulp=4)
+
+
+def _cond_branch_counts(jaxpr) -> list[int]:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(len(eqn.params["branches"]))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if hasattr(sub, "jaxpr"):
+                    out += _cond_branch_counts(sub.jaxpr)
+    return out
+
+
+def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
+    """Issue 12 (speed): the encoder sized its [blocks, K] log-weights and Gumbel draw to max_blocks = dim
+    (61,706 x 256 at the klms_fmnist preset) for ~600 live blocks. In rounds on the broadcast partition it
+    now runs the smallest static bucket that holds the block count (one lax.switch branch per bucket) and
+    sends exactly the messages of the unbounded encoder (compared within one compiled program)."""
+    assert CFG.work_buckets(D) == (64, 256, D)
+    preset = KLMSConfig(log2_num_candidates=8, overhead_bits=3.0, max_block_size=1024)
+    assert preset.work_buckets(61706) == (64, 256, 1024, 4096, 16384, 61706)
+    assert FIXED.work_buckets(D) == (100,)  # fixed blocks: always max_blocks of them
+    full = dataclasses.replace(CFG, bucketed=False)
+
+    @jax.jit
+    def both(state):
+        return klms_encode(KEYS, Q, P, state, CFG), klms_encode(KEYS, Q, P, state, full)
+
+    for block_size, bucket in ((16, 64), (8, 256), (3, D)):  # 63, 125 and 334 blocks
+        cfg = dataclasses.replace(CFG, block_size=block_size)
+        state = klms_init(D, cfg)._replace(update=jnp.asarray(False))
+        (msg, info), (ref, ref_info) = both(state)
+        assert int(info.num_blocks) <= bucket and float(msg.num_bits) == float(ref.num_bits)
+        np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
+        assert float(info.statistic) == float(ref_info.statistic)
+    state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
+    for cfg, switched in ((CFG, True), (full, False)):
+        jaxpr = jax.make_jaxpr(lambda s, cfg=cfg: klms_encode(KEYS, Q, P, s, cfg))(state).jaxpr
+        assert (3 in _cond_branch_counts(jaxpr)) == switched
 
 
 def test_fixed_mode_sends_indices_only():
