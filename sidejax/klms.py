@@ -144,7 +144,10 @@ class KLMSConfig:
         to ``max_blocks`` (= ``dim``); same indices and bits for the same keys (see
         :func:`sidejax.coding.importance.encode_bounded`). Applies in rounds that use the broadcast
         partition, whose count is known to every client; update rounds (each client's own partition)
-        keep the full bound, since under ``vmap`` a per-client switch would run every bucket.
+        keep the full bound unless ``bucket_update_rounds``.
+      bucket_update_rounds: also bucket update rounds, by each client's own block count. Turn it on only
+        when clients run one at a time (``lax.map``, the CPU default): under ``vmap`` that count differs
+        per client, so ``lax.switch`` becomes a select and every bucket would run.
     """
 
     log2_num_candidates: int = 2
@@ -160,6 +163,7 @@ class KLMSConfig:
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     crc32: bool = False
     bucketed: bool = True
+    bucket_update_rounds: bool = False
 
     def __post_init__(self):
         b = self.log2_num_candidates
@@ -362,23 +366,26 @@ def klms_encode(
             memory_budget_bytes=config.memory_budget_bytes,
         )
 
-    def encode_broadcast_partition():
-        # the server's partition: its block count is the same for every client (not batched under vmap),
-        # so lax.switch runs only the bucket that holds it, under vmap as under lax.map
-        buckets = config.work_buckets(dim) if config.bucketed else (mb,)
+    def encode_bucketed(blocks, bucketed: bool):
+        # lax.switch runs only the smallest bucket that holds blocks.num_blocks (when the count is not
+        # batched; see KLMSConfig.bucket_update_rounds)
+        buckets = config.work_buckets(dim) if bucketed else (mb,)
         if len(buckets) == 1:
-            return blocks0, encode(blocks0, mb)
-        branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), blocks0.num_blocks, side="left")
+            return encode(blocks, mb)
+        branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), blocks.num_blocks, side="left")
         branch = jnp.minimum(branch, len(buckets) - 1)
-        fns = [functools.partial(encode, blocks0, w) for w in buckets]
-        return blocks0, jax.lax.switch(branch, fns)
+        return jax.lax.switch(branch, [functools.partial(encode, blocks, w) for w in buckets])
+
+    def encode_broadcast_partition():
+        # the server's partition: its block count is the same for every client (not batched under vmap)
+        return blocks0, encode_bucketed(blocks0, config.bucketed)
 
     if config.adaptive:
         kl = q.kl_bits(p)
 
         def repartition():
             blocks = kl_blocks(kl, config.target_bits, max_block_size=config.max_block_size, max_blocks=mb)
-            return blocks, encode(blocks, mb)
+            return blocks, encode_bucketed(blocks, config.bucketed and config.bucket_update_rounds)
 
         blocks, (indices, info) = jax.lax.cond(state.update, repartition, encode_broadcast_partition)
     else:

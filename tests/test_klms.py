@@ -281,6 +281,14 @@ def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
         assert int(info.num_blocks) <= bucket and float(msg.num_bits) == float(ref.num_bits)
         np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
         assert float(info.statistic) == float(ref_info.statistic)
+    # update rounds (each client's own partition) too, when asked (clients under lax.map)
+    per_client = dataclasses.replace(CFG, bucket_update_rounds=True)
+    update = klms_init(D, CFG)
+    (msg, info), (ref, _) = jax.jit(
+        lambda s: (klms_encode(KEYS, Q, P, s, per_client), klms_encode(KEYS, Q, P, s, full))
+    )(update)
+    assert int(info.num_blocks) < 256 and float(msg.num_bits) == float(ref.num_bits)
+    np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
     for cfg, switched in ((CFG, True), (full, False)):
         jaxpr = jax.make_jaxpr(lambda s, cfg=cfg: klms_encode(KEYS, Q, P, s, cfg))(state).jaxpr

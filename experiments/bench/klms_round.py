@@ -13,8 +13,9 @@ that state, in one process and interleaved (A, B, A, B, ...; best of ``--repeats
 sized to ``max_blocks = dim``; "after" is the default: the smallest static bucket
 (:meth:`sidejax.klms.KLMSConfig.work_buckets`) holding the broadcast partition's block count. Both are timed
 in a round that uses the broadcast partition (``update = False``, the usual round) and in an update round
-(clients re-partition; both keep the full bound there). The run also checks that before and after send the
-same messages for the same keys.
+(clients re-partition; "after" buckets each client's own count there too when the preset runs clients
+under ``lax.map``, ``KLMSConfig(bucket_update_rounds=True)``). The run also checks that before and after
+send the same messages for the same keys.
 
 Both wall-clock and process CPU time (all threads) are recorded; on a shared machine the CPU time is the
 steadier of the two. Writes JSON (default ``results/bench/klms_round.json``) and prints the coder's share of
@@ -69,7 +70,11 @@ def main(argv=None) -> dict:
         parser.error(f"--preset must be a fedpm_klms preset, got algorithm {config.algorithm!r}")
     _, spec, fed, _ = prepare(config)
     loss_fn = classification_loss(spec.module.apply)
-    cfgs = {"before": klms_config(config, bucketed=False), "after": klms_config(config, bucketed=True)}
+    per_client = config.client_strategy == "map"  # update rounds bucketed too when clients run one at a time
+    cfgs = {
+        "before": klms_config(config, bucketed=False),
+        "after": klms_config(config, bucketed=True, bucket_update_rounds=per_client),
+    }
     algos = {
         name: fedpm(
             loss_fn,
