@@ -22,6 +22,12 @@ steadier of the two. Writes JSON (default ``results/bench/klms_round.json``) and
 a round and the coder speed-up.
 
 Run: ``python -m experiments.bench.klms_round [--warmup-rounds 4] [--repeats 3]``.
+
+Measured (2-core shared CPU, one run, best of 3 interleaved; 591 live blocks of 61,706 after 4 rounds;
+buckets 64, 256, 1024, 4096, 16384, 61706): coder share of a round, CPU time, 37.8% -> 12.5% in rounds on
+the broadcast partition and 39.3% -> 12.9% in update rounds; coder 4.3x faster, round 1.4x faster (wall:
+round 7.10 -> 5.14 s, coder 2.54 -> 0.60 s); identical messages. The six buckets cost about 2 s more
+compilation of the round (first call 12.2 -> 14.1 s).
 """
 
 from __future__ import annotations
