@@ -57,6 +57,7 @@ FedPM-KLMS uplink measured there (0.0301 bpp, README). Off by default, as in the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -73,7 +74,7 @@ from sidejax.blocks import (
 )
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
-from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, importance_decode, importance_encode
+from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
 from sidejax.distributions import dist_dim
 from sidejax.keys import ClientKeys, client_keys
 
@@ -138,6 +139,15 @@ class KLMSConfig:
       memory_budget_bytes: encoder working-set budget (chunking over coordinates).
       crc32: append a CRC-32 of (shared key data, stream) to every message (+32 bits; see the module
         docstring). Off by default: then flipped bits and a wrong shared key decode silently.
+      bucketed: size the encoder's per-block work (a ``[blocks, K]`` log-weight accumulator and Gumbel
+        draw) to the smallest static bucket (:meth:`work_buckets`) that holds the live block count, not
+        to ``max_blocks`` (= ``dim``); same indices and bits for the same keys (see
+        :func:`sidejax.coding.importance.encode_bounded`). Applies in rounds that use the broadcast
+        partition, whose count is known to every client; update rounds (each client's own partition)
+        keep the full bound unless ``bucket_update_rounds``.
+      bucket_update_rounds: also bucket update rounds, by each client's own block count. Turn it on only
+        when clients run one at a time (``lax.map``, the CPU default): under ``vmap`` that count differs
+        per client, so ``lax.switch`` becomes a select and every bucket would run.
     """
 
     log2_num_candidates: int = 2
@@ -152,6 +162,8 @@ class KLMSConfig:
     max_blocks: int | None = None
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
     crc32: bool = False
+    bucketed: bool = True
+    bucket_update_rounds: bool = False
 
     def __post_init__(self):
         b = self.log2_num_candidates
@@ -201,6 +213,20 @@ class KLMSConfig:
         if not self.adaptive:
             return -(-dim // self.block_size)
         return min(dim, self.max_blocks) if self.max_blocks else dim
+
+    def work_buckets(self, dim: int) -> tuple[int, ...]:
+        """Static bounds for the encoder's per-block work: powers of 4 times the smallest power of two that
+        holds ``ceil(dim / max_block_size)`` blocks (no partition has fewer), ending at
+        :meth:`num_max_blocks`. Each bucket is one compiled branch of the encoder."""
+        mb = self.num_max_blocks(dim)
+        if not self.adaptive:  # fixed blocks: always max_blocks of them
+            return (mb,)
+        w = 1 << max(0, (-(-dim // self.max_block_size) - 1).bit_length())
+        out = []
+        while w < mb:
+            out.append(w)
+            w *= 4
+        return (*out, mb)
 
     def capacity_words(self, dim: int) -> int:
         """Words of the message buffer (the longest possible message)."""
@@ -327,24 +353,43 @@ def klms_encode(
     dim, mb = blocks0.dim, blocks0.max_blocks
     _check_dims(dim, q=q, p=p)
     b, L = config.log2_num_candidates, config.length_bits
+
+    def encode(blocks, work_blocks):
+        return encode_bounded(
+            keys.shared,
+            keys.private,
+            q,
+            p,
+            blocks,
+            log2_num_candidates=b,
+            work_blocks=work_blocks,
+            memory_budget_bytes=config.memory_budget_bytes,
+        )
+
+    def encode_bucketed(blocks, bucketed: bool):
+        # lax.switch runs only the smallest bucket that holds blocks.num_blocks (when the count is not
+        # batched; see KLMSConfig.bucket_update_rounds)
+        buckets = config.work_buckets(dim) if bucketed else (mb,)
+        if len(buckets) == 1:
+            return encode(blocks, mb)
+        branch = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), blocks.num_blocks, side="left")
+        branch = jnp.minimum(branch, len(buckets) - 1)
+        return jax.lax.switch(branch, [functools.partial(encode, blocks, w) for w in buckets])
+
+    def encode_broadcast_partition():
+        # the server's partition: its block count is the same for every client (not batched under vmap)
+        return blocks0, encode_bucketed(blocks0, config.bucketed)
+
     if config.adaptive:
         kl = q.kl_bits(p)
-        blocks = jax.lax.cond(
-            state.update,
-            lambda: kl_blocks(kl, config.target_bits, max_block_size=config.max_block_size, max_blocks=mb),
-            lambda: blocks0,
-        )
+
+        def repartition():
+            blocks = kl_blocks(kl, config.target_bits, max_block_size=config.max_block_size, max_blocks=mb)
+            return blocks, encode_bucketed(blocks, config.bucketed and config.bucket_update_rounds)
+
+        blocks, (indices, info) = jax.lax.cond(state.update, repartition, encode_broadcast_partition)
     else:
-        blocks = blocks0
-    indices, info = importance_encode(
-        keys.shared,
-        keys.private,
-        q,
-        p,
-        blocks,
-        log2_num_candidates=b,
-        memory_budget_bytes=config.memory_budget_bytes,
-    )
+        blocks, (indices, info) = encode_broadcast_partition()
     M = blocks.num_blocks
     live = jnp.arange(mb) < M
     words = jnp.zeros(config.capacity_words(dim), jnp.uint32)

@@ -14,6 +14,7 @@ from sidejax.coding.bitstream import (
 from sidejax.coding.importance import (
     ImportanceInfo,
     candidate_uniforms,
+    candidate_values,
     candidates,
     choose_chunk_size,
     decode_indices,
@@ -36,6 +37,7 @@ __all__ = [
     "unpack_fixed",
     "ImportanceInfo",
     "candidate_uniforms",
+    "candidate_values",
     "candidates",
     "choose_chunk_size",
     "decode_indices",
