@@ -9,7 +9,7 @@ import optax
 
 from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.algorithms import fedpm, langevin, qsgd, signsgd
-from sidejax.fl import Algorithm, fedavg
+from sidejax.fl import Algorithm, default_client_strategy, fedavg
 from sidejax.klms import KLMSConfig
 
 __all__ = [
@@ -67,6 +67,9 @@ def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
         trigger=config.klms_trigger,
         dbar_min=config.klms_dbar_min or None,
         dbar_max=config.klms_dbar_max or None,
+        # each client's own bucket only pays off when clients run one after another (under vmap every
+        # bucket's branch would run for the batch)
+        bucket_update_rounds=(_client_strategy(config) or default_client_strategy()) == "map",
     )
     values.update(overrides)
     return KLMSConfig(**values)

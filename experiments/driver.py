@@ -41,7 +41,7 @@ from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.fl import build_evaluator, classification_loss, run_rounds
 from sidejax.keys import run_keys
-from sidejax.klms import KLMSServerInfo, stream_errors
+from sidejax.klms import KLMSClientInfo, KLMSServerInfo, stream_errors
 from sidejax.models import count_params, get_model, init_params
 
 __all__ = [
@@ -164,31 +164,56 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     )
 
 
-def _klms_infos(server_info) -> list[KLMSServerInfo]:
-    """Every :class:`KLMSServerInfo` inside an algorithm's (round-stacked) server diagnostics."""
-    leaves = jax.tree_util.tree_leaves(server_info, is_leaf=lambda x: isinstance(x, KLMSServerInfo))
-    return [leaf for leaf in leaves if isinstance(leaf, KLMSServerInfo)]
+def _find(tree, kind) -> list:
+    """Every ``kind`` NamedTuple inside a (round-stacked) diagnostics tree."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+    return [leaf for leaf in leaves if isinstance(leaf, kind)]
+
+
+def _first_bad(valid: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(r, bad)``: the first round (row) with a false flag, and the participant slots flagged in it."""
+    r = int(np.flatnonzero(~valid.all(axis=1))[0])
+    return r, np.flatnonzero(~valid[r])
 
 
 def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
-    """Stops the run at the first round in which the server decoded an invalid KLMS stream (like NaN)."""
-    for kinfo in _klms_infos(infos.server):
-        valid = np.asarray(kinfo.streams_valid).reshape(np.shape(infos.client_ids))
-        if valid.all():
-            continue
-        r = int(np.flatnonzero(~valid.all(axis=1))[0])
-        round_index = int(np.asarray(infos.round_index)[r])
-        bad = np.flatnonzero(~valid[r])
-        errors = np.asarray(kinfo.stream_errors).reshape(valid.shape)[r]
-        ids = np.asarray(infos.client_ids)[r]
-        details = "; ".join(
-            f"client {int(ids[i])}: {', '.join(stream_errors(errors[i])) or 'invalid'}" for i in bad
-        )
-        raise InvalidStreamError(
-            f"the server decoded an invalid KLMS stream in round {round_index} ({details}). Nothing from "
-            f"that round was kept: the last good state (round {last_good_round}) is checkpointed in "
-            f"{ckpt_dir}. This is a bug or a corrupted input, not a tuning problem: please report it."
-        )
+    """Stops the run at the first round in which a KLMS stream was invalid (like NaN): a client encoded from
+    an invalid ``q``/``p`` or a non-finite KL (``KLMSClientInfo.valid``), or the server decoded a malformed
+    stream (``KLMSServerInfo.streams_valid``, with the decoder's reasons)."""
+    shape = np.shape(infos.client_ids)
+    problems: list[tuple[int, str]] = []
+    for cinfo in _find(infos.clients, KLMSClientInfo):
+        valid = np.asarray(cinfo.valid).reshape(shape)
+        if not valid.all():
+            r, bad = _first_bad(valid)
+            ids = np.asarray(infos.client_ids)[r]
+            problems.append(
+                (r, "; ".join(f"client {int(ids[i])}: invalid q or p, or a non-finite KL" for i in bad))
+            )
+    for kinfo in _find(infos.server, KLMSServerInfo):
+        valid = np.asarray(kinfo.streams_valid).reshape(shape)
+        if not valid.all():
+            r, bad = _first_bad(valid)
+            ids = np.asarray(infos.client_ids)[r]
+            errors = np.asarray(kinfo.stream_errors).reshape(shape)[r]
+            problems.append(
+                (
+                    r,
+                    "; ".join(
+                        f"client {int(ids[i])}: {', '.join(stream_errors(errors[i])) or 'invalid'}"
+                        for i in bad
+                    ),
+                )
+            )
+    if not problems:
+        return
+    r, details = min(problems, key=lambda p: p[0])
+    round_index = int(np.asarray(infos.round_index)[r])
+    raise InvalidStreamError(
+        f"an invalid KLMS stream in round {round_index} ({details}). Nothing from that round was kept: the "
+        f"last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
+        f"corrupted input, not a tuning problem: please report it."
+    )
 
 
 def _ideal_kl_bits(infos) -> np.ndarray | None:

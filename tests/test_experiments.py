@@ -601,8 +601,39 @@ def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monke
 
     monkeypatch.setattr(fedpm_module, "klms_decode_clients", corrupted)
     config = ExperimentConfig(**{**SMALL, "algorithm": "fedpm_klms", "rounds": 2, "eval_every": 1})
-    with pytest.raises(InvalidStreamError, match=r"round 0 \(client \d+: ") as err:
+    with pytest.raises(InvalidStreamError, match=r"round 0 \(client \d+: .*length") as err:
         run_experiment(config, tmp_path, progress=False, verbose=False)
     assert "checkpoint" in str(err.value)
     metrics = tmp_path / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # nothing from the bad round was kept
+
+
+def test_client_side_invalid_klms_flag_stops_the_run_naming_the_client(tmp_path):
+    """Inside jit a client given an invalid ``q``/``p`` (probability 1.5, NaN) cannot raise; it flags
+    ``KLMSClientInfo.valid``. The driver's check must stop at the first flagged round and name the client
+    (round-stacked diagnostics as ``run_rounds`` returns them, built by hand)."""
+    from types import SimpleNamespace
+
+    from experiments.driver import InvalidStreamError, _check_streams
+    from sidejax.fl import ClientInfo
+    from sidejax.klms import KLMSClientInfo
+
+    z = np.zeros((2, 3), np.float32)
+    valid = np.array([[True, True, True], [True, False, True]])
+    infos = SimpleNamespace(
+        round_index=np.array([4, 5]),
+        client_ids=np.array([[0, 2, 7], [1, 3, 8]]),
+        clients=ClientInfo(
+            loss=z, finite=np.ones_like(valid), extra=KLMSClientInfo(z, z, z, z.astype(bool), z, valid)
+        ),
+        server=(),
+    )
+    with pytest.raises(InvalidStreamError, match=r"round 5 \(client 3: invalid q or p") as err:
+        _check_streams(infos, tmp_path / "checkpoint", 5)
+    assert "round 5)" in str(err.value)  # the last good state
+    all_valid = KLMSClientInfo(z, z, z, z.astype(bool), z, np.ones_like(valid))
+    _check_streams(
+        SimpleNamespace(**{**vars(infos), "clients": ClientInfo(z, np.ones_like(valid), all_valid)}),
+        tmp_path,
+        5,
+    )
