@@ -41,6 +41,12 @@ def _client_strategy(config: ExperimentConfig) -> str | None:
     return None if config.client_strategy == "auto" else config.client_strategy
 
 
+def resolve_client_strategy(config: ExperimentConfig) -> str:
+    """The strategy a run of ``config`` uses: the forced one, or for ``auto`` the library's backend default
+    (:func:`sidejax.fl.default_client_strategy`)."""
+    return _client_strategy(config) or default_client_strategy()
+
+
 def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
     server = None
     if config.server_optimizer != "none":
@@ -69,7 +75,7 @@ def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
         dbar_max=config.klms_dbar_max or None,
         # each client's own bucket only pays off when clients run one after another (under vmap every
         # bucket's branch would run for the batch)
-        bucket_update_rounds=(_client_strategy(config) or default_client_strategy()) == "map",
+        bucket_update_rounds=resolve_client_strategy(config) == "map",
     )
     values.update(overrides)
     return KLMSConfig(**values)

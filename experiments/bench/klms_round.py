@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from experiments.algorithms import klms_config, make_optimizer
+    from experiments.algorithms import klms_config, make_optimizer, resolve_client_strategy
     from experiments.config import load_preset
     from experiments.driver import prepare
     from sidejax.algorithms import fedpm
@@ -76,7 +76,8 @@ def main(argv=None) -> dict:
         parser.error(f"--preset must be a fedpm_klms preset, got algorithm {config.algorithm!r}")
     _, spec, fed, _ = prepare(config)
     loss_fn = classification_loss(spec.module.apply)
-    per_client = config.client_strategy == "map"  # update rounds bucketed too when clients run one at a time
+    strategy = resolve_client_strategy(config)
+    per_client = strategy == "map"  # update rounds bucketed too when clients run one at a time
     cfgs = {
         "before": klms_config(config, bucketed=False),
         "after": klms_config(config, bucketed=True, bucket_update_rounds=per_client),
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
             clients_per_round=config.clients_per_round,
             batch_size=config.batch_size,
             local_epochs=config.local_epochs,
-            client_strategy=config.client_strategy,
+            client_strategy=strategy,
         )
         for name, cfg in cfgs.items()
     }
