@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -311,4 +312,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if hasattr(signal, "SIGPIPE"):  # `--list-presets | head` ends quietly, as other command-line tools do
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())
