@@ -8,9 +8,9 @@ One round (:func:`build_round_step`):
    participants receive and the downlink bits of each.
 3. **Clients.** Each participant runs ``client_update(client_keys(round_key, id), broadcast, state, data)``,
    with keys derived from its *global* id (every key comes from :mod:`sidejax.keys`). The participants run
-   under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under ``jax.lax.map`` (``"map"``,
-   best on CPU: 2.2-2.4x faster than vmap with 37% less memory at 50-100 LeNet5 clients, and it needs
-   memory for one client at a time). Builders default to :func:`default_client_strategy`, chosen by
+   under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under ``jax.lax.map``
+   (``"map"``, the CPU default: memory for one client at a time, 37% less peak memory at 50-100
+   clients). Builders default to :func:`default_client_strategy`, chosen by
    backend. ``map_batch_size`` vmaps groups of that many clients inside the map (blackjax's ``map_fn``
    trade-off).
 4. **Server.** ``server_update(round_key, server, client_ids, messages, weights)`` with the stacked uplink
@@ -50,11 +50,12 @@ def default_client_strategy() -> str:
     """The client strategy a builder uses when given ``client_strategy=None``: ``"map"`` on CPU, ``"vmap"``
     on GPU/TPU (from ``jax.default_backend()``).
 
-    On CPU, running participants one after another (``lax.map``) was measured 2.2-2.4x faster than ``vmap``
-    with 37% less peak memory at 50-100 clients (issue 12): the map holds one client's activations at a
-    time, and a CPU has too few cores for the vmapped batch of clients to pay off. On accelerators ``vmap``
-    fills the device and wins. This is the only place that chooses; pass ``client_strategy`` explicitly to
-    override it.
+    On CPU, running participants one after another (``lax.map``) holds one client's activations at a time:
+    37% less peak memory than ``vmap`` at 50-100 clients, and it was 2.2-2.4x faster there with the
+    convolutions as they were before issue 12. With today's LeNet5 convolution the two run at the same
+    speed on 2 CPU cores (map/vmap throughput 1.02 at 50 clients, 0.89 at 10;
+    ``experiments/bench/local_training.py``), so the memory decides. On accelerators ``vmap`` fills the
+    device and wins. This is the only place that chooses; pass ``client_strategy`` explicitly to override it.
     """
     return "map" if jax.default_backend() == "cpu" else "vmap"
 
