@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidejax.utils import is_concrete
+
 __all__ = [
     "Blocks",
     "blocks_from_starts",
@@ -127,11 +129,11 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
         raise ValueError(f"max_block_size must be >= 1, got {max_block_size}")
     if max_blocks < 1:
         raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
-    if not isinstance(target_bits, jax.core.Tracer) and not target_bits > 0:
+    if is_concrete(target_bits) and not target_bits > 0:
         raise ValueError(f"target_bits must be > 0, got {target_bits}")
     if jnp.ndim(kl_bits) != 1:
         raise ValueError(f"kl_bits must be a 1-D [dim] array, got shape {jnp.shape(kl_bits)}")
-    if not isinstance(kl_bits, jax.core.Tracer):
+    if is_concrete(kl_bits):
         bad = ~np.isfinite(np.asarray(kl_bits, np.float64))
         if bad.any():
             raise ValueError(

@@ -33,6 +33,7 @@ import numpy as np
 from jax.scipy.special import ndtri, xlogy
 
 from sidejax.bits import LN2
+from sidejax.utils import is_concrete
 
 __all__ = [
     "Bernoulli",
@@ -62,14 +63,6 @@ def bits_to_open_uniform(bits: jax.Array) -> jax.Array:
     the largest, ``1 - 2^-25``, would round to 1.0 and an inverse CDF such as ``ndtri`` would return inf.
     """
     return ((bits >> 9).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-23)
-
-
-def _is_concrete(x) -> bool:
-    """True for values that can be checked on the host now: numbers, lists, numpy and concrete jax arrays
-    (not tracers, and not the placeholder leaves pytree utilities pass around)."""
-    if isinstance(x, jax.core.Tracer):
-        return False
-    return isinstance(x, (np.ndarray, np.generic, jax.Array, float, int, list, tuple))
 
 
 def dist_dim(dist) -> int:
@@ -104,7 +97,7 @@ def check_probabilities(x, name: str, *, axis_sums_to_one: int | None = None) ->
 
     Traced values (inside ``jit``) are not checked; validate at the public boundary before jitting.
     """
-    if not _is_concrete(x):
+    if not is_concrete(x):
         return
     a = np.asarray(x)
     if not np.all((a >= 0) & (a <= 1)):
@@ -116,7 +109,7 @@ def check_probabilities(x, name: str, *, axis_sums_to_one: int | None = None) ->
 
 def check_positive(x, name: str) -> None:
     """Raises ``ValueError`` naming ``name`` if a concrete ``x`` has entries <= 0, inf or NaN."""
-    if _is_concrete(x):
+    if is_concrete(x):
         a = np.asarray(x, dtype=np.float64)
         if not np.all((a > 0) & np.isfinite(a)):
             bad = a[~((a > 0) & np.isfinite(a))].ravel()[:3]
@@ -125,7 +118,7 @@ def check_positive(x, name: str) -> None:
 
 def check_finite(x, name: str) -> None:
     """Raises ``ValueError`` naming ``name`` if a concrete ``x`` has NaN or inf entries."""
-    if _is_concrete(x):
+    if is_concrete(x):
         a = np.asarray(x, dtype=np.float64)
         if not np.all(np.isfinite(a)):
             raise ValueError(f"{name} must be finite; found e.g. {a[~np.isfinite(a)].ravel()[:3].tolist()}")

@@ -77,6 +77,7 @@ from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, se
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
 from sidejax.distributions import dist_dim
 from sidejax.keys import ClientKeys, client_keys
+from sidejax.utils import is_concrete
 
 __all__ = [
     "TRIGGERS",
@@ -418,7 +419,7 @@ def klms_encode(
         valid=_dist_ok(q) & _dist_ok(p) & jnp.isfinite(info.kl_bits),
     )
     num_bits = offset.astype(jnp.float32)
-    if not _traced(num_bits):  # outside jit: exactly the words that are sent
+    if is_concrete(num_bits):  # outside jit: exactly the words that are sent
         words = words[: sent_words(num_bits)]
     return Message(payload=words, num_bits=num_bits), cinfo
 
@@ -446,10 +447,6 @@ def _stream_crc(shared_key, words: jax.Array, num_bits) -> jax.Array:
     masked, _ = mask_to_length(words, num_bits)
     used = (jnp.asarray(num_bits, jnp.int32) + 31) // 32
     return crc32_words(jnp.concatenate([key_words, masked]), key_words.shape[0] + used)
-
-
-def _traced(x) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
 
 
 def stream_errors(errors) -> list[str]:
@@ -490,7 +487,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     if jnp.ndim(payload) != 1:
         raise ValueError(f"message.payload must be a 1-D word array, got shape {jnp.shape(payload)}")
     n = payload.shape[0]
-    if not _traced((payload, message.num_bits)):
+    if is_concrete((payload, message.num_bits)):
         want = sent_words(message.num_bits)
         if n != want:
             raise ValueError(
@@ -546,7 +543,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     ).astype(jnp.int32)
     valid = errors == 0
     sample = importance_decode(shared_key, p, blocks, indices)
-    if not _traced(errors) and not bool(valid):
+    if is_concrete(errors) and not bool(valid):
         raise ValueError("invalid KLMS stream: " + "; ".join(stream_errors(errors)))
     return sample, KLMSDecoded(blocks.starts, M, stat, valid, errors)
 

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sidejax.types import PyTree
 
-__all__ = ["tree_all_finite"]
+__all__ = ["is_concrete", "tree_all_finite"]
+
+
+def is_concrete(tree: PyTree) -> bool:
+    """True if every leaf of ``tree`` can be checked on the host now: a number, a numpy value or a concrete
+    jax array; False inside ``jit``/``vmap`` (tracers) and for the placeholder leaves pytree utilities pass
+    around. Public boundaries validate concrete inputs with it and leave traced ones to in-jit flags."""
+    return all(
+        not isinstance(leaf, jax.core.Tracer)
+        and isinstance(leaf, (np.ndarray, np.generic, jax.Array, float, int))
+        for leaf in jax.tree.leaves(tree)
+    )
 
 
 def tree_all_finite(tree: PyTree) -> jax.Array:

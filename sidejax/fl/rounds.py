@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from sidejax.fl.base import Algorithm, ClientData, ClientInfo, RoundInfo, RoundState
 from sidejax.keys import DOWNLINK, SAMPLING, client_keys, round_key, stream_key
 from sidejax.types import PRNGKey, PyTree
-from sidejax.utils import tree_all_finite
+from sidejax.utils import is_concrete, tree_all_finite
 
 __all__ = [
     "CLIENT_STRATEGIES",
@@ -99,7 +99,7 @@ def check_federation(state: RoundState, data) -> None:
                 f"(data.num_examples.shape[0]); {fix} the state was built for"
             )
     n = state.num_clients
-    if n is None or isinstance(n, jax.core.Tracer):
+    if n is None or not is_concrete(n):
         return
     if int(n) != num_clients:
         raise ValueError(
