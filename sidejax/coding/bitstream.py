@@ -175,42 +175,34 @@ _CRC_POLY = 0xEDB88320
 _CRC_ONE = 0x80000000  # the polynomial 1 in the reflected representation
 
 
-def _mulmod_np(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.uint64), b.astype(np.uint64)
-    p = np.zeros(np.broadcast(a, b).shape, np.uint64)
-    b = np.broadcast_to(b, p.shape).copy()
-    for i in range(32):
-        p ^= np.where((a >> np.uint64(31 - i)) & np.uint64(1), b, np.uint64(0))
-        b = (b >> np.uint64(1)) ^ np.where(b & np.uint64(1), np.uint64(_CRC_POLY), np.uint64(0))
-    return p.astype(np.uint32)
-
-
 @functools.lru_cache(maxsize=16)
 def _x32_powers(n: int) -> np.ndarray:
     """``P[m] = x^(32 m) mod G`` for ``m = 0..n`` (reflected), by doubling: ``P[2^j + i] = P[i] P[2^j]``."""
     out = np.empty(n + 1, np.uint32)
     out[0] = _CRC_ONE
-    x32 = _mulmod_np(np.uint32(_CRC_ONE), np.uint32(1))  # x^31 is bit 0; x^32 = x^31 * x
+    x32 = _mulmod(np.uint32(_CRC_ONE), np.uint32(1), np)  # x^31 is bit 0; x^32 = x^31 * x
     x32 = (x32 >> np.uint32(1)) ^ (np.uint32(_CRC_POLY) if x32 & 1 else np.uint32(0))
     if n >= 1:
         out[1] = x32
     filled = min(2, n + 1)
     while filled < n + 1:  # out[:filled] known; x^(32 filled) = out[filled - 1] * out[1]
-        step = _mulmod_np(out[filled - 1], out[1])
+        step = _mulmod(out[filled - 1], out[1], np)
         take = min(filled, n + 1 - filled)
-        out[filled : filled + take] = _mulmod_np(out[:take], step)
+        out[filled : filled + take] = _mulmod(out[:take], step, np)
         filled += take
     return out
 
 
-def _mulmod(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Carry-less product mod G of reflected 32-bit polynomials, elementwise (32 shift/xor steps)."""
-    p = jnp.zeros(jnp.broadcast_shapes(a.shape, b.shape), jnp.uint32)
-    b = jnp.broadcast_to(b, p.shape)
-    poly = jnp.uint32(_CRC_POLY)
+def _mulmod(a, b, xp=jnp):
+    """Carry-less product mod G of reflected 32-bit polynomials, elementwise (32 shift/xor steps); ``xp`` is
+    ``jnp`` inside the CRC and ``np`` for the host-side table of powers."""
+    p = xp.zeros(np.broadcast_shapes(np.shape(a), np.shape(b)), xp.uint32)
+    a = xp.asarray(a, xp.uint32)
+    b = xp.broadcast_to(xp.asarray(b, xp.uint32), p.shape)
+    one, poly = xp.uint32(1), xp.uint32(_CRC_POLY)
     for i in range(32):
-        p = p ^ jnp.where((a >> jnp.uint32(31 - i)) & jnp.uint32(1) == 1, b, jnp.uint32(0))
-        b = (b >> jnp.uint32(1)) ^ jnp.where(b & jnp.uint32(1) == 1, poly, jnp.uint32(0))
+        p = p ^ xp.where((a >> xp.uint32(31 - i)) & one == one, b, xp.uint32(0))
+        b = (b >> one) ^ xp.where(b & one == one, poly, xp.uint32(0))
     return p
 
 
