@@ -44,6 +44,7 @@ __all__ = [
     "check_probabilities",
     "check_positive",
     "check_finite",
+    "check_dims",
     "dist_dim",
 ]
 
@@ -71,6 +72,16 @@ def dist_dim(dist) -> int:
     if jnp.ndim(leaf) < 1:
         raise ValueError(f"{type(dist).__name__} needs a leading coordinate axis, got a scalar")
     return int(jnp.shape(leaf)[0])
+
+
+def check_dims(dim: int, built_for: str, fix: str, **dists) -> None:
+    """Raises ``ValueError`` naming the argument and both dimensions if a distribution in ``dists``
+    (``name=dist``) does not have ``dim`` coordinates: "``name`` has ``n`` coordinates but ``built_for``
+    dim=``dim``: ``fix``" (``fix`` may use ``{got}``, the distribution's dimension)."""
+    for name, d in dists.items():
+        got = dist_dim(d)
+        if got != dim:
+            raise ValueError(f"{name} has {got} coordinates but {built_for} dim={dim}: {fix.format(got=got)}")
 
 
 def _probs_ok(probs) -> jax.Array:

@@ -75,7 +75,7 @@ from sidejax.blocks import (
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
-from sidejax.distributions import dist_dim
+from sidejax.distributions import check_dims
 from sidejax.keys import ClientKeys, client_keys
 from sidejax.utils import is_concrete
 
@@ -430,14 +430,13 @@ def _dist_ok(dist) -> jax.Array:
 
 
 def _check_dims(dim: int, **dists) -> None:
-    for name, d in dists.items():
-        got = dist_dim(d)
-        if got != dim:
-            raise ValueError(
-                f"{name} has {got} coordinates but the KLMS state's blocks were built for dim={dim}: "
-                f"build the state with klms_init({got}, config) (the flat vector's length), or pass the "
-                "distributions of the vector the state was built for"
-            )
+    check_dims(
+        dim,
+        "the KLMS state's blocks were built for",
+        "build the state with klms_init({got}, config) (the flat vector's length), or pass the "
+        "distributions of the vector the state was built for",
+        **dists,
+    )
 
 
 def _stream_crc(shared_key, words: jax.Array, num_bits) -> jax.Array:

@@ -48,7 +48,7 @@ from jax.extend.random import threefry_2x32
 from sidejax.blocks import Blocks
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import num_words, pack_fixed, unpack_fixed
-from sidejax.distributions import bits_to_open_uniform, dist_dim
+from sidejax.distributions import bits_to_open_uniform, check_dims
 
 __all__ = [
     "ImportanceInfo",
@@ -144,12 +144,12 @@ def candidates(shared_key, p, log2_num_candidates: int) -> jax.Array:
 
 def _check_dims(blocks: Blocks, **dists) -> None:
     """``ValueError`` naming both dimensions when a distribution does not match the partition."""
-    for name, d in dists.items():
-        if dist_dim(d) != blocks.dim:
-            raise ValueError(
-                f"{name} has {dist_dim(d)} coordinates but the blocks were built for dim={blocks.dim}: "
-                "build the partition for the same flat vector as the distributions"
-            )
+    check_dims(
+        blocks.dim,
+        "the blocks were built for",
+        "build the partition for the same flat vector as the distributions",
+        **dists,
+    )
 
 
 def _slice(dist, start, length: int):
