@@ -170,44 +170,28 @@ def _find(tree, kind) -> list:
     return [leaf for leaf in leaves if isinstance(leaf, kind)]
 
 
-def _first_bad(valid: np.ndarray) -> tuple[int, np.ndarray]:
-    """``(r, bad)``: the first round (row) with a false flag, and the participant slots flagged in it."""
-    r = int(np.flatnonzero(~valid.all(axis=1))[0])
-    return r, np.flatnonzero(~valid[r])
-
-
 def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
     """Stops the run at the first round in which a KLMS stream was invalid (like NaN): a client encoded from
     an invalid ``q``/``p`` or a non-finite KL (``KLMSClientInfo.valid``), or the server decoded a malformed
     stream (``KLMSServerInfo.streams_valid``, with the decoder's reasons)."""
     shape = np.shape(infos.client_ids)
-    problems: list[tuple[int, str]] = []
+    flags = []  # (valid [rounds, clients], reason(r, i))
     for cinfo in _find(infos.clients, KLMSClientInfo):
-        valid = np.asarray(cinfo.valid).reshape(shape)
-        if not valid.all():
-            r, bad = _first_bad(valid)
-            ids = np.asarray(infos.client_ids)[r]
-            problems.append(
-                (r, "; ".join(f"client {int(ids[i])}: invalid q or p, or a non-finite KL" for i in bad))
-            )
+        flags.append(
+            (np.asarray(cinfo.valid).reshape(shape), lambda r, i: "invalid q or p, or a non-finite KL")
+        )
     for kinfo in _find(infos.server, KLMSServerInfo):
-        valid = np.asarray(kinfo.streams_valid).reshape(shape)
-        if not valid.all():
-            r, bad = _first_bad(valid)
-            ids = np.asarray(infos.client_ids)[r]
-            errors = np.asarray(kinfo.stream_errors).reshape(shape)[r]
-            problems.append(
-                (
-                    r,
-                    "; ".join(
-                        f"client {int(ids[i])}: {', '.join(stream_errors(errors[i])) or 'invalid'}"
-                        for i in bad
-                    ),
-                )
-            )
-    if not problems:
+        errors = np.asarray(kinfo.stream_errors).reshape(shape)
+        why = lambda r, i, e=errors: ", ".join(stream_errors(e[r, i])) or "invalid"  # noqa: E731
+        flags.append((np.asarray(kinfo.streams_valid).reshape(shape), why))
+    bad_rounds = [int(np.flatnonzero(~valid.all(axis=1))[0]) for valid, _ in flags if not valid.all()]
+    if not bad_rounds:
         return
-    r, details = min(problems, key=lambda p: p[0])
+    r = min(bad_rounds)
+    ids = np.asarray(infos.client_ids)[r]
+    details = "; ".join(
+        f"client {int(ids[i])}: {why(r, i)}" for valid, why in flags for i in np.flatnonzero(~valid[r])
+    )
     round_index = int(np.asarray(infos.round_index)[r])
     raise InvalidStreamError(
         f"an invalid KLMS stream in round {round_index} ({details}). Nothing from that round was kept: the "
