@@ -8,9 +8,9 @@ from typing import Any
 import optax
 
 from experiments.config import ExperimentConfig, config_from_dict
-from sidejax.algorithms import fedpm, langevin, qsgd, signsgd
-from sidejax.fl import Algorithm, default_client_strategy, fedavg
-from sidejax.klms import KLMSConfig
+from sidejax.algorithms import fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.coding import KLMSConfig, elias_coder, klms_coder, mask_coder
+from sidejax.fl import Algorithm, ClientMap, default_client_strategy
 
 __all__ = [
     "ALGORITHMS",
@@ -19,6 +19,7 @@ __all__ = [
     "default_config",
     "make_optimizer",
     "klms_config",
+    "client_map",
     "build_algorithm",
 ]
 
@@ -47,6 +48,11 @@ def resolve_client_strategy(config: ExperimentConfig) -> str:
     return _client_strategy(config) or default_client_strategy()
 
 
+def client_map(config: ExperimentConfig) -> ClientMap:
+    """The engine's client map for a run of ``config`` (passed once, to :func:`sidejax.fl.run_rounds`)."""
+    return ClientMap(resolve_client_strategy(config))
+
+
 def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
     server = None
     if config.server_optimizer != "none":
@@ -58,12 +64,11 @@ def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
         batch_size=config.batch_size,
         local_epochs=config.local_epochs,
         server_optimizer=server,
-        client_strategy=_client_strategy(config),
     )
 
 
 def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
-    """The :class:`sidejax.klms.KLMSConfig` described by the config's KLMS fields."""
+    """The :class:`sidejax.coding.KLMSConfig` described by the config's KLMS fields."""
     values = dict(
         log2_num_candidates=config.log2_candidates,
         overhead_bits=config.klms_overhead_bits,
@@ -86,68 +91,65 @@ def _common(config: ExperimentConfig) -> dict:
         clients_per_round=config.clients_per_round,
         batch_size=config.batch_size,
         local_epochs=config.local_epochs,
-        client_strategy=_client_strategy(config),
     )
 
 
-def _fedpm(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+def _fedpm(config: ExperimentConfig, loss_fn: Callable, coder) -> Algorithm:
     return fedpm(
         loss_fn,
         make_optimizer(config.client_optimizer, config.client_lr),
-        klms=klms_config(config) if use_klms else None,
+        coder=coder,
         estimator=config.fedpm_estimator,
         **_common(config),
     )
 
 
-def _qsgd(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+def _qsgd(config: ExperimentConfig, loss_fn: Callable, coder, levels: int) -> Algorithm:
     return qsgd(
         loss_fn,
         make_optimizer(config.client_optimizer, config.client_lr),
         server_lr=config.server_lr,
-        levels=1 if use_klms else config.qsgd_levels,
-        klms=klms_config(config) if use_klms else None,
-        paper_compat=config.paper_compat,
+        levels=levels,
+        coder=coder,
         **_common(config),
     )
 
 
-def _signsgd(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
+def _signsgd(config: ExperimentConfig, loss_fn: Callable, coder) -> Algorithm:
     return signsgd(
         loss_fn,
         make_optimizer(config.client_optimizer, config.client_lr),
         server_lr=config.server_lr,
         temperature=config.sign_temperature,
-        klms=klms_config(config) if use_klms else None,
+        coder=coder,
         **_common(config),
     )
 
 
-def _langevin(config: ExperimentConfig, loss_fn: Callable, use_klms: bool) -> Algorithm:
-    return langevin(
-        loss_fn,
+def _langevin(config: ExperimentConfig) -> dict:
+    return dict(
         num_clients=config.num_clients,
         clients_per_round=config.clients_per_round,
         batch_size=config.batch_size,
         step_size=config.sgld_step_size,
         weight_decay=config.prior_weight_decay,
-        levels=config.qsgd_levels,
-        klms=klms_config(config) if use_klms else None,
-        paper_compat=config.paper_compat,
-        client_strategy=_client_strategy(config),
     )
+
+
+def _klms(config: ExperimentConfig):
+    return klms_coder(klms_config(config))
 
 
 ALGORITHMS: dict[str, Callable[[ExperimentConfig, Callable], Algorithm]] = {
     "fedavg": _fedavg,
-    "fedpm": lambda c, f: _fedpm(c, f, False),
-    "fedpm_klms": lambda c, f: _fedpm(c, f, True),
-    "qsgd": lambda c, f: _qsgd(c, f, False),
-    "qsgd_klms": lambda c, f: _qsgd(c, f, True),
-    "signsgd": lambda c, f: _signsgd(c, f, False),
-    "signsgd_klms": lambda c, f: _signsgd(c, f, True),
-    "qlsd": lambda c, f: _langevin(c, f, False),
-    "sgld_klms": lambda c, f: _langevin(c, f, True),
+    "fedpm": lambda c, f: _fedpm(c, f, mask_coder()),
+    "fedpm_klms": lambda c, f: _fedpm(c, f, _klms(c)),
+    "qsgd": lambda c, f: _qsgd(c, f, elias_coder(c.qsgd_levels), c.qsgd_levels),
+    "qsgd_klms": lambda c, f: _qsgd(c, f, _klms(c), 1),
+    "signsgd": lambda c, f: _signsgd(c, f, None),
+    "signsgd_klms": lambda c, f: _signsgd(c, f, _klms(c)),
+    "qlsd": lambda c, f: qlsd(f, levels=c.qsgd_levels, coder=elias_coder(c.qsgd_levels), **_langevin(c)),
+    "sgld_klms": lambda c, f: sgld(f, coder=_klms(c), **_langevin(c)),
 }
 
 #: the uncompressed host method of each KLMS variant (for compression factors in results tables)

@@ -35,13 +35,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.algorithms import build_algorithm
+from experiments.algorithms import build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.data import load_dataset, make_federated_data, partition
+from sidejax.coding import stream_errors
 from sidejax.fl import build_evaluator, classification_loss, run_rounds
+from sidejax.fl.evaluate import build_ensemble_evaluator, build_personal_evaluator
 from sidejax.keys import run_keys
-from sidejax.klms import KLMSClientInfo, KLMSServerInfo, stream_errors
 from sidejax.models import count_params, get_model, init_params
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "METRIC_COLUMNS",
 ]
 
+#: the columns every run logs; an algorithm's own metrics (its ``metrics`` hook) follow them, a ``*_bits``
+#: metric (mean per participant) logged as ``*_bpp`` (per parameter)
 METRIC_COLUMNS = (
     "round",
     "test_accuracy",
@@ -65,7 +68,6 @@ METRIC_COLUMNS = (
     "downlink_bpp",
     "uplink_bits",
     "downlink_bits",
-    "kl_bpp",
     "cumulative_bits",
     "cumulative_uplink_bits",
     "wall_time_s",
@@ -164,54 +166,68 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     )
 
 
-def _find(tree, kind) -> list:
-    """Every ``kind`` NamedTuple inside a (round-stacked) diagnostics tree."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-    return [leaf for leaf in leaves if isinstance(leaf, kind)]
-
-
 def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
-    """Stops the run at the first round in which a KLMS stream was invalid (like NaN): a client encoded from
-    an invalid ``q``/``p`` or a non-finite KL (``KLMSClientInfo.valid``), or the server decoded a malformed
-    stream (``KLMSServerInfo.streams_valid``, with the decoder's reasons)."""
+    """Stops the run at the first round in which a stream was invalid (like NaN): a client's coder reported
+    an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), or the server's
+    decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's reasons)."""
     shape = np.shape(infos.client_ids)
-    flags = []  # (valid [rounds, clients], reason(r, i))
-    for cinfo in _find(infos.clients, KLMSClientInfo):
-        flags.append(
-            (np.asarray(cinfo.valid).reshape(shape), lambda r, i: "invalid q or p, or a non-finite KL")
-        )
-    for kinfo in _find(infos.server, KLMSServerInfo):
-        errors = np.asarray(kinfo.stream_errors).reshape(shape)
-        why = lambda r, i, e=errors: ", ".join(stream_errors(e[r, i])) or "invalid"  # noqa: E731
-        flags.append((np.asarray(kinfo.streams_valid).reshape(shape), why))
-    bad_rounds = [int(np.flatnonzero(~valid.all(axis=1))[0]) for valid, _ in flags if not valid.all()]
-    if not bad_rounds:
+    client_ok = np.asarray(infos.clients.valid).reshape(shape)
+    errors = np.asarray(infos.uplink_errors).reshape(shape)
+    bad = ~client_ok | (errors != 0)
+    if not bad.any():
         return
-    r = min(bad_rounds)
+    r = int(np.flatnonzero(bad.any(axis=1))[0])
     ids = np.asarray(infos.client_ids)[r]
-    details = "; ".join(
-        f"client {int(ids[i])}: {why(r, i)}" for valid, why in flags for i in np.flatnonzero(~valid[r])
-    )
+    details = []
+    for i in np.flatnonzero(bad[r]):
+        reasons = ([] if client_ok[r, i] else ["invalid q or p, or a non-finite KL"]) + stream_errors(errors[r, i])
+        details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
     round_index = int(np.asarray(infos.round_index)[r])
     raise InvalidStreamError(
-        f"an invalid KLMS stream in round {round_index} ({details}). Nothing from that round was kept: the "
-        f"last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
+        f"an invalid stream in round {round_index} ({'; '.join(details)}). Nothing from that round was kept: "
+        f"the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
         f"corrupted input, not a tuning problem: please report it."
     )
 
 
-def _ideal_kl_bits(infos) -> np.ndarray | None:
-    """Mean over participants of the ideal KLMS rate (``ClientInfo.extra.kl_bits``) per round, if logged."""
-    kl = getattr(infos.clients.extra, "kl_bits", None)
-    if kl is None:
-        return None
-    kl = np.asarray(kl, np.float64)
-    return None if np.isnan(kl).all() else kl.mean(axis=1)
+def algorithm_metrics(algorithm, infos, num_params: int) -> dict[str, np.ndarray]:
+    """The algorithm's own metrics for a chunk of rounds (its ``metrics`` hook), one value per round; a
+    ``name_bits`` metric becomes ``name_bpp`` (divided by the number of parameters)."""
+    out = {}
+    for name, values in algorithm.metrics(infos).items():
+        values = np.asarray(values, np.float64).reshape(-1)
+        if name.endswith("_bits"):
+            name, values = name[: -len("_bits")] + "_bpp", values / num_params
+        out[name] = values
+    return out
+
+
+def _metric_or_none(value: float) -> float | None:
+    return None if not np.isfinite(value) else float(value)
+
+
+def metric_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """:data:`METRIC_COLUMNS`, then the algorithm's own columns in the order they first appear."""
+    extra = [k for r in rows for k in r if k not in METRIC_COLUMNS]
+    return list(METRIC_COLUMNS) + list(dict.fromkeys(extra))
+
+
+def _evaluator(eval_axis):
+    """The evaluator builder for an algorithm's ``eval_axis`` (``None``: one model; ``"sample"``: the
+    predictive average of an ensemble; ``"client"``: personal models)."""
+    if eval_axis is None:
+        return build_evaluator
+    if eval_axis == "sample":
+        return build_ensemble_evaluator
+    raise ValueError(
+        f"the experiment driver evaluates one model or a posterior ensemble on the common test set; an "
+        f"algorithm with eval_axis={eval_axis!r} needs per-client test sets"
+    )
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=metric_columns(rows))
         w.writeheader()
         for row in rows:
             w.writerow(row)
@@ -508,7 +524,7 @@ def run_experiment(
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
-    evaluate = jax.jit(build_evaluator(spec.module.apply, batch_size=config.eval_batch_size))
+    evaluate = jax.jit(_evaluator(algorithm.eval_axis)(spec.module.apply, batch_size=config.eval_batch_size))
     cum_bits = rows[-1]["cumulative_bits"] if rows else 0.0
     cum_up = rows[-1]["cumulative_uplink_bits"] if rows else 0.0
     done = int(state.round_index)
@@ -518,22 +534,23 @@ def run_experiment(
             f"{config.num_clients} clients ({config.clients_per_round} per round), output {out}"
         )
         print(TABLE_HEADER)
+    cmap = client_map(config)
     bar = tqdm(total=config.rounds, initial=done, disable=not progress, unit="round", leave=False)
     stopped_early = False
     while done < config.rounds and not stopped_early:
         chunk = min(config.eval_every, config.rounds - done)
-        new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk)
+        new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk, client_map=cmap)
         # Checks of the chunk's flags, before its state is accepted or checkpointed (the last good state
-        # stays on disk): NaN/inf, then the server's per-client KLMS stream-validity flags.
+        # stays on disk): NaN/inf, then the coders' input flags and the server's stream errors.
         _check_finite(infos, ckpt_dir, done)
         _check_streams(infos, ckpt_dir, done)
         state = new_state
-        ev = evaluate(algorithm.eval_params(state.server), x_test, y_test)
+        ev = evaluate(algorithm.eval_params(state), x_test, y_test)
         acc, tloss = float(ev.accuracy), float(ev.loss)
         up = np.asarray(infos.uplink_bits, np.float64)
         down = np.asarray(infos.downlink_bits, np.float64)
         train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
-        kl_bits = _ideal_kl_bits(infos)
+        own = algorithm_metrics(algorithm, infos, num_params)
         new_rows = []
         for s in range(chunk):
             cum_bits += up[s].sum() + down[s].sum()
@@ -549,10 +566,10 @@ def run_experiment(
                     "downlink_bpp": float(down[s].mean() / num_params),
                     "uplink_bits": float(up[s].sum()),
                     "downlink_bits": float(down[s].sum()),
-                    "kl_bpp": None if kl_bits is None else float(kl_bits[s] / num_params),
                     "cumulative_bits": float(cum_bits),
                     "cumulative_uplink_bits": float(cum_up),
                     "wall_time_s": round(time.perf_counter() - t_start, 3),
+                    **{name: _metric_or_none(values[s]) for name, values in own.items()},
                 }
             )
         with (out / "metrics.jsonl").open("a") as f:
@@ -603,7 +620,11 @@ def run_experiment(
                 "total_bits": summary.total_bits,
                 "mean_uplink_bpp": summary.mean_uplink_bpp if rows else None,
                 "mean_downlink_bpp": summary.mean_downlink_bpp if rows else None,
-                "mean_kl_bpp": _mean_or_none([r.get("kl_bpp") for r in rows]),
+                **{
+                    f"mean_{c}": _mean_or_none([r.get(c) for r in rows])
+                    for c in metric_columns(rows)[len(METRIC_COLUMNS) :]
+                    if c.endswith("_bpp")
+                },
                 "num_params": num_params,
                 "wall_time_s": round(time.perf_counter() - t_start, 2),
                 "backend": jax.default_backend(),

@@ -105,7 +105,7 @@ def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "uplink bpp": _fmt(bpp, ".4f"),
                 "x vs 32-bit": _fmt(32 / bpp if bpp else None, ".0f"),
                 "x vs host": _fmt(hb / bpp if (hb and bpp) else None, ".1f"),
-                "KL bpp (ideal)": _fmt(s.get("mean_kl_bpp"), ".4f"),
+                "ideal bpp": _fmt(s.get("mean_ideal_bpp"), ".4f"),
             }
         )
     return rows

@@ -1,12 +1,17 @@
 """sidejax: a JAX-first functional library for communication-efficient and Bayesian federated learning.
 
 Subpackages: :mod:`sidejax.data` (datasets, partitions, FederatedData), :mod:`sidejax.models` (Flax models
-of the papers), :mod:`sidejax.fl` (round engine, local training, FedAvg), :mod:`sidejax.coding` (messages
-and coders), :mod:`sidejax.keys` (the key schedule), :mod:`sidejax.bits` (code lengths).
+of the papers), :mod:`sidejax.fl` (round engine, local training, evaluation), :mod:`sidejax.algorithms`
+(FedAvg, FedPM, QSGD, SignSGD, QLSD/SGLD, each with a ``coder=``), :mod:`sidejax.coding` (the Coder
+contract and coders), :mod:`sidejax.keys` (the key schedule), :mod:`sidejax.bits` (code lengths),
+:mod:`sidejax.layout` (flat parameter layouts).
 """
 
-from sidejax import bits, blocks, coding, data, distributions, fl, keys, models
+from sidejax import algorithms, bits, blocks, coding, data, distributions, fl, keys, layout, models
 
 __version__ = "0.1.0"
 
-__all__ = ["bits", "blocks", "coding", "data", "distributions", "fl", "keys", "models", "__version__"]
+__all__ = [
+    "algorithms",
+    "layout",
+    "bits", "blocks", "coding", "data", "distributions", "fl", "keys", "models", "__version__"]

@@ -114,7 +114,7 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
     ``ValueError`` (the caller's distributions are broken). Inside jit (traced values) each non-finite
     coordinate is treated as above the target, so it becomes its own singleton block and the other blocks
     are unaffected (without this a NaN poisons the cumulative sum and every later block comes out
-    cap-sized); the caller must flag it: :func:`sidejax.klms.klms_encode` reports ``valid = False``.
+    cap-sized); the caller must flag it: :func:`sidejax.coding.klms.klms_encode` reports ``valid = False``.
 
     Args:
       kl_bits: float ``[dim]``, per-coordinate KL in bits (nonnegative, finite).

@@ -40,6 +40,8 @@ __all__ = [
     "Ternary",
     "Sign",
     "DiagGaussian",
+    "PointMass",
+    "StochasticLevels",
     "uniform_open",
     "check_probabilities",
     "check_positive",
@@ -325,3 +327,85 @@ class DiagGaussian(_DiagGaussianFields):
 
     def kl_bits(self, other: DiagGaussian) -> jax.Array:
         return self.kl_nats(other) / LN2
+
+
+class _PointMassFields(NamedTuple):
+    value: jax.Array
+
+
+@_register
+class PointMass(_PointMassFields):
+    """The point mass at ``value`` (shape ``[dim]``): a deterministic message such as FedAvg's parameters,
+    sent by the float32 coder. ``sample`` ignores its key. Concrete ``value`` must be finite."""
+
+    __slots__ = ()
+
+    def __new__(cls, value):
+        check_finite(value, "PointMass value")
+        return super().__new__(cls, value)
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: ``value`` is finite; usable inside jit."""
+        return jnp.all(jnp.isfinite(self.value))
+
+    def log_prob(self, x: jax.Array) -> jax.Array:
+        return jnp.where(x == self.value, 0.0, -jnp.inf)
+
+    def sample(self, key, sample_shape=()) -> jax.Array:
+        del key
+        return jnp.broadcast_to(self.value, tuple(sample_shape) + self.value.shape)
+
+    def mean(self) -> jax.Array:
+        return self.value
+
+
+class _StochasticLevelsFields(NamedTuple):
+    scaled: jax.Array
+
+
+@_register
+class StochasticLevels(_StochasticLevelsFields):
+    """QSGD's unbiased stochastic rounding (Alistarh et al. 2017, eq. 1) in units of ``norm / s``.
+
+    ``scaled`` :math:`= s\\, v_i / n_{l(i)}` (shape ``[dim]``, :math:`|scaled| \\le s`); a sample is the
+    signed level :math:`\\mathrm{sign}(v_i)(\\lfloor r_i \\rfloor + \\mathrm{Bern}(r_i - \\lfloor r_i
+    \\rfloor))`, :math:`r_i = |scaled_i|`, as a float (an integer in ``[-s, s]``). The rounding uniforms are
+    ``jax.random.uniform(key, [dim])``. Concrete ``scaled`` must be finite.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, scaled):
+        check_finite(scaled, "StochasticLevels scaled")
+        return super().__new__(cls, scaled)
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: ``scaled`` is finite; usable inside jit."""
+        return jnp.all(jnp.isfinite(self.scaled))
+
+    def as_ternary(self) -> Ternary:
+        """For ``s = 1`` (:math:`|scaled| \\le 1`), the same law as a :class:`Ternary` over {-1, 0, +1}:
+        :math:`(\\max(-a, 0), 1 - |a|, \\max(a, 0))` with ``a = clip(scaled, -1, 1)`` (QSGD-KLMS's eq. 5)."""
+        a = jnp.clip(self.scaled, -1.0, 1.0)
+        probs = jnp.stack([jnp.maximum(-a, 0.0), 1.0 - jnp.abs(a), jnp.maximum(a, 0.0)], axis=-1)
+        return tuple.__new__(Ternary, (probs,))
+
+    def log_prob(self, x: jax.Array) -> jax.Array:
+        """Log-probability of symbols in {-1, 0, +1} (``s = 1`` only; see :meth:`as_ternary`)."""
+        return self.as_ternary().log_prob(x)
+
+    def kl_nats(self, other: Ternary) -> jax.Array:
+        """:math:`D_{KL}` against a :class:`Ternary` (``s = 1`` only)."""
+        return self.as_ternary().kl_nats(other)
+
+    def kl_bits(self, other: Ternary) -> jax.Array:
+        return self.kl_nats(other) / LN2
+
+    def sample(self, key, sample_shape=()) -> jax.Array:
+        r = jnp.abs(self.scaled)
+        low = jnp.floor(r)
+        up = jax.random.uniform(key, tuple(sample_shape) + r.shape) < (r - low)
+        return jnp.sign(self.scaled) * (low + up)
+
+    def mean(self) -> jax.Array:
+        return self.scaled

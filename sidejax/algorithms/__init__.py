@@ -1,18 +1,22 @@
-"""Compressed and Bayesian federated algorithms built on the round engine (one module per method).
+"""Federated algorithms on the round engine, one module per method; each takes a ``coder=``.
 
-- :func:`fedpm`: FedPM and FedPM-KLMS (probability masks over a frozen random network).
-- :func:`qsgd`: QSGD and QSGD-KLMS.
+- :func:`fedavg`: FedAvg / FedOpt (float32 uplink by default).
+- :func:`fedpm`: FedPM (Golomb-coded mask) and FedPM-KLMS (``coder=klms_coder(...)``).
+- :func:`qsgd`: QSGD (Elias stream) and QSGD-KLMS.
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
-- :func:`langevin`: QLSD and SGLD-KLMS (Bayesian FL).
-- :func:`distributed_mean`: the KLMS paper's App. F toy; :func:`theorem41_epsilon`, the Thm 4.1 bound.
+- :func:`qlsd`, :func:`sgld`: Bayesian FL with Langevin dynamics (QLSD; SGLD-KLMS).
+- :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 """
 
-from sidejax.algorithms.common import (
-    FlatLayout,
-    elias_gamma_bits,
-    enumerative_mask_bits,
-    flat_layout,
+from sidejax.algorithms.dense import (
+    DenseClientExtra,
+    DenseMethod,
+    DenseServerInfo,
+    DenseState,
+    coder_metrics,
+    dense_algorithm,
 )
+from sidejax.algorithms.fedavg import FedAvgServerInfo, FedAvgState, fedavg, weighted_mean
 from sidejax.algorithms.fedpm import (
     FedPMState,
     bayes_agg,
@@ -21,48 +25,45 @@ from sidejax.algorithms.fedpm import (
     masked_network,
     signed_constant_init,
 )
-from sidejax.algorithms.langevin import LangevinState, langevin, sgld_klms_sigma
+from sidejax.algorithms.langevin import minibatch_potential_grad, qlsd, sgld, sgld_klms_sigma
 from sidejax.algorithms.qsgd import (
-    QSGDState,
+    QSGDPrior,
     qsgd,
     qsgd_dequantize,
     qsgd_elias_bound_bits,
+    qsgd_law,
     qsgd_quantize,
-    qsgd_symbol_probs,
 )
-from sidejax.algorithms.signsgd import SignSGDState, signsgd, stochastic_sign_probs
-from sidejax.algorithms.toy import (
-    distributed_mean,
-    gaussian_log_ratio_tail,
-    log2_candidates_for_overhead,
-    theorem41_epsilon,
-)
+from sidejax.algorithms.signsgd import sign_law, signsgd, stochastic_sign_probs
 
 __all__ = [
-    "FlatLayout",
-    "elias_gamma_bits",
-    "enumerative_mask_bits",
-    "flat_layout",
+    "DenseClientExtra",
+    "DenseMethod",
+    "DenseServerInfo",
+    "DenseState",
+    "coder_metrics",
+    "dense_algorithm",
+    "FedAvgServerInfo",
+    "FedAvgState",
+    "fedavg",
+    "weighted_mean",
     "FedPMState",
     "bayes_agg",
     "bernoulli_mask",
     "fedpm",
     "masked_network",
     "signed_constant_init",
-    "LangevinState",
-    "langevin",
+    "minibatch_potential_grad",
+    "qlsd",
+    "sgld",
     "sgld_klms_sigma",
-    "QSGDState",
+    "QSGDPrior",
     "qsgd",
     "qsgd_dequantize",
     "qsgd_elias_bound_bits",
+    "qsgd_law",
     "qsgd_quantize",
-    "qsgd_symbol_probs",
-    "SignSGDState",
+    "sign_law",
     "signsgd",
     "stochastic_sign_probs",
-    "distributed_mean",
-    "gaussian_log_ratio_tail",
-    "theorem41_epsilon",
-    "log2_candidates_for_overhead",
 ]

@@ -13,11 +13,13 @@ Round ``t`` (Alg. 1):
    = p \\cdot g`, [C]) or the straight-through identity (``"ste"``);
 2. it sends one mask sample :math:`m^{(c)} \\sim \\mathrm{Bern}(\\phi)`, :math:`\\phi = \\sigma(s)`:
 
-   - **FedPM**: the mask itself. The reported length is the two-part enumerative code of the mask
-     (:func:`sidejax.algorithms.common.enumerative_mask_bits`), the cost of the arithmetic code FedPM
-     reports; FedPM's own formula :math:`d H_b(k/d) + \\log_2 d` is logged beside it (``paper_bits``).
-   - **FedPM-KLMS** (Alg. 9): the KLMS message of :math:`q = \\mathrm{Bern}(\\phi)` against the side
-     information :math:`p = \\mathrm{Bern}(\\theta^{(t-1)})` (:mod:`sidejax.klms`), about
+   - **FedPM** (``coder=mask_coder()``): the mask itself, as Golomb-coded run lengths
+     (:func:`sidejax.coding.lossless.mask_encode`), a real stream close to the arithmetic-code cost FedPM
+     reports. Beside the stream's length the ideal two-part enumerative length
+     (:func:`sidejax.bits.enumerative_mask_bits`, ``ideal_bits``) and FedPM's own formula
+     :math:`d H_b(k/d) + \\log_2 d` (``paper_bits``, from the decoded masks) are logged, labelled as such.
+   - **FedPM-KLMS** (Alg. 9, ``coder=klms_coder(config)``): the KLMS message of :math:`q = \\mathrm{Bern}(\\phi)` against the side
+     information :math:`p = \\mathrm{Bern}(\\theta^{(t-1)})` (:mod:`sidejax.coding.klms`), about
      :math:`D_{KL}(q \\| p)` bits instead of about :math:`d` bits;
 3. the server clips every received mask to {0.01, 0.99} ([C]) and runs BayesAgg (Alg. 2) with
    :math:`\\lambda_0 = 1`: :math:`\\alpha \\mathrel{+}= \\sum_c m^{(c)}`, :math:`\\beta \\mathrel{+}= C -
@@ -29,8 +31,8 @@ Evaluation uses one mask :math:`m = 1[u < \\theta]` with uniforms ``u`` fixed at
 evaluated network is a deterministic function of the server state), or ``eval_mask="threshold"``
 (:math:`\\theta > 1/2`, FedPM's ``pruned_ths``).
 
-Downlink: :math:`\\theta` as float32 (32 bits per parameter; the frozen weights are a seed, 0 bits), plus
-the KLMS protocol bits.
+Downlink: :math:`\\theta` as float32 (32 bits per parameter; the frozen weights are a seed, 0 bits), then the
+coder's protocol stream, in one message that every client decodes.
 """
 
 from __future__ import annotations
@@ -38,32 +40,23 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from sidejax.algorithms.common import binary_entropy_bits, client_streams, enumerative_mask_bits, flat_layout
-from sidejax.coding.base import Message
-from sidejax.coding.bitstream import pack_fixed, unpack_fixed
+from sidejax.algorithms.dense import coder_metrics
+from sidejax.bits import binary_entropy_bits
+from sidejax.coding.base import Coder, EmptyState, concat_messages, decode_float32, encode_float32
+from sidejax.coding.base import split_message
+from sidejax.coding.sample import mask_coder
 from sidejax.distributions import Bernoulli
-from sidejax.fl.base import Algorithm, ClientInfo, EmptyState, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
 from sidejax.fl.local import build_local_trainer
-from sidejax.fl.rounds import build_round_step
-from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, leaf_key, stream_key
-from sidejax.klms import (
-    KLMSClientInfo,
-    KLMSConfig,
-    KLMSServerInfo,
-    KLMSState,
-    klms_decode_clients,
-    klms_downlink_bits,
-    klms_encode,
-    klms_init,
-    klms_server_update,
-)
+from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, client_streams, leaf_key, stream_key
+from sidejax.layout import flat_layout
 from sidejax.types import Params
 
 __all__ = [
@@ -91,7 +84,7 @@ class FedPMState(NamedTuple):
       theta: float32 ``[d]`` global probability mask, in [0.01, 0.99].
       alpha, beta: float32 ``[d]`` Beta-posterior parameters of BayesAgg.
       eval_uniforms: float32 ``[d]``: fixed uniforms of the evaluation mask.
-      klms: :class:`sidejax.klms.KLMSState` (``EmptyState()`` for plain FedPM).
+      coder: the coder's protocol state (``EmptyState()`` for stateless coders).
     """
 
     weights: Params
@@ -99,24 +92,27 @@ class FedPMState(NamedTuple):
     alpha: jax.Array
     beta: jax.Array
     eval_uniforms: jax.Array
-    klms: KLMSState | EmptyState
+    coder: Any
 
 
 class FedPMClientExtra(NamedTuple):
-    """Per-client diagnostics: ``kl_bits`` is the ideal KLMS rate :math:`\\sum_j D_{KL}(\\phi_j\\|\\theta_j)`
-    in bits (reported for both variants); ``paper_bits`` is FedPM's formula :math:`d H_b(k/d) + \\log_2 d` for
-    the mask it would send; ``klms`` holds the coder's diagnostics (FedPM-KLMS only)."""
+    """Per-client diagnostics: ``kl_bits`` is :math:`\\sum_j D_{KL}(\\phi_j\\|\\theta_j)` in bits (the ideal
+    KLMS rate, reported for every coder); ``ideal_bits`` the coder's ideal rate (NaN if none); ``coder`` its
+    info."""
 
     kl_bits: jax.Array
-    paper_bits: jax.Array
-    klms: KLMSClientInfo | EmptyState
+    ideal_bits: jax.Array
+    coder: Any
 
 
 class FedPMServerInfo(NamedTuple):
-    """``theta_mean``: mean of the new global mask; ``klms``: protocol diagnostics (FedPM-KLMS only)."""
+    """``theta_mean``: mean of the new global mask; ``paper_bits``: FedPM's formula
+    :math:`d H_b(k/d) + \\log_2 d` for each decoded mask ``[clients]`` (an accounting formula, not a stream);
+    ``coder``: the coder's protocol diagnostics."""
 
     theta_mean: jax.Array
-    klms: KLMSServerInfo | EmptyState
+    paper_bits: jax.Array
+    coder: Any
 
 
 def signed_constant_init(key, params: Params) -> Params:
@@ -192,29 +188,28 @@ def fedpm(
     *,
     clients_per_round: int,
     batch_size: int,
-    local_epochs: int = 1,
-    klms: KLMSConfig | None = None,
+    local_epochs: int | None = 1,
+    local_steps: int | None = None,
+    coder: Coder | None = None,
     estimator: str = "fedpm",
     reset_priors: bool = True,
     eval_mask: str = "sample",
-    client_strategy: str | None = None,
-    map_batch_size: int | None = None,
 ) -> Algorithm:
-    """Builds FedPM, or FedPM-KLMS when ``klms`` is given.
+    """Builds FedPM (``coder=None``: :func:`sidejax.coding.mask_coder`) or FedPM-KLMS
+    (``coder=klms_coder(config)``).
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)``; it is applied to :math:`m \\odot w`.
       client_optimizer: optimizer of the mask scores ([C]: ``optax.adam(0.1)``).
       clients_per_round: participants per round.
       batch_size: local minibatch size.
-      local_epochs: local epochs per round.
-      klms: KLMS settings for FedPM-KLMS ([C]: ``KLMSConfig(log2_num_candidates=2, max_block_size=256)``);
-        ``None`` for plain FedPM.
+      local_epochs, local_steps: local training by epochs, or by a fixed number of steps (give one).
+      coder: the mask's coder, ``q = Bern(phi)`` against ``p = Bern(theta)`` ([C] FedPM-KLMS:
+        ``klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=256))``).
       estimator: ``"fedpm"`` or ``"ste"`` (see :func:`bernoulli_mask`).
       reset_priors: reset BayesAgg's Beta priors every round ([C]).
       eval_mask: ``"sample"`` (one fixed-uniform sample of the mask) or ``"threshold"``
         (:math:`\\theta > 1/2`).
-      client_strategy, map_batch_size: see :func:`sidejax.fl.build_round_step`.
 
     Returns:
       An :class:`sidejax.fl.Algorithm` whose ``eval_params`` is the masked network.
@@ -223,6 +218,9 @@ def fedpm(
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     if eval_mask not in ("sample", "threshold"):
         raise ValueError(f"eval_mask must be 'sample' or 'threshold', got {eval_mask!r}")
+    coder = mask_coder() if coder is None else coder
+    if not isinstance(coder, Coder):
+        raise TypeError(f"coder must be a sidejax.coding.Coder, got {type(coder).__name__}")
 
     def masked(weights, scores, uniforms_tree):
         def leaf(w, s, u):
@@ -238,16 +236,17 @@ def fedpm(
         theta = jnp.clip(jax.nn.sigmoid(scores), MASK_CLIP, 1 - MASK_CLIP)
         u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
         ones = jnp.ones(layout.dim, jnp.float32)
-        kstate = klms_init(layout.dim, klms) if klms is not None else EmptyState()
-        state = FedPMState(weights, theta, ones, ones, u, kstate)
+        state = FedPMState(weights, theta, ones, ones, u, coder.init(layout.dim))
         return initial_round_state(state, EmptyState(), num_clients)
 
-    def broadcast_fn(key, server: FedPMState, client_ids):
-        del key
-        bits = 32.0 * server.theta.shape[0]
-        if klms is not None:
-            bits = bits + klms_downlink_bits(server.klms, klms)
-        return server, jnp.full(client_ids.shape, bits, jnp.float32)
+    def broadcast(key, server: FedPMState, client_ids):
+        del key, client_ids
+        return concat_messages(encode_float32(server.theta), coder.downlink(server.coder))
+
+    def receive(dkey, keys, server: FedPMState, message):
+        del dkey, keys
+        theta_msg, coder_msg = split_message(message, (32 * server.theta.shape[0],))
+        return server._replace(theta=decode_float32(theta_msg), coder=coder.receive(server.coder, coder_msg))
 
     def client_update(keys: ClientKeys, server: FedPMState, state, data):
         _, unravel = ravel_pytree(server.weights)
@@ -260,58 +259,52 @@ def fedpm(
             return loss_fn(net, batch, stream_key(key, LOSS))
 
         trainer = build_local_trainer(
-            score_loss, client_optimizer, batch_size=batch_size, num_epochs=local_epochs
+            score_loss, client_optimizer, batch_size=batch_size, num_epochs=local_epochs, num_steps=local_steps
         )
         train_key, sample_key = client_streams(keys.private)
         scores, linfo = trainer(train_key, scores0, data)
         phi = jax.nn.sigmoid(ravel_pytree(scores)[0])
         q, p = Bernoulli(phi), Bernoulli(theta)
-        d = phi.shape[0]
-        if klms is None:
-            kl = jnp.sum(q.kl_bits(p))
-            mask = q.sample(sample_key)
-            k = jnp.sum(mask)
-            paper = d * binary_entropy_bits(k / d) + math.log2(d)
-            message = Message(
-                payload=pack_fixed(mask.astype(jnp.uint32), 1), num_bits=enumerative_mask_bits(mask)
-            )
-            kinfo = EmptyState()
-        else:
-            message, kinfo = klms_encode(ClientKeys(keys.shared, sample_key), q, p, server.klms, klms)
-            kl = kinfo.kl_bits
-            paper = jnp.float32(jnp.nan)
+        message, cinfo = coder.encode(ClientKeys(keys.shared, sample_key), q, p, server.coder)
         finite = linfo.finite & jnp.all(jnp.isfinite(phi))
-        extra = FedPMClientExtra(kl_bits=kl, paper_bits=jnp.asarray(paper, jnp.float32), klms=kinfo)
-        return state, message, ClientInfo(loss=linfo.loss, finite=finite, extra=extra)
+        extra = FedPMClientExtra(
+            kl_bits=jnp.sum(q.kl_bits(p)), ideal_bits=jnp.asarray(cinfo.ideal_bits, jnp.float32), coder=cinfo
+        )
+        return state, message, ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=cinfo.valid)
 
-    def server_update(rkey, server: FedPMState, client_ids, messages, weights):
-        del weights  # unweighted 1/C aggregation [P]
-        d = server.theta.shape[0]
-        if klms is None:
-            masks = jax.vmap(lambda w: unpack_fixed(w, d, 1).astype(jnp.float32))(messages.payload)
-            kstate, kinfo = server.klms, EmptyState()
-        else:
-            prior = Bernoulli(server.theta)
-            masks, decoded = klms_decode_clients(rkey, client_ids, prior, server.klms, messages, klms)
-            kstate, kinfo = klms_server_update(server.klms, decoded, klms)
+    def server_update(rkey, server: FedPMState, client_ids, shared_keys, messages, weights):
+        del rkey, client_ids, weights  # unweighted 1/C aggregation [P]
+        prior = Bernoulli(server.theta)
+        masks, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, prior, server.coder, messages)
+        cstate, cinfo = coder.update(server.coder, decoded)
         clipped = jnp.where(masks > 0.5, 1.0 - MASK_CLIP, MASK_CLIP)
         alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors)
-        new = server._replace(theta=theta, alpha=alpha, beta=beta, klms=kstate)
-        return new, FedPMServerInfo(theta_mean=jnp.mean(theta), klms=kinfo)
+        new = server._replace(theta=theta, alpha=alpha, beta=beta, coder=cstate)
+        d = masks.shape[1]
+        paper = d * binary_entropy_bits(jnp.sum(masks > 0.5, axis=1) / d) + math.log2(d)
+        info = FedPMServerInfo(theta_mean=jnp.mean(theta), paper_bits=paper.astype(jnp.float32), coder=cinfo)
+        return new, info, decoded.errors
 
-    def eval_params(server: FedPMState) -> Params:
+    def eval_params(state: RoundState) -> Params:
+        server = state.server
         if eval_mask == "threshold":
             m = (server.theta > 0.5).astype(jnp.float32)
         else:
             m = (server.eval_uniforms < server.theta).astype(jnp.float32)
         return masked_network(server.weights, m)
 
-    round_step = build_round_step(
-        broadcast_fn,
-        client_update,
-        server_update,
+    def metrics(info):
+        out = coder_metrics(info)
+        out["kl_bits"] = jnp.mean(info.clients.extra.kl_bits, axis=-1)
+        return out
+
+    return Algorithm(
+        init=init,
+        broadcast=broadcast,
+        receive=receive,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=eval_params,
         clients_per_round=clients_per_round,
-        client_strategy=client_strategy,
-        map_batch_size=map_batch_size,
+        metrics=metrics,
     )
-    return Algorithm(init=init, round_step=round_step, eval_params=eval_params)

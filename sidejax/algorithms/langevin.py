@@ -13,17 +13,21 @@ minibatch :math:`S_c` of size ``B`` ([C]: 64, one minibatch per round):
 per example, :math:`\\lambda` = ``weight_decay``, [C] 5). With :math:`a = N / C` and step size
 :math:`\\gamma` (the paper's :math:`\\eta_S` and :math:`\\gamma` are one step size, spec §8 #5):
 
-- **QLSD** sends :math:`H_c` through QSGD with ``s`` levels ([C] s = 5; Elias-coded, as
-  :mod:`sidejax.algorithms.qsgd`); the server steps
+- **QLSD** (:func:`qlsd`) sends :math:`H_c` through QSGD with ``s`` levels ([C] s = 5; by default
+  Elias-coded, as :mod:`sidejax.algorithms.qsgd`, with any levels coder accepted); the server steps
   :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c \\hat H_c + \\sqrt{2\\gamma}\\,\\xi`,
   :math:`\\xi \\sim N(0, I)` drawn from the round's server key.
-- **SGLD-KLMS** sends a KLMS sample :math:`y_c` of :math:`q = N(H_c, \\sigma^2 I)` against
+- **SGLD-KLMS** (:func:`sgld` with ``coder=klms_coder(config)``) sends a KLMS sample :math:`y_c` of :math:`q = N(H_c, \\sigma^2 I)` against
   :math:`p = N(0, \\sigma^2 I)` and the server steps
   :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c y_c`
   with **no** extra noise: the clients' noise is the Langevin noise. The paper's
   :math:`N(0, \\sqrt{2/(\\gamma C^2)})` is ambiguous (and the reference code doubles the noise); the spec's
   derivation (§4.7 [R]) gives :math:`\\gamma^2 a^2 C \\sigma^2 = 2\\gamma`, i.e.
   :math:`\\sigma^2 = 2 / (\\gamma a^2 C)`, used here. Per-coordinate KL: :math:`H_i^2 / (2\\sigma^2)` nats.
+  With ``coder=float32_coder()`` the client sends its own Gaussian sample uncompressed (federated SGLD).
+
+QLSD and SGLD are two builders, not one with a flag: they differ in the law that is coded (quantiser vs
+Gaussian) and in where the Langevin noise comes from (the server vs the clients' samples).
 
 The evaluated model is the current sample :math:`\\theta^{(t)}` (the paper averages predictions over
 posterior samples after convergence, without saying how; spec §8 #32).
@@ -34,43 +38,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from sidejax.algorithms.common import broadcast_params, client_streams, flat_layout
-from sidejax.algorithms.qsgd import (
-    CompressedExtra,
-    CompressedServerInfo,
-    qsgd_decode,
-    qsgd_message,
-    qsgd_quantize,
-)
+from sidejax.algorithms.dense import DenseMethod, dense_algorithm
+from sidejax.algorithms.qsgd import qsgd_method
+from sidejax.coding.base import Coder
+from sidejax.coding.sample import elias_coder
 from sidejax.distributions import DiagGaussian
-from sidejax.fl.base import Algorithm, Batch, ClientInfo, EmptyState, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, Batch
 from sidejax.fl.local import epoch_order
-from sidejax.fl.rounds import build_round_step
-from sidejax.keys import ORDER, SERVER, ClientKeys, epoch_key, step_key, stream_key
-from sidejax.klms import (
-    KLMSConfig,
-    KLMSState,
-    klms_decode_clients,
-    klms_encode,
-    klms_init,
-    klms_server_update,
-)
+from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 from sidejax.types import Params
 
-__all__ = ["LangevinState", "sgld_klms_sigma", "minibatch_potential_grad", "langevin"]
-
-
-class LangevinState(NamedTuple):
-    """Server state: the current posterior sample ``params`` and the KLMS protocol state."""
-
-    params: Params
-    klms: KLMSState | EmptyState
+__all__ = ["sgld_klms_sigma", "minibatch_potential_grad", "potential_direction", "qlsd", "sgld"]
 
 
 def sgld_klms_sigma(step_size: float, num_clients: int, clients_per_round: int) -> float:
@@ -99,7 +82,26 @@ def minibatch_potential_grad(
     return n * ravel_pytree(grads)[0] + 2.0 * weight_decay * flat, loss
 
 
-def langevin(
+def potential_direction(loss_fn: Callable, batch_size: int, weight_decay: float) -> Callable:
+    """``direction`` of the Langevin methods: :math:`H_c` at the global sample, its loss, finiteness."""
+
+    def direction(train_key, params, data):
+        h, loss = minibatch_potential_grad(loss_fn, train_key, params, data, batch_size, weight_decay)
+        return h, loss, jnp.isfinite(loss)
+
+    return direction
+
+
+def _check(step_size: float, num_clients: int, clients_per_round: int) -> None:
+    if not step_size > 0:
+        raise ValueError(f"step_size must be > 0, got {step_size}")
+    if not 1 <= clients_per_round <= num_clients:
+        raise ValueError(
+            f"need 1 <= clients_per_round <= num_clients, got {clients_per_round}, {num_clients}"
+        )
+
+
+def qlsd(
     loss_fn: Callable,
     *,
     num_clients: int,
@@ -108,12 +110,9 @@ def langevin(
     step_size: float = 1e-5,
     weight_decay: float = 5.0,
     levels: int = 5,
-    klms: KLMSConfig | None = None,
-    paper_compat: bool = False,
-    client_strategy: str | None = None,
-    map_batch_size: int | None = None,
+    coder: Coder | None = None,
 ) -> Algorithm:
-    """Builds QLSD (``klms=None``) or SGLD-KLMS.
+    """Builds QLSD: QSGD-quantised potential gradients, Langevin noise added by the server.
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)`` (mean negative log-likelihood of a batch).
@@ -122,70 +121,61 @@ def langevin(
       batch_size: the minibatch B of the one local gradient.
       step_size: :math:`\\gamma` ([C] 1e-5).
       weight_decay: :math:`\\lambda` of the Gaussian prior ([C] 5).
-      levels: QLSD's QSGD levels ``s`` ([C] 5).
-      klms: KLMS settings for SGLD-KLMS ([C] ``max_block_size=16``).
-      paper_compat: QLSD charges the reference code's Elias bound.
-      client_strategy, map_batch_size: see :func:`sidejax.fl.build_round_step`.
+      levels: the QSGD levels ``s`` ([C] 5).
+      coder: the levels' coder (default ``elias_coder(levels)``; norms are added as side information).
     """
-    if not step_size > 0:
-        raise ValueError(f"step_size must be > 0, got {step_size}")
-    if not 1 <= clients_per_round <= num_clients:
-        raise ValueError(
-            f"need 1 <= clients_per_round <= num_clients, got {clients_per_round}, {num_clients}"
-        )
+    _check(step_size, num_clients, clients_per_round)
+    a = num_clients / clients_per_round
+    coder = elias_coder(levels) if coder is None else coder
+
+    def server_step(key, flat, hhat, weights):
+        del weights
+        noise = math.sqrt(2 * step_size) * jax.random.normal(key, flat.shape)
+        return flat + (-step_size * a * jnp.sum(hhat, axis=0) + noise)
+
+    method = qsgd_method(
+        potential_direction(loss_fn, batch_size, weight_decay),
+        levels=levels,
+        clients_per_round=clients_per_round,
+        prior_smoothing=1.0,
+        server_step=server_step,
+    )
+    return dense_algorithm(method, coder, clients_per_round=clients_per_round, check_num_clients=num_clients)
+
+
+def sgld(
+    loss_fn: Callable,
+    *,
+    num_clients: int,
+    clients_per_round: int,
+    coder: Coder,
+    batch_size: int = 64,
+    step_size: float = 1e-5,
+    weight_decay: float = 5.0,
+) -> Algorithm:
+    """Builds federated SGLD whose clients send one sample of :math:`N(H_c, \\sigma^2 I)`: SGLD-KLMS with
+    ``coder=klms_coder(config)`` (against :math:`p = N(0, \\sigma^2 I)`), or the uncompressed sample with
+    ``coder=float32_coder()``. The server steps :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c y_c`.
+
+    Args:
+      loss_fn, num_clients, clients_per_round, batch_size, step_size, weight_decay: as :func:`qlsd`.
+      coder: the coder of the Gaussian samples.
+    """
+    _check(step_size, num_clients, clients_per_round)
     a = num_clients / clients_per_round
     sigma = sgld_klms_sigma(step_size, num_clients, clients_per_round)
 
-    def init(key, params: Params, n: int) -> RoundState:
-        del key
-        if n != num_clients:
-            raise ValueError(f"langevin was built for num_clients={num_clients} but the data has {n} clients")
-        kstate = klms_init(flat_layout(params).dim, klms) if klms is not None else EmptyState()
-        return initial_round_state(LangevinState(params, kstate), EmptyState(), n)
+    def server_step(key, flat, yhat, weights):
+        del key, weights
+        return flat + (-step_size * a * jnp.sum(yhat, axis=0) + 0.0)
 
-    def broadcast_fn(key, server: LangevinState, client_ids):
-        del key
-        return broadcast_params(server, client_ids, klms)
-
-    def client_update(keys: ClientKeys, server: LangevinState, state, data):
-        layout = flat_layout(server.params)
-        train_key, sample_key = client_streams(keys.private)
-        h, loss = minibatch_potential_grad(loss_fn, train_key, server.params, data, batch_size, weight_decay)
-        if klms is None:
-            signed, norms = qsgd_quantize(sample_key, h, layout, levels)
-            message = qsgd_message(signed, norms, layout, levels, paper_compat=paper_compat)
-            extra = CompressedExtra(jnp.float32(jnp.nan), EmptyState())
-        else:
-            q = DiagGaussian(h, jnp.full_like(h, sigma))
-            p = DiagGaussian(jnp.zeros_like(h), jnp.full_like(h, sigma))
-            message, kinfo = klms_encode(ClientKeys(keys.shared, sample_key), q, p, server.klms, klms)
-            extra = CompressedExtra(kinfo.kl_bits, kinfo)
-        finite = jnp.isfinite(loss) & jnp.all(jnp.isfinite(h))
-        return state, message, ClientInfo(loss=loss, finite=finite, extra=extra)
-
-    def server_update(rkey, server: LangevinState, client_ids, messages, weights):
-        del weights
-        layout = flat_layout(server.params)
-        flat, unravel = ravel_pytree(server.params)
-        if klms is None:
-            hhat = jax.vmap(lambda m: qsgd_decode(m, layout, levels))(messages)
-            noise = math.sqrt(2 * step_size) * jax.random.normal(stream_key(rkey, SERVER), flat.shape)
-            kstate, kinfo = server.klms, EmptyState()
-        else:
-            p = DiagGaussian(jnp.zeros_like(flat), jnp.full_like(flat, sigma))
-            hhat, decoded = klms_decode_clients(rkey, client_ids, p, server.klms, messages, klms)
-            noise = 0.0
-            kstate, kinfo = klms_server_update(server.klms, decoded, klms)
-        step = -step_size * a * jnp.sum(hhat, axis=0) + noise
-        new = LangevinState(unravel(flat + step), kstate)
-        return new, CompressedServerInfo(update_norm=jnp.linalg.norm(step), klms=kinfo)
-
-    round_step = build_round_step(
-        broadcast_fn,
-        client_update,
-        server_update,
-        clients_per_round=clients_per_round,
-        client_strategy=client_strategy,
-        map_batch_size=map_batch_size,
+    method = DenseMethod(
+        direction=potential_direction(loss_fn, batch_size, weight_decay),
+        law=lambda h, layout: DiagGaussian(h, jnp.full_like(h, sigma)),
+        prior=lambda state, layout: DiagGaussian(
+            jnp.zeros((layout.dim,), jnp.float32), jnp.full((layout.dim,), sigma, jnp.float32)
+        ),
+        reconstruct=lambda samples, layout: samples,
+        server_step=server_step,
     )
-    return Algorithm(init=init, round_step=round_step, eval_params=lambda server: server.params)
+    return dense_algorithm(method, coder, clients_per_round=clients_per_round, check_num_clients=num_clients)

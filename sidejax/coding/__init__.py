@@ -1,6 +1,32 @@
-"""Coders: every message a client or the server sends is built here, with its real length in bits."""
+"""Coders: every message a client or the server sends is built here, with its real length in bits.
 
-from sidejax.coding.base import Message, decode_float32, encode_float32
+The contract is :class:`Coder` (:mod:`sidejax.coding.base`): transmit one sample of ``q`` using side
+information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation),
+:func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
+baselines), and the combinator :func:`with_side_info`.
+"""
+
+from sidejax.coding.base import (
+    ERR_CRC,
+    ERR_INPUT,
+    ERR_LENGTH,
+    ERR_PARSE,
+    ERR_PARTITION,
+    ERR_PRIOR,
+    Coder,
+    EmptyState,
+    Message,
+    StreamCheck,
+    concat_messages,
+    decode_float32,
+    empty_message,
+    encode_float32,
+    float32_coder,
+    split_message,
+    stateless_coder,
+    stream_errors,
+    with_side_info,
+)
 from sidejax.coding.bitstream import (
     check_stream,
     crc32_words,
@@ -22,18 +48,49 @@ from sidejax.coding.importance import (
     importance_decode,
     importance_encode,
 )
+from sidejax.coding.klms import (
+    KLMSClientInfo,
+    KLMSConfig,
+    KLMSDecoded,
+    KLMSServerInfo,
+    KLMSState,
+    klms_coder,
+    klms_decode,
+    klms_downlink,
+    klms_encode,
+    klms_init,
+    klms_receive,
+    klms_server_update,
+)
+from sidejax.coding.sample import SampleInfo, elias_coder, fixed_width_coder, mask_coder
 
 __all__ = [
+    "ERR_CRC",
+    "ERR_INPUT",
+    "ERR_LENGTH",
+    "ERR_PARSE",
+    "ERR_PARTITION",
+    "ERR_PRIOR",
+    "Coder",
+    "EmptyState",
     "Message",
-    "encode_float32",
+    "StreamCheck",
+    "concat_messages",
     "decode_float32",
+    "empty_message",
+    "encode_float32",
+    "float32_coder",
+    "split_message",
+    "stateless_coder",
+    "stream_errors",
+    "with_side_info",
     "check_stream",
-    "num_words",
-    "sent_words",
-    "mask_to_length",
-    "trim_payload",
     "crc32_words",
+    "mask_to_length",
+    "num_words",
     "pack_fixed",
+    "sent_words",
+    "trim_payload",
     "unpack_fixed",
     "ImportanceInfo",
     "candidate_uniforms",
@@ -44,4 +101,20 @@ __all__ = [
     "encode_indices",
     "importance_decode",
     "importance_encode",
+    "KLMSClientInfo",
+    "KLMSConfig",
+    "KLMSDecoded",
+    "KLMSServerInfo",
+    "KLMSState",
+    "klms_coder",
+    "klms_decode",
+    "klms_downlink",
+    "klms_encode",
+    "klms_init",
+    "klms_receive",
+    "klms_server_update",
+    "SampleInfo",
+    "elias_coder",
+    "fixed_width_coder",
+    "mask_coder",
 ]

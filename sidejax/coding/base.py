@@ -1,33 +1,212 @@
-"""Messages and the uncompressed float32 coder used by the baselines.
+"""The Coder contract: transmit one sample of ``q`` using side information ``p`` that both ends know.
 
-A :class:`Message` holds exactly what crosses the wire (``payload``) and its code length in bits
-(``num_bits``), computed from the payload inside jit. Decoders take a message and whatever the receiver
-legitimately knows (shared keys, its own state), never the sender's private values.
+Every message in sidejax, uplink or downlink, compressed or not, is built by a :class:`Coder`:
+
+- ``init(dim) -> state``: the coder's protocol state (e.g. the KLMS block partition); ``EmptyState()`` when
+  the coder has none.
+- ``encode(keys, q, p, state) -> (Message, info)``: the sender's side. ``keys`` is a
+  :class:`sidejax.keys.ClientKeys`: ``keys.shared`` is known to both ends (candidates, dithers),
+  ``keys.private`` only to the sender (the index choice, or the sample itself). ``info`` has a boolean
+  ``valid`` field (False when ``q`` or ``p`` was invalid, so the stream is garbage) and ``ideal_bits``, an
+  ideal rate for the message where one is defined (KLMS: :math:`D_{KL}(q \\| p)` in bits; NaN otherwise),
+  reported beside ``num_bits`` and labelled ideal.
+- ``decode(shared_key, p, state, message) -> (sample, decoded)``: the receiver's side. Its signature
+  cannot see ``q`` or the private key: everything it learns is in the message. ``decoded`` has ``valid``
+  and ``errors`` fields (an int32 bitmask of ``ERR_*``; :func:`stream_errors` turns it into sentences).
+- ``update(state, decoded) -> (state, info)``: the protocol step on the server, with every participant's
+  ``decoded`` stacked on axis 0 (identity when stateless).
+- ``downlink(state) -> Message``: the protocol side information the receivers need for the next round
+  (a real stream; 0 bits when stateless), and ``receive(state, message) -> state``: the client side of it.
+- ``uses_prior``: whether ``decode`` depends on ``p``. When it does, ``p`` must be known to the receiver,
+  so an algorithm whose ``p`` is built by the server (QSGD-KLMS's symbol frequencies) sends it downlink.
+
+A :class:`Message` holds exactly what crosses the wire (``payload``: ``uint32`` words, LSB first) and its
+length in bits (``num_bits``), computed from the payload inside jit. Coders compose the way optax transforms
+do: :func:`with_side_info` adds float32 side information (e.g. QSGD's norms) to any coder, and
+:func:`concat_messages` / :func:`split_message` join and cut streams at bit precision.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from sidejax.bits import payload_bits
+from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.types import Bits, PyTree
+from sidejax.utils import is_concrete
 
-__all__ = ["Message", "encode_float32", "decode_float32"]
+__all__ = [
+    "Message",
+    "EmptyState",
+    "Coder",
+    "StreamCheck",
+    "ERR_LENGTH",
+    "ERR_PARTITION",
+    "ERR_PARSE",
+    "ERR_PRIOR",
+    "ERR_CRC",
+    "ERR_INPUT",
+    "stream_errors",
+    "empty_message",
+    "concat_messages",
+    "split_message",
+    "stateless_coder",
+    "encode_float32",
+    "decode_float32",
+    "float32_coder",
+    "with_side_info",
+]
 
 
 class Message(NamedTuple):
     """One encoded message.
 
     Attributes:
-      payload: a pytree of integer word arrays: exactly what is transmitted.
-      num_bits: float32 scalar, the message's length in bits (payload plus side information).
+      payload: ``uint32`` words (LSB first): exactly what is transmitted. Inside jit a coder may return a
+        static-capacity buffer of which only the first ``ceil(num_bits / 32)`` words are sent (the rest are
+        zero); outside jit it is those words.
+      num_bits: float32 scalar, the message's length in bits, computed from what was written.
     """
 
     payload: PyTree
     num_bits: Bits
+
+
+class EmptyState(NamedTuple):
+    """The state of a component that has none (a stateless coder, stateless clients)."""
+
+
+# bits of a decoded stream's ``errors`` mask (shared by every coder)
+ERR_LENGTH = 1
+ERR_PARTITION = 2
+ERR_PARSE = 4
+ERR_PRIOR = 8
+ERR_CRC = 16
+ERR_INPUT = 32
+_ERROR_TEXT = {
+    ERR_LENGTH: "the payload is shorter than num_bits claims, or holds set bits past num_bits "
+    "(length mismatch: truncated or padded stream)",
+    ERR_PARTITION: "the block lengths do not sum to dim (corrupted partition field)",
+    ERR_PARSE: "the fields read do not add up to num_bits (corrupted or mis-sized stream)",
+    ERR_PRIOR: "the prior p is not a valid distribution (NaN or out-of-range parameters)",
+    ERR_CRC: "CRC-32 mismatch (corrupted bits, or the stream was encoded with another shared key)",
+    ERR_INPUT: "the decoded values are not what an encoder can produce (corrupted stream)",
+}
+
+
+def stream_errors(errors) -> list[str]:
+    """Host side: the reasons encoded in a decoded stream's ``errors`` bitmask, as sentences."""
+    code = int(errors)
+    return [text for bit, text in _ERROR_TEXT.items() if code & bit]
+
+
+class StreamCheck(NamedTuple):
+    """What a stateless decoder reports besides the sample: ``valid`` (``errors == 0``) and ``errors``."""
+
+    valid: jax.Array
+    errors: jax.Array
+
+
+class Coder(NamedTuple):
+    """A coder: pure functions only (see the module docstring for the contract).
+
+    Attributes:
+      init: ``init(dim) -> state``.
+      encode: ``encode(keys, q, p, state) -> (Message, info)``.
+      decode: ``decode(shared_key, p, state, message) -> (sample, decoded)``.
+      update: ``update(state, decoded_stacked) -> (state, info)``.
+      downlink: ``downlink(state) -> Message`` (protocol side information for the receivers).
+      receive: ``receive(state, message) -> state`` (the receivers' decoding of ``downlink``).
+      uses_prior: whether ``decode`` depends on ``p`` (static).
+      name: a short name for tables and errors.
+    """
+
+    init: Callable[[int], Any]
+    encode: Callable[..., tuple[Message, Any]]
+    decode: Callable[..., tuple[jax.Array, Any]]
+    update: Callable[[Any, Any], tuple[Any, Any]]
+    downlink: Callable[[Any], Message]
+    receive: Callable[[Any, Message], Any]
+    uses_prior: bool = True
+    name: str = "coder"
+
+
+def empty_message() -> Message:
+    """A message of 0 bits (an empty word array)."""
+    return Message(jnp.zeros((0,), jnp.uint32), jnp.float32(0.0))
+
+
+def _words(message: Message) -> jax.Array:
+    words = jnp.asarray(message.payload)
+    if words.ndim != 1 or words.dtype != jnp.uint32:
+        raise ValueError(
+            f"a message payload must be a 1-D uint32 word array, got {words.dtype} of shape {words.shape}"
+        )
+    return words
+
+
+def concat_messages(*parts: Message) -> Message:
+    """One stream holding ``parts`` back to back at bit precision: part ``i + 1`` starts at bit
+    ``sum(num_bits[:i + 1])``, with no padding in between (``num_bits`` is the sum). Inside jit the
+    payload is the sum of the parts' capacities; outside jit exactly the words sent."""
+    if not parts:
+        return empty_message()
+    words = _words(parts[0])
+    offset = jnp.asarray(parts[0].num_bits, jnp.float32)
+    for part in parts[1:]:
+        pw = _words(part)
+        buf = jnp.concatenate([words, jnp.zeros(pw.shape[0] + 1, jnp.uint32)])
+        words = pack_fixed(pw, 32, bit_offset=offset.astype(jnp.int32), out=buf)
+        offset = offset + jnp.asarray(part.num_bits, jnp.float32)
+    if is_concrete(offset):
+        words = words[: sent_words(offset)]
+    return Message(words, offset)
+
+
+def split_message(message: Message, lengths: tuple[int, ...], capacities: tuple[int, ...] | None = None):
+    """Cuts a stream built by :func:`concat_messages` whose leading parts have the static ``lengths`` (bits);
+    the last part is the rest. Returns ``len(lengths) + 1`` messages (each part's payload holds
+    ``capacities[i]`` words, default ``ceil(length / 32)``, and the last part the remaining words).
+
+    Bits past ``message.num_bits`` are zeroed first, so a padded buffer cannot leak into a part."""
+    words = _words(message)
+    n = words.shape[0]
+    words, _ = mask_to_length(words, message.num_bits)
+    parts = []
+    offset = 0
+    for i, length in enumerate(lengths):
+        cap = -(-length // 32) if capacities is None else capacities[i]
+        part = unpack_fixed(jnp.pad(words, (0, cap + 1)), cap, 32, bit_offset=offset)
+        part, _ = mask_to_length(part, jnp.float32(length))
+        parts.append(Message(part, jnp.float32(length)))
+        offset += length
+    rest_cap = max(0, n - offset // 32)
+    rest = unpack_fixed(jnp.pad(words, (0, rest_cap + 1)), rest_cap, 32, bit_offset=offset)
+    parts.append(Message(rest, jnp.asarray(message.num_bits, jnp.float32) - jnp.float32(offset)))
+    return parts
+
+
+def stateless_coder(encode, decode, *, uses_prior: bool, name: str) -> Coder:
+    """A :class:`Coder` without protocol state: ``encode(keys, q, p)``, ``decode(shared_key, p, message)``;
+    ``update`` is the identity and ``downlink`` sends nothing."""
+
+    def update(state, decoded):
+        return state, StreamCheck(jnp.asarray(decoded.valid), jnp.asarray(decoded.errors))
+
+    return Coder(
+        init=lambda dim: EmptyState(),
+        encode=lambda keys, q, p, state: encode(keys, q, p),
+        decode=lambda shared_key, p, state, message: decode(shared_key, p, message),
+        update=update,
+        downlink=lambda state: empty_message(),
+        receive=lambda state, message: state,
+        uses_prior=uses_prior,
+        name=name,
+    )
 
 
 def encode_float32(x: jax.Array) -> Message:
@@ -42,3 +221,79 @@ def encode_float32(x: jax.Array) -> Message:
 def decode_float32(message: Message) -> jax.Array:
     """Inverse of :func:`encode_float32`: bit-exact."""
     return jax.lax.bitcast_convert_type(message.payload, jnp.float32)
+
+
+class Float32Info(NamedTuple):
+    """``valid``: the value sent was finite; ``ideal_bits``: NaN (no ideal rate for a point mass)."""
+
+    valid: jax.Array
+    ideal_bits: jax.Array
+
+
+def float32_coder() -> Coder:
+    """The uncompressed coder: ``q`` is a point mass (:class:`sidejax.distributions.PointMass`) whose value
+    is sent as float32 words, 32 bits per coordinate (FedAvg's messages). ``p`` is not used."""
+
+    def encode(keys, q, p):
+        del keys, p
+        value = q.sample(None)
+        return encode_float32(value), Float32Info(jnp.all(jnp.isfinite(value)), jnp.float32(jnp.nan))
+
+    def decode(shared_key, p, message):
+        del shared_key, p
+        words = _words(message)
+        ok = jnp.asarray(message.num_bits, jnp.float32) == 32.0 * words.shape[0]
+        errors = jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+        return decode_float32(Message(words, message.num_bits)), StreamCheck(ok, errors)
+
+    return stateless_coder(encode, decode, uses_prior=False, name="float32")
+
+
+class SideInfoDecoded(NamedTuple):
+    """``inner``: the inner coder's decoded info; ``valid``/``errors`` of the whole stream."""
+
+    inner: Any
+    valid: jax.Array
+    errors: jax.Array
+
+
+def with_side_info(coder: Coder, num_values: int) -> Coder:
+    """``coder`` plus ``num_values`` float32 values of side information sent in front of its stream.
+
+    The wrapped coder takes ``q = (inner_q, side)`` with ``side`` a float vector ``[num_values]`` (e.g. QSGD's
+    per-tensor norms) and decodes to ``(inner_sample, side)``. The stream is the ``32 * num_values`` bits of
+    ``side`` followed by the inner coder's stream (:func:`concat_messages`), so the receiver reads the
+    side information first and the inner stream is exactly the rest. ``p`` and the state are the inner
+    coder's.
+    """
+    if num_values < 0:
+        raise ValueError(f"num_values must be >= 0, got {num_values}")
+    head = 32 * num_values
+
+    def encode(keys, q, p, state):
+        inner_q, side = q
+        side = jnp.asarray(side, jnp.float32)
+        if side.shape != (num_values,):
+            raise ValueError(f"side information must have shape ({num_values},), got {side.shape}")
+        msg, info = coder.encode(keys, inner_q, p, state)
+        info = info._replace(valid=info.valid & jnp.all(jnp.isfinite(side)))
+        return concat_messages(encode_float32(side), msg), info
+
+    def decode(shared_key, p, state, message):
+        side_msg, inner_msg = split_message(message, (head,))
+        sample, decoded = coder.decode(shared_key, p, state, inner_msg)
+        return (sample, decode_float32(side_msg)), SideInfoDecoded(decoded, decoded.valid, decoded.errors)
+
+    def update(state, decoded):
+        return coder.update(state, decoded.inner)
+
+    return Coder(
+        init=coder.init,
+        encode=encode,
+        decode=decode,
+        update=update,
+        downlink=coder.downlink,
+        receive=coder.receive,
+        uses_prior=coder.uses_prior,
+        name=f"{coder.name}+side",
+    )

@@ -1,4 +1,5 @@
-"""The federated round engine, local training, evaluation, and FedAvg."""
+"""The federated round engine, local training and evaluation (the algorithms are in
+:mod:`sidejax.algorithms`)."""
 
 from sidejax.fl.base import (
     Algorithm,
@@ -8,13 +9,14 @@ from sidejax.fl.base import (
     ClientInfo,
     ClientUpdate,
     EmptyState,
+    ReceiveFn,
     RoundInfo,
     RoundState,
     ServerUpdate,
     initial_round_state,
+    no_metrics,
 )
 from sidejax.fl.evaluate import EvalResult, build_evaluator
-from sidejax.fl.fedavg import FedAvgServerInfo, FedAvgState, fedavg, weighted_mean
 from sidejax.fl.local import (
     LocalInfo,
     build_local_trainer,
@@ -25,6 +27,8 @@ from sidejax.fl.local import (
 )
 from sidejax.fl.rounds import (
     CLIENT_STRATEGIES,
+    ClientMap,
+    as_client_map,
     build_round_step,
     check_federation,
     default_client_strategy,
@@ -40,16 +44,16 @@ __all__ = [
     "ClientInfo",
     "ClientUpdate",
     "EmptyState",
+    "ReceiveFn",
+    "no_metrics",
+    "ClientMap",
+    "as_client_map",
     "RoundInfo",
     "RoundState",
     "initial_round_state",
     "ServerUpdate",
     "EvalResult",
     "build_evaluator",
-    "FedAvgServerInfo",
-    "FedAvgState",
-    "fedavg",
-    "weighted_mean",
     "LocalInfo",
     "build_local_trainer",
     "classification_loss",

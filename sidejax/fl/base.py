@@ -1,13 +1,18 @@
 """Contracts of the round engine: states, infos, and the algorithm container.
 
-An algorithm is a pair of pure functions (optax/blackjax style), held in :class:`Algorithm`:
+An algorithm is a set of pure role kernels (optax/blackjax style), held in :class:`Algorithm`:
 
-- ``init(key, params, num_clients) -> RoundState``
-- ``round_step(round_key, state, data) -> (RoundState, RoundInfo)``
+- ``init(key, params, num_clients) -> RoundState``;
+- ``broadcast(downlink_key, server, client_ids) -> Message``: the downlink, shared or per participant;
+- ``receive(downlink_key, keys, server, message) -> received``: the client side of the downlink;
+- ``client_update(keys, received, client_state, data) -> (client_state, Message, ClientInfo)``;
+- ``server_update(round_key, server, client_ids, shared_keys, messages, weights)
+  -> (server, server_info, uplink_errors)``;
+- ``eval_params(state) -> params`` (optionally with a leading sample or client axis) and ``metrics``.
 
-``round_step`` is usually built by :func:`sidejax.fl.build_round_step` from three smaller pure functions,
-one per role (see :class:`BroadcastFn`, :class:`ClientUpdate`, :class:`ServerUpdate`). States are carried by
-``lax.scan``; infos are emitted, stacked over rounds, and never fed back.
+The engine (:func:`sidejax.fl.build_round_step`) composes them into one round and chooses how to map the
+clients (:class:`sidejax.fl.ClientMap`, passed once). States are carried by ``lax.scan``; infos are emitted,
+stacked over rounds, and never fed back. Every bit count in :class:`RoundInfo` is read from a message.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidejax.coding.base import Message
+from sidejax.coding.base import EmptyState, Message
 from sidejax.keys import ClientKeys
 from sidejax.types import Bits, Params, PRNGKey, PyTree
 
@@ -32,14 +37,13 @@ __all__ = [
     "initial_round_state",
     "RoundInfo",
     "BroadcastFn",
+    "ReceiveFn",
     "ClientUpdate",
     "ServerUpdate",
     "Algorithm",
+    "EVAL_AXES",
+    "no_metrics",
 ]
-
-
-class EmptyState(NamedTuple):
-    """State of a stateless component (e.g. FedAvg clients)."""
 
 
 class ClientData(NamedTuple):
@@ -75,11 +79,14 @@ class ClientInfo(NamedTuple):
       loss: float32 scalar, the mean training loss over the client's local steps.
       finite: bool scalar, False if any local loss or the client's result was NaN/inf.
       extra: algorithm-specific diagnostics (a pytree; ``()`` if none).
+      valid: bool scalar, False if the coder reported an invalid input (``q`` or ``p`` not a valid
+        distribution, a non-finite KL): the client's stream is then garbage.
     """
 
     loss: jax.Array
     finite: jax.Array
     extra: PyTree = ()
+    valid: jax.Array | bool = True
 
 
 class RoundState(NamedTuple):
@@ -125,6 +132,9 @@ class RoundInfo(NamedTuple):
       clients: :class:`ClientInfo` stacked over participants.
       server: algorithm-specific server diagnostics.
       server_finite: bool scalar, False if the new server state holds a NaN/inf.
+      uplink_errors: int32 ``[clients_per_round]``: the decoder's error bitmask of each participant's
+        uplink stream (0 = well formed; :func:`sidejax.coding.stream_errors` gives the reasons). A nonzero
+        entry means that client's decoded sample, and everything aggregated from it, is garbage.
     """
 
     round_index: jax.Array
@@ -134,20 +144,31 @@ class RoundInfo(NamedTuple):
     clients: ClientInfo
     server: PyTree
     server_finite: jax.Array
+    uplink_errors: jax.Array
 
 
 class BroadcastFn(Protocol):
-    """Builds what the participants receive at the start of a round, and its cost."""
+    """The server's downlink at the start of a round: a :class:`sidejax.coding.Message`."""
 
-    def __call__(self, downlink_key: PRNGKey, server: PyTree, client_ids: jax.Array) -> tuple[PyTree, Bits]:
-        """Returns ``(broadcast, downlink_bits[clients])``; ``broadcast`` is what clients decode and use."""
+    def __call__(self, downlink_key: PRNGKey, server: PyTree, client_ids: jax.Array) -> Message:
+        """Returns the downlink message: with a scalar ``num_bits`` one message shared by every participant
+        (a broadcast), with ``num_bits`` of shape ``[clients]`` (and payload leaves with a leading
+        participants axis) one message per participant."""
+
+
+class ReceiveFn(Protocol):
+    """The client-side step that decodes the downlink into what the client works with."""
+
+    def __call__(self, downlink_key: PRNGKey, keys: ClientKeys, server: PyTree, message: Message) -> PyTree:
+        """``server`` stands for what the receiver already knows (seeds, earlier rounds' protocol state);
+        every field the message carries must be taken from the decoded message."""
 
 
 class ClientUpdate(Protocol):
     """One client's local work for one round (vmapped or mapped over participants by the engine)."""
 
     def __call__(
-        self, keys: ClientKeys, broadcast: PyTree, state: PyTree, data: ClientData
+        self, keys: ClientKeys, received: PyTree, state: PyTree, data: ClientData
     ) -> tuple[PyTree, Message, ClientInfo]:
         """Returns ``(new_client_state, uplink_message, info)``."""
 
@@ -160,22 +181,50 @@ class ServerUpdate(Protocol):
         round_key: PRNGKey,
         server: PyTree,
         client_ids: jax.Array,
+        shared_keys: PRNGKey,
         messages: Message,
         weights: jax.Array,
-    ) -> tuple[PyTree, PyTree]:
-        """``messages`` leaves have a leading participants axis; returns ``(server_state, server_info)``."""
+    ) -> tuple[PyTree, PyTree, jax.Array]:
+        """``shared_keys`` ``[clients]`` are the participants' shared keys (from the engine: the server never
+        re-derives the key schedule); ``messages`` leaves have a leading participants axis. Returns
+        ``(server_state, server_info, uplink_errors[clients])``."""
+
+
+EVAL_AXES = (None, "sample", "client")
+
+
+def no_metrics(info: RoundInfo) -> dict:
+    """The default metrics hook: nothing beyond the engine's own columns."""
+    del info
+    return {}
 
 
 class Algorithm(NamedTuple):
-    """A federated algorithm: pure functions only, no hidden state.
+    """A federated algorithm: pure functions only, no hidden state (the round engine,
+    :func:`sidejax.fl.build_round_step`, composes them).
 
     Attributes:
       init: ``init(key, params, num_clients) -> RoundState``.
-      round_step: ``round_step(round_key, state, data) -> (RoundState, RoundInfo)``.
-      eval_params: ``eval_params(server_state) -> Params``: the model parameters to evaluate (e.g. FedAvg's
-        global weights; FedPM's masked network).
+      broadcast: :class:`BroadcastFn`.
+      receive: :class:`ReceiveFn`.
+      client_update: :class:`ClientUpdate`.
+      server_update: :class:`ServerUpdate`.
+      eval_params: ``eval_params(state: RoundState) -> Params``: the model(s) to evaluate. With ``eval_axis``
+        ``"sample"`` the leaves have a leading axis of posterior samples / ensemble members (evaluated by
+        their predictive average), with ``"client"`` a leading axis of personal models (one per client,
+        evaluated on each client's own data).
+      clients_per_round: participants per round (static; the algorithm's math may depend on it).
+      eval_axis: ``None``, ``"sample"`` or ``"client"`` (static).
+      metrics: ``metrics(info: RoundInfo) -> dict[str, array]``: the algorithm's own diagnostics, one value
+        per round (leading rounds axis when ``info`` is stacked), logged generically by drivers.
     """
 
     init: Callable[[PRNGKey, Params, int], RoundState]
-    round_step: Callable[[PRNGKey, RoundState, Any], tuple[RoundState, RoundInfo]]
-    eval_params: Callable[[PyTree], Params]
+    broadcast: BroadcastFn
+    receive: ReceiveFn
+    client_update: ClientUpdate
+    server_update: ServerUpdate
+    eval_params: Callable[[RoundState], Params]
+    clients_per_round: int
+    eval_axis: str | None = None
+    metrics: Callable[[RoundInfo], dict] = no_metrics

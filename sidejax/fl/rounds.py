@@ -4,17 +4,21 @@ One round (:func:`build_round_step`):
 
 1. **Sample.** ``client_ids = sample_clients(stream_key(round_key, SAMPLING), num_clients,
    clients_per_round)``: uniformly without replacement, inside jit.
-2. **Broadcast.** ``broadcast_fn(stream_key(round_key, DOWNLINK), server, client_ids)`` returns what the
-   participants receive and the downlink bits of each.
-3. **Clients.** Each participant runs ``client_update(client_keys(round_key, id), broadcast, state, data)``,
-   with keys derived from its *global* id (every key comes from :mod:`sidejax.keys`). The participants run
-   under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under ``jax.lax.map``
-   (``"map"``, the CPU default: memory for one client at a time, 37% less peak memory at 50-100
-   clients). Builders default to :func:`default_client_strategy`, chosen by
-   backend. ``map_batch_size`` vmaps groups of that many clients inside the map (blackjax's ``map_fn``
-   trade-off).
-4. **Server.** ``server_update(round_key, server, client_ids, messages, weights)`` with the stacked uplink
-   messages and the participants' example counts as weights.
+2. **Downlink.** ``message = algorithm.broadcast(stream_key(round_key, DOWNLINK), server, client_ids)``:
+   one :class:`sidejax.coding.Message` shared by every participant (scalar ``num_bits``) or one per
+   participant (``num_bits[clients]``). ``RoundInfo.downlink_bits`` is read from it.
+3. **Clients.** Each participant decodes the downlink (``algorithm.receive``, its own message when the
+   downlink is per participant) and runs ``client_update(client_keys(round_key, id), received, state,
+   data)``, with keys derived from its *global* id (every key comes from :mod:`sidejax.keys`). The
+   participants run under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under
+   ``jax.lax.map`` (``"map"``, the CPU default: memory for one client at a time, 37% less peak memory at
+   50-100 clients), optionally vmapping ``batch_size`` clients per map step (blackjax's ``map_fn``
+   trade-off). That choice is the engine's (:class:`ClientMap`), passed once, not a parameter of the
+   algorithms.
+4. **Server.** ``server_update(round_key, server, client_ids, shared_keys, messages, weights)`` with the
+   participants' shared keys (derived here, by the engine), the stacked uplink messages and the
+   participants' example counts as weights; it returns the new state, its diagnostics and each uplink
+   stream's error bitmask.
 5. **Write back** the participants' client states with ``.at[client_ids].set``.
 
 :func:`run_rounds` scans ``round_step`` over rounds under one ``jit``. Round ``t`` uses
@@ -25,6 +29,7 @@ One round (:func:`build_round_step`):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,8 @@ __all__ = [
     "default_client_strategy",
     "sample_clients",
     "check_federation",
+    "ClientMap",
+    "as_client_map",
     "build_round_step",
     "run_rounds",
 ]
@@ -116,71 +123,92 @@ def _put(tree: PyTree, ids: jax.Array, values: PyTree) -> PyTree:
     return jax.tree.map(lambda a, v: a.at[ids].set(v), tree, values)
 
 
-def build_round_step(
-    broadcast_fn,
-    client_update,
-    server_update,
-    *,
-    clients_per_round: int,
-    client_strategy: str | None = None,
-    map_batch_size: int | None = None,
-):
-    """Builds ``round_step(round_key, state, data) -> (state, info)`` from the three role functions.
+class ClientMap(NamedTuple):
+    """How the engine maps the participants' work: an engine choice, passed once to
+    :func:`build_round_step` / :func:`run_rounds` (not to every algorithm builder).
+
+    Attributes:
+      strategy: ``"vmap"`` (all participants at once), ``"map"`` (sequential ``lax.map``), or ``None`` for
+        :func:`default_client_strategy` (``"map"`` on CPU, ``"vmap"`` on GPU/TPU).
+      batch_size: with ``"map"``, vmap this many clients per map step (``None``: one at a time).
+    """
+
+    strategy: str | None = None
+    batch_size: int | None = None
+
+    def resolved(self) -> ClientMap:
+        """This map with ``strategy`` resolved and both fields checked."""
+        strategy = default_client_strategy() if self.strategy is None else self.strategy
+        if strategy not in CLIENT_STRATEGIES:
+            raise ValueError(f"client_map.strategy must be one of {CLIENT_STRATEGIES}, got {strategy!r}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"client_map.batch_size must be None or >= 1, got {self.batch_size}")
+        return ClientMap(strategy, self.batch_size)
+
+
+def as_client_map(client_map) -> ClientMap:
+    """``None`` (backend default), a strategy name, or a :class:`ClientMap`, resolved."""
+    if client_map is None or isinstance(client_map, str):
+        client_map = ClientMap(client_map)
+    if not isinstance(client_map, ClientMap):
+        raise TypeError(f"client_map must be None, 'vmap', 'map' or a ClientMap, got {client_map!r}")
+    return client_map.resolved()
+
+
+def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None = None):
+    """Builds ``round_step(round_key, state, data) -> (state, info)`` from the algorithm's role kernels.
 
     Args:
-      broadcast_fn: see :class:`sidejax.fl.BroadcastFn`.
-      client_update: see :class:`sidejax.fl.ClientUpdate`.
-      server_update: see :class:`sidejax.fl.ServerUpdate`.
-      clients_per_round: participants per round (static).
-      client_strategy: ``"vmap"`` (all participants at once), ``"map"`` (sequential ``lax.map``), or ``None``
-        for :func:`default_client_strategy` (``"map"`` on CPU, ``"vmap"`` on GPU/TPU), resolved here.
-      map_batch_size: with ``"map"``, vmap this many clients per map step (``None``: one at a time).
+      algorithm: the :class:`sidejax.fl.Algorithm`.
+      client_map: how to map the participants (:class:`ClientMap`, a strategy name, or ``None`` for the
+        backend's default).
 
     Returns:
-      The round step (its ``client_strategy`` attribute is the resolved strategy). It is not jitted: jit it,
-      or call it through :func:`run_rounds`.
+      The round step (its ``client_map`` attribute is the resolved map). It is not jitted: jit it, or call
+      it through :func:`run_rounds`.
     """
-    if client_strategy is None:
-        client_strategy = default_client_strategy()
-    if client_strategy not in CLIENT_STRATEGIES:
-        raise ValueError(f"client_strategy must be one of {CLIENT_STRATEGIES}, got {client_strategy!r}")
+    cmap = as_client_map(client_map)
+    clients_per_round = algorithm.clients_per_round
     if clients_per_round < 1:
         raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
-    if map_batch_size is not None and map_batch_size < 1:
-        raise ValueError(f"map_batch_size must be None or >= 1, got {map_batch_size}")
 
     def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
         check_federation(state, data)
         num_clients = data.num_examples.shape[0]
         ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, clients_per_round)
-        broadcast, downlink_bits = broadcast_fn(stream_key(rkey, DOWNLINK), state.server, ids)
+        dkey = stream_key(rkey, DOWNLINK)
+        downlink = algorithm.broadcast(dkey, state.server, ids)
+        per_client = jnp.ndim(downlink.num_bits) == 1
         keys = jax.vmap(client_keys, (None, 0))(rkey, ids)
         cstates = _take(state.clients, ids)
         indices = data.client_indices[ids]
         counts = data.num_examples[ids]
 
         def one_client(args):
-            k, cs, idx, n = args
-            return client_update(k, broadcast, cs, ClientData(data.x, data.y, idx, n))
+            k, cs, idx, n, msg = args
+            received = algorithm.receive(dkey, k, state.server, downlink if msg is None else msg)
+            return algorithm.client_update(k, received, cs, ClientData(data.x, data.y, idx, n))
 
-        args = (keys, cstates, indices, counts)
-        if client_strategy == "vmap":
+        args = (keys, cstates, indices, counts, downlink if per_client else None)
+        if cmap.strategy == "vmap":
             new_cstates, messages, cinfo = jax.vmap(one_client)(args)
         else:
-            new_cstates, messages, cinfo = jax.lax.map(one_client, args, batch_size=map_batch_size)
+            new_cstates, messages, cinfo = jax.lax.map(one_client, args, batch_size=cmap.batch_size)
         if not isinstance(cinfo, ClientInfo):
             raise TypeError("client_update must return a sidejax.fl.ClientInfo as its third output")
+        cinfo = cinfo._replace(valid=jnp.broadcast_to(jnp.asarray(cinfo.valid, bool), ids.shape))
 
         weights = counts.astype(jnp.float32)
-        server, sinfo = server_update(rkey, state.server, ids, messages, weights)
+        server, sinfo, errors = algorithm.server_update(rkey, state.server, ids, keys.shared, messages, weights)
         info = RoundInfo(
             round_index=state.round_index,
             client_ids=ids,
             uplink_bits=jnp.broadcast_to(messages.num_bits, ids.shape).astype(jnp.float32),
-            downlink_bits=jnp.broadcast_to(downlink_bits, ids.shape).astype(jnp.float32),
+            downlink_bits=jnp.broadcast_to(downlink.num_bits, ids.shape).astype(jnp.float32),
             clients=cinfo,
             server=sinfo,
             server_finite=tree_all_finite(server),
+            uplink_errors=jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape),
         )
         new_state = RoundState(
             round_index=state.round_index + 1,
@@ -190,21 +218,31 @@ def build_round_step(
         )
         return new_state, info
 
-    round_step.client_strategy = client_strategy
+    round_step.client_map = cmap
     return round_step
 
 
-@functools.partial(jax.jit, static_argnames=("algorithm", "num_rounds"))
-def _run_rounds(algorithm: Algorithm, base_key: PRNGKey, state: RoundState, data, num_rounds: int):
+@functools.partial(jax.jit, static_argnames=("algorithm", "num_rounds", "client_map"))
+def _run_rounds(
+    algorithm: Algorithm, base_key: PRNGKey, state: RoundState, data, num_rounds: int, client_map: ClientMap
+):
+    round_step = build_round_step(algorithm, client_map=client_map)
+
     def body(st, _):
         rkey = round_key(base_key, st.round_index)
-        return algorithm.round_step(rkey, st, data)
+        return round_step(rkey, st, data)
 
     return jax.lax.scan(body, state, None, length=num_rounds)
 
 
 def run_rounds(
-    algorithm: Algorithm, base_key: PRNGKey, state: RoundState, data, num_rounds: int
+    algorithm: Algorithm,
+    base_key: PRNGKey,
+    state: RoundState,
+    data,
+    num_rounds: int,
+    *,
+    client_map: ClientMap | str | None = None,
 ) -> tuple[RoundState, RoundInfo]:
     """Runs ``num_rounds`` rounds with ``lax.scan`` under one ``jit``.
 
@@ -216,6 +254,8 @@ def run_rounds(
       state: the :class:`sidejax.fl.RoundState` to start from.
       data: a :class:`sidejax.data.FederatedData` (an argument, not a closure, so it is not baked in).
       num_rounds: rounds in this call (static; each distinct value compiles once).
+      client_map: how the participants are mapped (:class:`ClientMap`, ``"vmap"``, ``"map"``, or ``None``
+        for the backend's default; static).
 
     Returns:
       ``(final_state, infos)`` with every :class:`RoundInfo` leaf stacked along a leading rounds axis.
@@ -225,7 +265,7 @@ def run_rounds(
         (:func:`check_federation`, on the host before compiling).
     """
     check_federation(state, data)
-    return _run_rounds(algorithm, base_key, state, data, num_rounds)
+    return _run_rounds(algorithm, base_key, state, data, num_rounds, as_client_map(client_map))
 
 
 run_rounds._cache_size = _run_rounds._cache_size  # compilations so far (tests check chunks do not recompile)

@@ -72,11 +72,20 @@ from sidejax.blocks import (
     blocks_from_starts,
     kl_blocks,
 )
-from sidejax.coding.base import Message
+from sidejax.coding.base import (
+    ERR_CRC,
+    ERR_LENGTH,
+    ERR_PARSE,
+    ERR_PARTITION,
+    ERR_PRIOR,
+    Coder,
+    Message,
+    stream_errors,
+)
 from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
 from sidejax.distributions import check_dims
-from sidejax.keys import ClientKeys, client_keys
+from sidejax.keys import ClientKeys
 from sidejax.utils import is_concrete
 
 __all__ = [
@@ -89,34 +98,15 @@ __all__ = [
     "klms_init",
     "klms_encode",
     "klms_decode",
-    "klms_decode_clients",
     "klms_server_update",
-    "klms_downlink_bits",
+    "klms_downlink",
+    "klms_receive",
+    "klms_coder",
     "stream_errors",
-    "ERR_LENGTH",
-    "ERR_PARTITION",
-    "ERR_PARSE",
-    "ERR_PRIOR",
-    "ERR_CRC",
 ]
 
 TRIGGERS = ("thresholds", "rho")
 _RHO_CAP = 100.0
-
-# bits of KLMSDecoded.errors
-ERR_LENGTH = 1
-ERR_PARTITION = 2
-ERR_PARSE = 4
-ERR_PRIOR = 8
-ERR_CRC = 16
-_ERROR_TEXT = {
-    ERR_LENGTH: "the payload is shorter than num_bits claims, or holds set bits past num_bits "
-    "(length mismatch: truncated or padded stream)",
-    ERR_PARTITION: "the block lengths do not sum to dim (corrupted partition field)",
-    ERR_PARSE: "the fields read do not add up to num_bits (corrupted or mis-sized stream)",
-    ERR_PRIOR: "the prior p is not a valid distribution (NaN or out-of-range parameters)",
-    ERR_CRC: "CRC-32 mismatch (corrupted bits, or the stream was encoded with another shared key)",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +261,11 @@ class KLMSClientInfo(NamedTuple):
     overflow: jax.Array
     statistic: jax.Array
     valid: jax.Array
+
+    @property
+    def ideal_bits(self) -> jax.Array:
+        """The ideal rate of the message, :math:`D_{KL}(q \\| p)` in bits (the Coder contract's name)."""
+        return self.kl_bits
 
 
 class KLMSDecoded(NamedTuple):
@@ -448,10 +443,14 @@ def _stream_crc(shared_key, words: jax.Array, num_bits) -> jax.Array:
     return crc32_words(jnp.concatenate([key_words, masked]), key_words.shape[0] + used)
 
 
-def stream_errors(errors) -> list[str]:
-    """Host side: the reasons encoded in a :class:`KLMSDecoded` ``errors`` bitmask, as sentences."""
-    code = int(errors)
-    return [text for bit, text in _ERROR_TEXT.items() if code & bit]
+def _blocks_from_lengths(words, bit_offset: int, dim: int, mb: int, L: int):
+    """Parses block lengths minus one (``L`` bits each, from ``bit_offset``) until they cover ``dim``;
+    returns ``(blocks, ok)`` with ``ok`` False when they do not sum to ``dim`` exactly."""
+    lengths = unpack_fixed(words, mb, L, bit_offset=bit_offset).astype(jnp.int32) + 1
+    cum = jnp.cumsum(lengths)
+    M = jnp.minimum(jnp.searchsorted(cum, dim, side="left") + 1, mb).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), cum[:-1]])
+    return blocks_from_starts(starts, M, dim, mb), cum[M - 1] == dim
 
 
 def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSConfig):
@@ -502,15 +501,11 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     ok_partition = jnp.asarray(True)
     if config.adaptive:
 
-        def from_stream():
-            lengths = unpack_fixed(words, mb, L).astype(jnp.int32) + 1
-            cum = jnp.cumsum(lengths)
-            M = jnp.minimum(jnp.searchsorted(cum, dim, side="left") + 1, mb).astype(jnp.int32)
-            ok = cum[M - 1] == dim
-            starts = jnp.concatenate([jnp.zeros(1, jnp.int32), cum[:-1]])
-            return blocks_from_starts(starts, M, dim, mb), ok
-
-        blocks, ok_partition = jax.lax.cond(state.update, from_stream, lambda: (blocks0, jnp.asarray(True)))
+        blocks, ok_partition = jax.lax.cond(
+            state.update,
+            lambda: _blocks_from_lengths(words, 0, dim, mb, L),
+            lambda: (blocks0, jnp.asarray(True)),
+        )
         offset = jnp.where(state.update, blocks.num_blocks * L, 0)
     else:
         blocks = blocks0
@@ -590,24 +585,67 @@ def klms_server_update(
     return new_state, info
 
 
-def klms_downlink_bits(state: KLMSState, config: KLMSConfig) -> jax.Array:
-    """Protocol bits on the downlink: the ``update`` flag, and the new partition after an update round
-    (``M * log2(max_block_size)`` bits of block lengths)."""
-    if not config.adaptive:
-        return jnp.float32(0.0)
-    part = jnp.where(state.changed, state.blocks.num_blocks * config.length_bits, 0)
-    return (1 + part).astype(jnp.float32)
+def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
+    """The protocol's downlink stream (what every client must know before encoding the next round).
 
-
-def klms_decode_clients(round_key, client_ids, p, state: KLMSState, messages: Message, config: KLMSConfig):
-    """:func:`klms_decode` for every participant (vmapped): each client's shared key is re-derived from the
-    round key and its global id (:func:`sidejax.keys.client_keys`), never received.
-
-    Returns:
-      ``(samples[C, dim], KLMSDecoded stacked over C)``.
+    Adaptive mode: one bit, the ``update`` flag, then, after an update round (``state.changed``), the new
+    partition as ``M`` block lengths minus one in ``log2(max_block_size)`` bits each (``1 + M L`` bits).
+    The receiver knows whether the partition is present: ``changed`` is the ``update`` flag it received
+    in the previous round. Fixed mode sends nothing (0 bits).
     """
+    blocks = state.blocks
+    dim, mb = blocks.dim, blocks.max_blocks
+    if not config.adaptive:
+        return Message(jnp.zeros((0,), jnp.uint32), jnp.float32(0.0))
+    L = config.length_bits
+    M = blocks.num_blocks
+    live = jnp.arange(mb) < M
+    words = jnp.zeros(-(-(1 + mb * L) // 32), jnp.uint32)
+    words = pack_fixed(state.update.astype(jnp.uint32)[None], 1, out=words)
+    lengths = jnp.where(live & state.changed, block_sizes(blocks) - 1, 0)
+    words = pack_fixed(lengths, L, bit_offset=1, out=words)
+    num_bits = (1 + jnp.where(state.changed, M * L, 0)).astype(jnp.float32)
+    if is_concrete(num_bits):
+        words = words[: sent_words(num_bits)]
+    del dim
+    return Message(words, num_bits)
 
-    def one(cid, msg):
-        return klms_decode(client_keys(round_key, cid).shared, p, state, msg, config)
 
-    return jax.vmap(one)(client_ids, messages)
+def klms_receive(state: KLMSState, message: Message, config: KLMSConfig) -> KLMSState:
+    """The clients' side of :func:`klms_downlink`: the ``update`` flag and, when ``state.changed`` (known
+    to the receiver from the previous round's flag), the partition, parsed from the stream's block lengths.
+    ``state`` is the receiver's previous knowledge; its partition is kept when none was sent."""
+    if not config.adaptive:
+        return state
+    blocks = state.blocks
+    dim, mb = blocks.dim, blocks.max_blocks
+    L = config.length_bits
+    cap = -(-(1 + mb * L) // 32)
+    words = jnp.pad(jnp.asarray(message.payload, jnp.uint32), (0, max(0, cap - message.payload.shape[0])))
+    words, _ = mask_to_length(words, message.num_bits)
+    update = unpack_fixed(words, 1, 1)[0] > 0
+
+    new_blocks = jax.lax.cond(
+        state.changed, lambda: _blocks_from_lengths(words, 1, dim, mb, L)[0], lambda: blocks
+    )
+    return KLMSState(new_blocks, update, state.changed)
+
+
+def klms_coder(config: KLMSConfig) -> Coder:
+    """The KLMS coder (:class:`sidejax.coding.Coder`): Fixed- or Adaptive-KLMS with the block-update protocol.
+
+    ``config`` (K, the block sizes, the trigger) enters here once; the returned functions close over it.
+    ``q`` and ``p`` are factorized distributions over the flat vector (:mod:`sidejax.distributions`).
+    """
+    if not isinstance(config, KLMSConfig):
+        raise TypeError(f"klms_coder needs a KLMSConfig, got {type(config).__name__}")
+    return Coder(
+        init=lambda dim: klms_init(dim, config),
+        encode=lambda keys, q, p, state: klms_encode(keys, q, p, state, config),
+        decode=lambda shared_key, p, state, message: klms_decode(shared_key, p, state, message, config),
+        update=lambda state, decoded: klms_server_update(state, decoded, config),
+        downlink=lambda state: klms_downlink(state, config),
+        receive=lambda state, message: klms_receive(state, message, config),
+        uses_prior=True,
+        name="klms",
+    )

@@ -1,0 +1,160 @@
+"""Federated Averaging (McMahan et al., 2017), uncompressed: the reference baseline.
+
+Round ``t`` with participants :math:`S_t` and example counts :math:`n_i`:
+
+.. math::
+
+    w_i^{t+1} = \\mathrm{LocalOpt}_i(w^t), \\qquad
+    \\bar w^{t+1} = \\sum_{i \\in S_t} \\frac{n_i}{\\sum_{j \\in S_t} n_j} \\, w_i^{t+1}
+
+With ``server_optimizer=None`` the server takes :math:`w^{t+1} = \\bar w^{t+1}`. With a server optimizer
+(FedOpt, Reddi et al. 2021) it steps on the pseudo-gradient :math:`w^t - \\bar w^{t+1}` instead.
+
+Bits: the downlink sends :math:`w^t` as float32 words (:func:`sidejax.coding.encode_float32`) and each
+client sends a sample of the point mass at :math:`w_i^{t+1}` with ``coder`` (default
+:func:`sidejax.coding.float32_coder`: 32 bits per parameter, measured from the payload). The clients use
+the *decoded* downlink message, and the server averages the *decoded* uplink messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.flatten_util import ravel_pytree
+
+from sidejax.coding.base import (
+    Coder,
+    EmptyState,
+    concat_messages,
+    decode_float32,
+    encode_float32,
+    float32_coder,
+    split_message,
+)
+from sidejax.distributions import PointMass
+from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
+from sidejax.fl.local import build_local_trainer
+from sidejax.keys import ClientKeys, client_streams
+from sidejax.types import Params
+
+__all__ = ["FedAvgState", "FedAvgServerInfo", "weighted_mean", "fedavg"]
+
+
+class FedAvgState(NamedTuple):
+    """Server state: the global parameters, the server optimizer's state (``EmptyState`` if none) and the
+    coder's protocol state."""
+
+    params: Params
+    opt_state: optax.OptState
+    coder: object = EmptyState()
+
+
+class FedAvgServerInfo(NamedTuple):
+    """Server diagnostics: the global norm of the round's model change."""
+
+    update_norm: jax.Array
+
+
+def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
+    """Mean of ``values[clients, ...]`` with weights normalised to sum to 1 (exact for a single client)."""
+    w = weights / jnp.sum(weights)
+    return jnp.tensordot(w, values, axes=1)
+
+
+def fedavg(
+    loss_fn: Callable,
+    client_optimizer: optax.GradientTransformation,
+    *,
+    clients_per_round: int,
+    batch_size: int,
+    local_epochs: int | None = 1,
+    local_steps: int | None = None,
+    server_optimizer: optax.GradientTransformation | None = None,
+    coder: Coder | None = None,
+) -> Algorithm:
+    """Builds FedAvg.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, key) -> scalar`` (see :mod:`sidejax.fl.local`).
+      client_optimizer: the clients' Optax optimizer (state re-initialised every round).
+      clients_per_round: participants per round.
+      batch_size: local minibatch size.
+      local_epochs, local_steps: local training by epochs, or by a fixed number of steps (give one).
+      server_optimizer: optional FedOpt server optimizer on the pseudo-gradient; ``None`` = plain averaging.
+      coder: the uplink coder of the local model (``q`` its point mass, ``p`` the point mass at the global
+        model); default :func:`sidejax.coding.float32_coder`.
+
+    Returns:
+      An :class:`sidejax.fl.Algorithm`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from sidejax.algorithms import fedavg
+      >>> loss = lambda p, b, k: jnp.sum(b.mask * (b.x[:, 0] * p["w"] - b.y) ** 2) / b.mask.sum()
+      >>> algo = fedavg(loss, optax.sgd(0.1), clients_per_round=2, batch_size=4)
+      >>> state = algo.init(jax.random.key(0), {"w": jnp.zeros(())}, 3)
+      >>> int(state.round_index)
+      0
+    """
+    coder = float32_coder() if coder is None else coder
+    local_train = build_local_trainer(
+        loss_fn, client_optimizer, batch_size=batch_size, num_epochs=local_epochs, num_steps=local_steps
+    )
+
+    def init(key, params: Params, num_clients: int) -> RoundState:
+        del key  # FedAvg clients hold no state
+        flat = ravel_pytree(params)[0]
+        opt_state = server_optimizer.init(flat) if server_optimizer is not None else EmptyState()
+        state = FedAvgState(params, opt_state, coder.init(flat.shape[0]))
+        return initial_round_state(state, EmptyState(), num_clients)
+
+    def broadcast(key, server: FedAvgState, client_ids):
+        del key, client_ids
+        return concat_messages(encode_float32(ravel_pytree(server.params)[0]), coder.downlink(server.coder))
+
+    def receive(dkey, keys, server: FedAvgState, message):
+        del dkey, keys
+        flat, unravel = ravel_pytree(server.params)
+        params_msg, coder_msg = split_message(message, (32 * flat.shape[0],))
+        return server._replace(
+            params=unravel(decode_float32(params_msg)), coder=coder.receive(server.coder, coder_msg)
+        )
+
+    def client_update(keys: ClientKeys, server: FedAvgState, state, data):
+        params, info = local_train(client_streams(keys.private).train, server.params, data)
+        flat = ravel_pytree(params)[0]
+        p = PointMass(ravel_pytree(server.params)[0])
+        sample_keys = ClientKeys(keys.shared, client_streams(keys.private).sample)
+        message, cinfo = coder.encode(sample_keys, PointMass(flat), p, server.coder)
+        return state, message, ClientInfo(
+            loss=info.loss, finite=info.finite, extra=info.num_steps, valid=cinfo.valid
+        )
+
+    def server_update(rkey, server: FedAvgState, client_ids, shared_keys, messages, weights):
+        del rkey, client_ids
+        flat, unravel = ravel_pytree(server.params)
+        p = PointMass(flat)
+        decoded, checks = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, p, server.coder, messages)
+        cstate, _ = coder.update(server.coder, checks)
+        mean = weighted_mean(decoded, weights)
+        if server_optimizer is None:
+            new_flat, opt_state = mean, server.opt_state
+        else:
+            updates, opt_state = server_optimizer.update(flat - mean, server.opt_state, flat)
+            new_flat = optax.apply_updates(flat, updates)
+        info = FedAvgServerInfo(update_norm=jnp.linalg.norm(new_flat - flat))
+        return FedAvgState(unravel(new_flat), opt_state, cstate), info, checks.errors
+
+    return Algorithm(
+        init=init,
+        broadcast=broadcast,
+        receive=receive,
+        client_update=client_update,
+        server_update=server_update,
+        eval_params=lambda state: state.server.params,
+        clients_per_round=clients_per_round,
+    )

@@ -1,0 +1,151 @@
+"""Sample-then-code coders: the sender draws the sample of ``q`` itself (with its private key) and sends it
+with a lossless code. These are the baselines' coders (FedPM, QSGD, SignSGD, QLSD); none of them uses ``p``.
+
+- :func:`fixed_width_coder`: a finite alphabet, ``ceil(log2 |alphabet|)`` bits per coordinate (signs: 1 bit).
+- :func:`elias_coder`: QSGD's Elias stream of signed integer levels (gap, sign, level per nonzero;
+  :func:`sidejax.coding.lossless.elias_levels_encode`).
+- :func:`mask_coder`: binary masks as Golomb-coded run lengths (:func:`sidejax.coding.lossless.mask_encode`).
+
+In every case ``num_bits`` is the length of the stream written, and the decoder parses the stream (it does
+not receive the sample any other way).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sidejax.bits import enumerative_mask_bits
+from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
+from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.lossless import elias_levels_decode, elias_levels_encode, mask_decode, mask_encode
+from sidejax.utils import is_concrete
+
+__all__ = ["SampleInfo", "fixed_width_coder", "elias_coder", "mask_coder"]
+
+
+class SampleInfo(NamedTuple):
+    """Encoder diagnostics of a sample-then-code coder: ``valid`` (``q`` was a valid distribution and the
+    sample in the coder's alphabet) and ``ideal_bits``, an ideal length for the sample where one is defined
+    (the enumerative bound for masks; NaN otherwise), labelled ideal: the message length is ``num_bits``."""
+
+    valid: jax.Array
+    ideal_bits: jax.Array
+
+
+_NAN = jnp.float32(jnp.nan)
+
+
+def _valid(q) -> jax.Array:
+    check = getattr(q, "is_valid", None)
+    return jnp.asarray(True) if check is None else check()
+
+
+def _trim(words, num_bits):
+    return words[: sent_words(num_bits)] if is_concrete(num_bits) else words
+
+
+def _padded(message: Message, capacity: int) -> jax.Array:
+    words = jnp.asarray(message.payload, jnp.uint32)
+    return jnp.pad(words, (0, max(0, capacity - words.shape[0])))[:capacity] if capacity else words[:0]
+
+
+def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
+    """Each coordinate's sample is one symbol of ``alphabet`` (e.g. ``(-1.0, 1.0)`` for signs), sent as its
+    index in ``ceil(log2 len(alphabet))`` bits: ``dim * width`` bits in all."""
+    if len(alphabet) < 2 or len(set(alphabet)) != len(alphabet):
+        raise ValueError(f"alphabet must hold at least two distinct symbols, got {alphabet!r}")
+    symbols = tuple(float(a) for a in sorted(alphabet))
+    width = max(1, math.ceil(math.log2(len(symbols))))
+
+    def encode(keys, q, p):
+        del p
+        x = q.sample(keys.private)
+        table = jnp.asarray(symbols, jnp.float32)
+        index = jnp.clip(jnp.searchsorted(table, x), 0, len(symbols) - 1)
+        ok = _valid(q) & jnp.all(table[index] == x)
+        words = pack_fixed(index.astype(jnp.uint32), width)
+        num_bits = jnp.float32(width * x.shape[0])
+        return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
+
+    def decode(shared_key, p, message):
+        del shared_key
+        dim = _dim_of(p)
+        cap = -(-dim * width // 32)
+        words, ok_len = mask_to_length(_padded(message, cap), message.num_bits, num_sent_words=_n(message))
+        index = unpack_fixed(words, dim, width).astype(jnp.int32)
+        ok_sym = jnp.all(index < len(symbols))
+        ok_parse = jnp.asarray(message.num_bits, jnp.float32) == width * dim
+        errors = _errors(ok_len, ok_parse, ok_sym)
+        x = jnp.asarray(symbols, jnp.float32)[jnp.minimum(index, len(symbols) - 1)]
+        return x, StreamCheck(errors == 0, errors)
+
+    return stateless_coder(encode, decode, uses_prior=False, name=f"fixed{width}")
+
+
+def _n(message: Message) -> int:
+    return jnp.asarray(message.payload).shape[0]
+
+
+def _dim_of(p) -> int:
+    """The receiver knows the vector's length: it is the length of ``p`` (every receiver has ``p``)."""
+    leaf = jax.tree.leaves(p)[0]
+    return int(jnp.shape(leaf)[0])
+
+
+def _errors(ok_len, ok_parse, ok_sym) -> jax.Array:
+    return (
+        jnp.where(ok_len, 0, ERR_LENGTH) | jnp.where(ok_parse, 0, ERR_PARSE) | jnp.where(ok_sym, 0, ERR_INPUT)
+    ).astype(jnp.int32)
+
+
+def elias_coder(max_level: int) -> Coder:
+    """QSGD's Elias code (Alistarh et al. 2017, §3.2) of the signed integer levels ``q.sample`` draws in
+    ``[-max_level, max_level]``: for each nonzero, the Elias-gamma code of the gap to the previous nonzero,
+    a sign bit, and the Elias-gamma code of the level. The gaps run over the whole flat vector (so the
+    stream decodes without per-tensor counts); the norms travel as side information
+    (:func:`sidejax.coding.with_side_info`)."""
+    if max_level < 1:
+        raise ValueError(f"max_level must be >= 1, got {max_level}")
+
+    def encode(keys, q, p):
+        del p
+        levels = q.sample(keys.private)
+        ok = _valid(q) & jnp.all(jnp.abs(levels) <= max_level)
+        words, num_bits = elias_levels_encode(levels.astype(jnp.int32), max_level=max_level)
+        return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
+
+    def decode(shared_key, p, message):
+        del shared_key
+        dim = _dim_of(p)
+        levels, ok = elias_levels_decode(
+            jnp.asarray(message.payload, jnp.uint32), message.num_bits, dim=dim, max_level=max_level
+        )
+        errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
+        return levels.astype(jnp.float32), StreamCheck(errors == 0, errors)
+
+    return stateless_coder(encode, decode, uses_prior=False, name="elias")
+
+
+def mask_coder() -> Coder:
+    """A binary mask drawn from ``q`` (a :class:`sidejax.distributions.Bernoulli`), sent as Golomb-coded run
+    lengths (:func:`sidejax.coding.lossless.mask_encode`): close to :math:`d H_b(k/d)` bits for a mask with
+    ``k`` ones, the cost of the arithmetic code FedPM reports."""
+
+    def encode(keys, q, p):
+        del p
+        mask = q.sample(keys.private)
+        words, num_bits = mask_encode(mask)
+        return Message(_trim(words, num_bits), num_bits), SampleInfo(_valid(q), enumerative_mask_bits(mask))
+
+    def decode(shared_key, p, message):
+        del shared_key
+        dim = _dim_of(p)
+        mask, ok = mask_decode(jnp.asarray(message.payload, jnp.uint32), message.num_bits, dim=dim)
+        errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
+        return mask.astype(jnp.float32), StreamCheck(errors == 0, errors)
+
+    return stateless_coder(encode, decode, uses_prior=False, name="golomb-mask")
