@@ -1,0 +1,266 @@
+"""The family contract test: every coder in sidejax obeys the Coder contract (like optax's alias tests).
+
+For each coder, on a fixed (q, p) pair:
+
+1. decode reproduces the encoder's choice bit for bit (against an oracle of what the encoder chose:
+   the private-key sample for sample-then-code coders, the selected candidates for KLMS);
+2. ``num_bits`` is the stream's length: outside jit the payload is exactly ``ceil(num_bits / 32)`` words,
+   no bit past ``num_bits`` is set, and the same stream one bit shorter does not decode cleanly;
+3. every output is finite;
+4. a second call with other keys and values does not recompile (encode and decode);
+5. ``decode``'s signature is ``(shared_key, p, state, message)``: it cannot see ``q`` or the private key;
+6. the protocol side information round-trips: after ``update``, the receivers' ``receive`` of
+   ``downlink(state)`` rebuilds the state they encode against.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sidejax.blocks import block_sizes
+from sidejax.coding import (
+    KLMSConfig,
+    elias_coder,
+    fixed_width_coder,
+    float32_coder,
+    klms_coder,
+    mask_coder,
+    sent_words,
+    with_side_info,
+)
+from sidejax.coding.importance import encode_bounded, importance_decode
+from sidejax.distributions import Bernoulli, DiagGaussian, PointMass, Sign, StochasticLevels, Ternary
+from sidejax.keys import client_keys, round_key
+
+DIM = 203  # not a multiple of 32
+NUM_SIDE = 3
+
+
+def _keys(seed: int, client: int = 3):
+    return client_keys(round_key(jax.random.key(seed), 0), client)
+
+
+def _bernoulli(seed):
+    rng = np.random.default_rng(seed)
+    q = Bernoulli(jnp.asarray(rng.uniform(0.05, 0.95, DIM), jnp.float32))
+    p = Bernoulli(jnp.asarray(rng.uniform(0.2, 0.8, DIM), jnp.float32))
+    return q, p
+
+
+def _levels(seed, s=3):
+    rng = np.random.default_rng(seed)
+    v = rng.standard_normal(DIM) * (rng.uniform(size=DIM) < 0.3)
+    scaled = s * v / np.abs(v).max()
+    return StochasticLevels(jnp.asarray(scaled, jnp.float32)), Ternary(jnp.full((DIM, 3), 1 / 3, jnp.float32))
+
+
+def _ternary_levels(seed):
+    q, _ = _levels(seed, s=1)
+    rng = np.random.default_rng(seed + 100)
+    nz = rng.uniform(0.05, 0.3, DIM)
+    p = Ternary(jnp.asarray(np.stack([nz / 2, 1 - nz, nz / 2], -1), jnp.float32))
+    return q, p
+
+
+def _signs(seed):
+    rng = np.random.default_rng(seed)
+    return Sign(jnp.asarray(rng.uniform(0.05, 0.95, DIM), jnp.float32)), Sign(jnp.full(DIM, 0.5, jnp.float32))
+
+
+def _gauss(seed):
+    rng = np.random.default_rng(seed)
+    loc = jnp.asarray(rng.standard_normal(DIM) * 0.5, jnp.float32)
+    return DiagGaussian(loc, jnp.full(DIM, 1.0, jnp.float32)), DiagGaussian(jnp.zeros(DIM), jnp.ones(DIM))
+
+
+def _point(seed):
+    rng = np.random.default_rng(seed)
+    return PointMass(jnp.asarray(rng.standard_normal(DIM), jnp.float32)), PointMass(jnp.zeros(DIM, jnp.float32))
+
+
+def _with_side(make):
+    def build(seed):
+        q, p = make(seed)
+        side = jnp.asarray(np.random.default_rng(seed).uniform(0.5, 2.0, NUM_SIDE), jnp.float32)
+        return (q, side), p
+
+    return build
+
+
+def _sample_oracle(keys, q, p, state):
+    del p, state
+    return q.sample(keys.private)
+
+
+def _klms_oracle(config):
+    def oracle(keys, q, p, state):
+        # what the encoder chose: one index per block (Gumbel-max on the private key), then the candidates
+        blocks = state.blocks
+        if config.adaptive:
+            from sidejax.blocks import kl_blocks
+
+            blocks = jax.lax.cond(
+                state.update,
+                lambda: kl_blocks(
+                    q.kl_bits(p), config.target_bits, max_block_size=config.max_block_size,
+                    max_blocks=blocks.max_blocks,
+                ),
+                lambda: blocks,
+            )
+        indices, _ = encode_bounded(
+            keys.shared, keys.private, q, p, blocks, log2_num_candidates=config.log2_num_candidates,
+            work_blocks=blocks.max_blocks, memory_budget_bytes=config.memory_budget_bytes,
+        )
+        return importance_decode(keys.shared, p, blocks, indices)
+
+    return oracle
+
+
+def _side_oracle(inner):
+    def oracle(keys, q, p, state):
+        inner_q, side = q
+        return inner(keys, inner_q, p, state), side
+
+    return oracle
+
+
+_ADAPTIVE = KLMSConfig(log2_num_candidates=3, max_block_size=16, block_size=4)
+_FIXED = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=5)
+_CRC = KLMSConfig(log2_num_candidates=2, max_block_size=8, crc32=True)
+
+# (id, coder, make(seed) -> (q, p), oracle)
+CASES = [
+    ("float32", float32_coder(), _point, _sample_oracle),
+    ("signs", fixed_width_coder((-1.0, 1.0)), _signs, _sample_oracle),
+    ("elias", elias_coder(3), _levels, _sample_oracle),
+    ("mask", mask_coder(), _bernoulli, _sample_oracle),
+    ("klms-adaptive-bernoulli", klms_coder(_ADAPTIVE), _bernoulli, _klms_oracle(_ADAPTIVE)),
+    ("klms-fixed-gaussian", klms_coder(_FIXED), _gauss, _klms_oracle(_FIXED)),
+    ("klms-crc-signs", klms_coder(_CRC), _signs, _klms_oracle(_CRC)),
+    ("elias+side", with_side_info(elias_coder(3), NUM_SIDE), _with_side(_levels), _side_oracle(_sample_oracle)),
+    (
+        "klms+side-ternary",
+        with_side_info(klms_coder(_ADAPTIVE), NUM_SIDE),
+        _with_side(_ternary_levels),
+        _side_oracle(_klms_oracle(_ADAPTIVE)),
+    ),
+]
+IDS = [c[0] for c in CASES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def case(request):
+    name, coder, make, oracle = request.param
+    state = coder.init(DIM)
+    encode = jax.jit(coder.encode)
+    decode = jax.jit(coder.decode)
+    return name, coder, make, oracle, state, encode, decode
+
+
+def _flat(x):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(x)]
+
+
+def _same(a, b) -> bool:
+    la, lb = _flat(a), _flat(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+def test_decode_reproduces_the_encoders_choice(case):
+    _, coder, make, oracle, state, encode, decode = case
+    q, p = make(0)
+    keys = _keys(0)
+    message, info = encode(keys, q, p, state)
+    sample, decoded = decode(keys.shared, p, state, message)
+    assert bool(decoded.valid) and int(decoded.errors) == 0
+    assert bool(info.valid)
+    expected = jax.jit(oracle)(keys, q, p, state)
+    assert _same(sample, expected)
+
+
+def test_num_bits_is_the_stream_length(case):
+    _, coder, make, _, state, encode, decode = case
+    q, p = make(1)
+    keys = _keys(1)
+    message, _ = coder.encode(keys, q, p, state)  # outside jit: exactly the words sent
+    nb = float(message.num_bits)
+    assert nb > 0 and nb == int(nb)
+    words = np.asarray(message.payload)
+    assert words.dtype == np.uint32 and words.shape == (sent_words(nb),)
+    tail = int(nb) % 32
+    if tail:
+        assert int(words[-1]) >> tail == 0, "bits past num_bits are set"
+    assert int(words[-1]) != 0 or tail == 0 or nb <= 32 * (len(words) - 1) + tail
+    # the same stream one bit shorter is not a clean message (fixed-width fields no longer add up, a
+    # variable-length code ends mid-codeword, or a set bit falls past the end)
+    short = message._replace(num_bits=jnp.float32(nb - 1))
+    _, decoded = decode(keys.shared, p, state, short)
+    assert int(decoded.errors) != 0
+
+
+def test_outputs_finite(case):
+    _, coder, make, _, state, encode, decode = case
+    q, p = make(2)
+    keys = _keys(2)
+    message, _ = encode(keys, q, p, state)
+    sample, _ = decode(keys.shared, p, state, message)
+    assert all(np.all(np.isfinite(x)) for x in _flat(sample))
+    assert np.isfinite(float(message.num_bits))
+
+
+def test_no_recompilation_on_a_second_call(case):
+    _, coder, make, _, state, encode, decode = case
+    sizes = []
+    for seed in (3, 4):
+        q, p = make(seed)
+        keys = _keys(seed, client=seed)
+        message, _ = encode(keys, q, p, state)
+        decode(keys.shared, p, state, message)
+        sizes.append((encode._cache_size(), decode._cache_size()))
+    assert sizes[1] == sizes[0]  # the fixture's jitted functions are shared with the other tests
+
+
+def test_decoder_cannot_see_q_or_the_private_key(case):
+    _, coder, *_ = case
+    assert list(inspect.signature(coder.decode).parameters) == ["shared_key", "p", "state", "message"]
+    assert list(inspect.signature(coder.encode).parameters) == ["keys", "q", "p", "state"]
+
+
+def test_protocol_state_round_trips_through_the_downlink(case):
+    _, coder, make, _, state, encode, decode = case
+    q, p = make(5)
+    keys = _keys(5)
+    message, _ = encode(keys, q, p, state)
+    _, decoded = decode(keys.shared, p, state, message)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), decoded)
+    new_state, _ = coder.update(state, stacked)
+    # after the update round, twice: the first downlink carries a changed partition (KLMS), the second none.
+    # The receivers know the protocol's flags but hold the partition of the round before: whatever is new
+    # must come from the message.
+    for _ in range(2):
+        known = new_state._replace(blocks=state.blocks) if hasattr(state, "blocks") else new_state
+        received = coder.receive(known, coder.downlink(new_state))
+        assert _same(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, new_state))
+        state = new_state
+        new_state, _ = coder.update(new_state, stacked)
+
+
+def test_klms_downlink_length_matches_the_protocol():
+    config = _ADAPTIVE
+    coder = klms_coder(config)
+    state = coder.init(DIM)
+    q, p = _bernoulli(6)
+    keys = _keys(6)
+    message, _ = coder.encode(keys, q, p, state)
+    _, decoded = coder.decode(keys.shared, p, state, message)
+    new_state, _ = coder.update(state, jax.tree.map(lambda a: a[None], decoded))
+    down = coder.downlink(new_state)
+    m = int(new_state.blocks.num_blocks)
+    assert bool(new_state.changed)
+    assert float(down.num_bits) == 1 + m * config.length_bits
+    assert np.asarray(block_sizes(new_state.blocks))[:m].sum() == DIM
