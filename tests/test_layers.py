@@ -1,0 +1,71 @@
+"""The package's layering (docs/architecture.md §1): every ``sidejax`` import in a module is allowed by the
+module's layer, so nothing imports upwards and there are no cycles between layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "sidejax"
+
+# top-level part of the module path -> the sidejax parts it may import (besides itself)
+BASE = {"types", "utils", "bits", "keys"}
+ALLOWED = {
+    "types": set(),
+    "utils": {"types"},
+    "bits": {"types"},
+    "keys": {"types", "utils"},
+    "distributions": BASE,
+    "blocks": BASE,
+    "layout": BASE,
+    "metrics": BASE,
+    "coding": BASE | {"distributions", "blocks", "layout"},
+    "data": BASE,
+    "models": BASE,
+    "fl": BASE | {"distributions", "blocks", "layout", "metrics", "coding"},
+    "algorithms": BASE | {"distributions", "blocks", "layout", "metrics", "coding", "fl"},
+    "__init__": None,  # the package root re-exports everything
+}
+
+
+def _part(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" else "__init__"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sidejax."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.module == "sidejax":
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("sidejax."))
+    return out
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
+def test_module_imports_only_lower_layers(path):
+    part = _part(path)
+    assert part in ALLOWED, f"{path}: add its layer to docs/architecture.md and to ALLOWED here"
+    allowed = ALLOWED[part]
+    if allowed is None:
+        return
+    bad = sorted(_imports(path) - allowed - {part})
+    assert not bad, f"{path.relative_to(ROOT)} (layer {part!r}) imports {bad}; allowed: {sorted(allowed)}"
+
+
+def test_fl_coding_imports_are_the_contract_only():
+    """The engine depends on the Coder contract's messages, not on any particular coder."""
+    for path in (ROOT / "fl").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sidejax.coding"):
+                assert node.module == "sidejax.coding.base", f"{path.name} imports {node.module}"
