@@ -66,14 +66,15 @@ def oracle(log_probs: np.ndarray, y: np.ndarray, mask: np.ndarray, num_bins: int
 
 
 def assert_metrics_match_oracle(result, want) -> None:
-    """float32 metrics against the float64 oracle. The counts are exact and accuracy is their float32
-    quotient; NLL and ECE are float32 sums (measured error <= ~1 ULP), held to 8 ULPs of their scale (the
-    NLL's value; 1 for ECE, a mean of confidences <= 1). A bug (a padding row counted, an example in the
-    wrong bin) moves them by ~1/n >= 1e-3, four orders of magnitude more."""
+    """float32 metrics against the float64 oracle. The counts are exact and accuracy is
+    ``num_correct · (1 / n)`` in float32 (see sidejax.metrics._ratio); NLL and ECE are float32 sums
+    (measured error <= ~1 ULP), held to 8 ULPs of their scale (the NLL's value; 1 for ECE, a mean of
+    confidences <= 1). A bug (a padding row counted, an example in the wrong bin) moves them by
+    ~1/n >= 1e-3, four orders of magnitude more."""
     num_correct, n, want_nll, want_ece, edge = want
     assert edge > 8 * EPS32  # no float32 confidence can fall on the other side of a bin edge
     assert int(result.num_examples) == n
-    assert float(result.accuracy) == np.float32(num_correct) / np.float32(n)
+    assert float(result.accuracy) == np.float32(num_correct) * (np.float32(1) / np.float32(n))
     np.testing.assert_allclose(
         float(result.loss), want_nll, rtol=0, atol=8 * np.spacing(np.float32(want_nll))
     )
@@ -132,9 +133,8 @@ def test_ece_cases_of_the_spec():
     sixty = jnp.arange(n) < 60
     got = float(ece_of(jnp.full(n, 0.9, jnp.float32), sixty))
     np.testing.assert_allclose(got, 0.3, rtol=0, atol=4 * np.spacing(np.float32(90)) / n)
-    # ... and with a dyadic confidence, bit for bit: confidence 0.875, accuracy 0.5 -> 0.375
-    half = jnp.arange(n) < 50
-    assert float(ece_of(jnp.full(n, 0.875, jnp.float32), half)) == 0.375
+    # ... and with dyadic numbers, bit for bit: 128 confidences 0.875, accuracy 0.5 -> 0.375
+    assert float(ece_of(jnp.full(128, 0.875, jnp.float32), jnp.arange(128) < 64)) == 0.375
     # bin edges: b/10 (as float32) is in bin b ((b-1)/10, b/10]; the next float up is in bin b+1
     edges = np.arange(1, 11, dtype=np.float32) / np.float32(10)
     at = bins(jnp.asarray(edges), jnp.ones(10, bool))
@@ -162,9 +162,14 @@ def test_predictive_average_math():
     # float32 log-softmax, exp, mean and log of values |log p̄| <= ~15: a few ULPs of the largest
     np.testing.assert_allclose(got, want, rtol=0, atol=8 * np.spacing(np.float32(np.abs(want).max())))
     np.testing.assert_array_equal(predictive_average(jnp.moveaxis(jnp.asarray(z), 0, 1), axis=1), got)
-    # S identical samples, and S = 1: the model's own log-softmax, bit for bit (sum of S ones / S = 1)
+    # S identical samples: the model's own log-softmax, bit for bit when S · fl(1/S) = 1 (S = 4); else
+    # (S = 41: 41 · fl(1/41) = 1 - 2^-24 in float32) to the float32 log's error at 1 - 2^-24 (measured
+    # 1.5 · 2^-23) plus the rounding of l + log(mean): within 2 · 2^-23 + ULP(l); S = 1: itself
     lp = np.asarray(log_predictive(jnp.asarray(z[0])))
-    np.testing.assert_array_equal(predictive_average(jnp.broadcast_to(z[0], (6, 30, 4))), lp)
+    same = jax.jit(lambda s: predictive_average(jnp.broadcast_to(z[0], (s, 30, 4))), static_argnums=0)
+    np.testing.assert_array_equal(same(4), lp)
+    assert np.float32(41) * (np.float32(1) / np.float32(41)) != 1
+    assert np.all(np.abs(np.asarray(same(41)) - lp) <= np.spacing(np.abs(lp)) + 2 * EPS32)
     np.testing.assert_array_equal(predictive_average(jnp.asarray(z[:1])), lp)
     # a class every sample rules out stays -inf (not NaN); Jensen: ensemble NLL <= mean member NLL
     ruled_out = jnp.asarray(z).at[:, :, 0].set(-jnp.inf)
@@ -216,6 +221,8 @@ def test_evaluators_match_float64_oracle_with_padding_that_does_not_divide_the_b
     for per_step in (1, 3):  # one sample at a time, and vmapped 3 at a time (+ a remainder of 1)
         ens = jax.jit(build_ensemble_evaluator(temperature_model, batch_size=50, samples_per_step=per_step))
         assert_metrics_match_oracle(ens({"t": jnp.asarray(t)}, x, yj, mj), oracle(pbar, y, mask))
+    # unmasked: n = 203 is a compile-time constant (XLA would turn a division by it into a product)
+    assert_metrics_match_oracle(ens({"t": jnp.asarray(t)}, x, yj), oracle(pbar, y, np.ones_like(mask)))
 
 
 @pytest.fixture(scope="module")

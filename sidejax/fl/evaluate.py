@@ -219,8 +219,9 @@ def build_personal_evaluator(
 
     Client ``c``'s model ``params_stacked[c]`` (a leading client axis on every leaf) is evaluated on its
     own test set ``x[c], y[c]`` with ``mask[c]`` (padded to a common ``n``; ``mask`` None: every row is
-    valid), exactly as :func:`build_evaluator` evaluates ``(params[c], x[c], y[c], mask[c])``. Reduce the
-    per-client result with :func:`client_mean`.
+    valid): the metrics :func:`build_evaluator` computes for ``(params[c], x[c], y[c], mask[c])``, in the same
+    batches (equal up to the float rounding of two differently compiled programs). Reduce the per-client
+    result with :func:`client_mean`.
 
     Memory: with ``clients_per_step = 1`` one client at a time (``lax.map``), one batch of it at a time;
     ``k > 1`` vmaps ``k`` clients at a time (faster on accelerators, ``k`` times the memory).
@@ -273,9 +274,9 @@ def client_mean(result: EvalResult) -> EvalResult:
     n = result.num_examples
     total = jnp.sum(n, axis=0, dtype=jnp.int32)
 
-    def mean(metric):
+    def mean(metric):  # a product with the reciprocal, as in sidejax.metrics (the same bits in any program)
         w = n.astype(metric.dtype)
-        return jnp.sum(w * metric, axis=0) / jnp.maximum(total, 1).astype(metric.dtype)
+        return jnp.sum(w * metric, axis=0) * (1 / jnp.maximum(total, 1).astype(metric.dtype))
 
     return EvalResult(
         accuracy=mean(result.accuracy), loss=mean(result.loss), num_examples=total, ece=mean(result.ece)
