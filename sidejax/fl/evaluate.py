@@ -1,54 +1,283 @@
-"""Evaluation of a classifier on a held-out set, in fixed-size batches under ``lax.map``."""
+"""Evaluation of classifiers on held-out sets, in fixed-size batches under ``lax.map``.
+
+Three evaluators share one batched core: the examples are zero-padded to a multiple of the batch size and
+masked, every batch yields the sufficient statistics of accuracy, NLL and ECE
+(:func:`sidejax.metrics.classification_stats`: counts and sums), ``lax.map`` stacks them and their sum gives
+the metrics. The result is therefore exact for any number of examples (padding counts nowhere, the counts
+are integers) and memory holds one batch of activations at a time.
+
+- :func:`build_evaluator`: one model ``params``.
+- :func:`build_ensemble_evaluator`: params with a leading **sample** axis (posterior samples, an ensemble);
+  the prediction is the predictive average ``p̄ = (1/S) Σ_s softmax(f(x, θ_s))``
+  (:func:`sidejax.metrics.predictive_average`), and the metrics are those of ``p̄`` (spec ``bpcfl.md`` §A5).
+- :func:`build_personal_evaluator`: params with a leading **client** axis, each evaluated on its own padded
+  test set ``x [clients, n, ...]``; per-client results, reduced by :func:`client_mean`.
+
+``apply_fn`` is called as ``apply_fn({'params': p}, x, train=False)`` and returns logits ``[batch, C]``.
+The builders return pure, un-jitted functions (wrap them in ``jax.jit``).
+"""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from sidejax.metrics import (
+    DEFAULT_NUM_BINS,
+    ClassificationStats,
+    accuracy_from_stats,
+    classification_stats,
+    ece_from_stats,
+    log_predictive,
+    nll_from_stats,
+    predictive_average,
+    sum_stats,
+)
 from sidejax.types import Params
 
-__all__ = ["EvalResult", "build_evaluator"]
+__all__ = [
+    "EvalResult",
+    "build_evaluator",
+    "build_ensemble_evaluator",
+    "build_personal_evaluator",
+    "client_mean",
+    "eval_result",
+]
 
 
 class EvalResult(NamedTuple):
-    """Test metrics: top-1 accuracy in [0, 1], mean cross-entropy (nats), and the number of examples."""
+    """Test metrics (each with the leading client axis for :func:`build_personal_evaluator`).
+
+    Attributes:
+      accuracy: top-1 accuracy in [0, 1].
+      loss: mean negative log-likelihood (cross-entropy) in nats, ``-(1/n) Σ_i log p(y_i|x_i)``.
+      num_examples: int32, the number of (valid) examples ``n``.
+      ece: expected calibration error (spec ``bpcfl.md`` §A9, ``num_bins`` equal-width bins).
+
+    With ``n = 0`` the metrics are 0 (and weigh nothing in :func:`client_mean`).
+    """
 
     accuracy: jax.Array
     loss: jax.Array
     num_examples: jax.Array
+    ece: jax.Array
 
 
-def build_evaluator(apply_fn: Callable, *, batch_size: int = 1000):
-    """Builds ``evaluate(params, x, y) -> EvalResult`` for ``apply_fn({'params': p}, x, train=False)``.
+def eval_result(stats: ClassificationStats) -> EvalResult:
+    """The metrics of summed statistics (elementwise over any leading axes of ``stats``)."""
+    return EvalResult(
+        accuracy=accuracy_from_stats(stats),
+        loss=nll_from_stats(stats),
+        num_examples=stats.num_examples,
+        ece=ece_from_stats(stats.calibration),
+    )
 
-    The inputs are zero-padded to a multiple of ``batch_size`` and masked, so the result is exact for any
-    number of examples; memory is one batch of activations at a time. The function is not jitted.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
-    def evaluate(params: Params, x: jax.Array, y: jax.Array) -> EvalResult:
-        n = x.shape[0]
-        num_batches = -(-n // batch_size)
-        pad = num_batches * batch_size - n
-        xb = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(num_batches, batch_size, *x.shape[1:])
-        yb = jnp.pad(y, (0, pad)).reshape(num_batches, batch_size)
-        mb = (jnp.arange(num_batches * batch_size) < n).reshape(num_batches, batch_size)
+def _check_int(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
-        def one(args):
-            xi, yi, mi = args
-            logits = apply_fn({"params": params}, xi, train=False)
-            correct = jnp.sum((jnp.argmax(logits, -1) == yi) & mi)
-            ce = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, yi) * mi)
-            return correct, ce
 
-        correct, ce = jax.lax.map(one, (xb, yb, mb))
-        return EvalResult(
-            accuracy=jnp.sum(correct) / n, loss=jnp.sum(ce) / n, num_examples=jnp.asarray(n, jnp.int32)
+def _check_data(x: jax.Array, y: jax.Array, mask: jax.Array | None, example_axes: int) -> None:
+    """Shapes: ``x [*lead, n, ...]``, ``y [*lead, n]``, ``mask`` like ``y``, ``lead`` of example_axes - 1."""
+    x, y = jnp.shape(x), jnp.shape(y)
+    if len(y) != example_axes:
+        what = "[n]" if example_axes == 1 else "[clients, n]"
+        raise ValueError(f"y must have shape {what}, got {y}")
+    if x[:example_axes] != y:
+        raise ValueError(f"x must have the leading shape of y {y}, got x of shape {x}")
+    if mask is not None and jnp.shape(mask) != y:
+        raise ValueError(f"mask must have the shape of y {y}, got {jnp.shape(mask)}")
+
+
+def _leading_axis(params: Params, name: str, what: str) -> int:
+    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(params)}
+    if not sizes or None in sizes or len(sizes) != 1:
+        raise ValueError(
+            f"{name} must be a pytree whose every leaf has the same leading {what} axis, got leading sizes "
+            f"{sorted(str(s) for s in sizes)}"
         )
+    return sizes.pop()
+
+
+def _batched_stats(
+    log_probs_fn: Callable, x: jax.Array, y: jax.Array, mask: jax.Array | None, batch_size: int, num_bins: int
+) -> ClassificationStats:
+    """Sums ``classification_stats(log_probs_fn(x_b), y_b, mask_b)`` over batches ``b`` of ``x [n, ...]``.
+
+    The batch is ``min(batch_size, n)`` (a small set is not padded up to ``batch_size``); the examples are
+    zero-padded to a whole number of batches, and padding rows are masked out.
+    """
+    n = x.shape[0]
+    size = max(min(batch_size, n), 1)
+    num_batches = -(-n // size)
+    pad = num_batches * size - n
+    valid = jnp.ones((n,), bool) if mask is None else jnp.asarray(mask) > 0
+    xb = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(num_batches, size, *x.shape[1:])
+    yb = jnp.pad(y, (0, pad)).reshape(num_batches, size)
+    mb = jnp.pad(valid, (0, pad)).reshape(num_batches, size)
+
+    def one(args):
+        xi, yi, mi = args
+        return classification_stats(log_probs_fn(xi), yi, mi, num_bins)
+
+    return sum_stats(jax.lax.map(one, (xb, yb, mb)))
+
+
+def build_evaluator(apply_fn: Callable, *, batch_size: int = 1000, num_bins: int = DEFAULT_NUM_BINS):
+    """Builds ``evaluate(params, x, y, mask=None) -> EvalResult`` for one model.
+
+    Args:
+      apply_fn: ``apply_fn({'params': p}, x, train=False) -> logits [batch, C]``.
+      batch_size: examples per ``lax.map`` step (static; a smaller set runs as one batch of its size).
+      num_bins: ECE bins ``B``.
+
+    Returns:
+      ``evaluate(params, x [n, ...], y [n], mask [n] | None)``: the metrics of ``log_softmax(logits)`` over
+      the examples with ``mask > 0`` (all when ``mask`` is None). Not jitted.
+    """
+    batch_size = _check_int(batch_size, "batch_size")
+    num_bins = _check_int(num_bins, "num_bins")
+
+    def evaluate(params: Params, x: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> EvalResult:
+        _check_data(x, y, mask, 1)
+        log_probs = lambda xi: log_predictive(apply_fn({"params": params}, xi, train=False))
+        return eval_result(_batched_stats(log_probs, x, y, mask, batch_size, num_bins))
 
     return evaluate
+
+
+def _stacked_apply(apply_fn: Callable, params_stacked: Params, x: jax.Array, per_step: int) -> jax.Array:
+    """Logits ``[S, batch, C]`` of every model in ``params_stacked`` (leading axis ``S``) on one batch ``x``.
+
+    ``per_step == 1``: the models run one after another under ``lax.map`` (each call is the unbatched
+    ``apply_fn``, the least memory); ``per_step > 1``: ``per_step`` models at a time under ``vmap``
+    (``lax.map(..., batch_size=per_step)``; ``per_step >= S`` is one ``vmap`` over all of them).
+    """
+    one = lambda p: apply_fn({"params": p}, x, train=False)
+    return jax.lax.map(one, params_stacked, batch_size=None if per_step == 1 else per_step)
+
+
+def build_ensemble_evaluator(
+    apply_fn: Callable, *, batch_size: int = 1000, num_bins: int = DEFAULT_NUM_BINS, samples_per_step: int = 1
+):
+    """Builds ``evaluate(params_stacked, x, y, mask=None) -> EvalResult`` for an ensemble / posterior samples.
+
+    ``params_stacked`` holds ``S`` models ``θ_1..θ_S`` along a leading axis of every leaf. The prediction is
+    the predictive average ``log p̄(c|x) = log (1/S) Σ_s softmax(f(x, θ_s))_c``
+    (:func:`sidejax.metrics.predictive_average`), and the metrics are those of ``p̄``: NLL
+    ``-mean_i log p̄(y_i|x_i)``, accuracy of ``argmax_c p̄``, ECE of ``max_c p̄`` (spec ``bpcfl.md`` §A5, §A9).
+
+    Memory: one batch of inputs and the logits ``[S, batch, C]`` of all samples on it, plus the activations
+    of ``samples_per_step`` models at a time. ``S = 1`` runs ``apply_fn`` on the one model exactly as
+    :func:`build_evaluator` does (same result bit for bit).
+
+    Args:
+      apply_fn: ``apply_fn({'params': p}, x, train=False) -> logits [batch, C]``.
+      batch_size: examples per ``lax.map`` step (static).
+      num_bins: ECE bins ``B``.
+      samples_per_step: models evaluated at once on a batch: 1 runs them one at a time under ``lax.map``;
+        ``k > 1`` vmaps ``k`` at a time (faster on accelerators, ``k`` times the activation memory).
+
+    Returns:
+      ``evaluate(params_stacked, x [n, ...], y [n], mask [n] | None)``. Not jitted.
+    """
+    batch_size = _check_int(batch_size, "batch_size")
+    num_bins = _check_int(num_bins, "num_bins")
+    samples_per_step = _check_int(samples_per_step, "samples_per_step")
+
+    def evaluate(
+        params_stacked: Params, x: jax.Array, y: jax.Array, mask: jax.Array | None = None
+    ) -> EvalResult:
+        _check_data(x, y, mask, 1)
+        num_samples = _leading_axis(params_stacked, "params_stacked", "sample")
+        if num_samples < 1:
+            raise ValueError("params_stacked must hold at least one sample (its leading axis is empty)")
+
+        if num_samples == 1:  # the average of one predictive is itself: no sample loop
+            single = jax.tree.map(lambda a: a[0], params_stacked)
+            log_probs = lambda xi: log_predictive(apply_fn({"params": single}, xi, train=False))
+        else:
+            log_probs = lambda xi: predictive_average(
+                _stacked_apply(apply_fn, params_stacked, xi, samples_per_step), axis=0
+            )
+
+        return eval_result(_batched_stats(log_probs, x, y, mask, batch_size, num_bins))
+
+    return evaluate
+
+
+def build_personal_evaluator(
+    apply_fn: Callable, *, batch_size: int = 1000, num_bins: int = DEFAULT_NUM_BINS, clients_per_step: int = 1
+):
+    """Builds ``evaluate(params_stacked, x, y, mask=None) -> EvalResult`` for personal (per-client) models.
+
+    Client ``c``'s model ``params_stacked[c]`` (a leading client axis on every leaf) is evaluated on its
+    own test set ``x[c], y[c]`` with ``mask[c]`` (padded to a common ``n``; ``mask`` None: every row is
+    valid): the metrics :func:`build_evaluator` computes for ``(params[c], x[c], y[c], mask[c])``, in the same
+    batches (equal up to the float rounding of two differently compiled programs). Reduce the per-client
+    result with :func:`client_mean`.
+
+    Memory: with ``clients_per_step = 1`` one client at a time (``lax.map``), one batch of it at a time;
+    ``k > 1`` vmaps ``k`` clients at a time (faster on accelerators, ``k`` times the memory).
+
+    Args:
+      apply_fn: ``apply_fn({'params': p}, x, train=False) -> logits [batch, C]``.
+      batch_size: examples per ``lax.map`` step within a client (static).
+      num_bins: ECE bins ``B``.
+      clients_per_step: clients evaluated at once.
+
+    Returns:
+      ``evaluate(params_stacked, x [clients, n, ...], y [clients, n], mask [clients, n] | None)``: an
+      :class:`EvalResult` whose fields are ``[clients]``. Not jitted.
+    """
+    batch_size = _check_int(batch_size, "batch_size")
+    num_bins = _check_int(num_bins, "num_bins")
+    clients_per_step = _check_int(clients_per_step, "clients_per_step")
+
+    def evaluate(
+        params_stacked: Params, x: jax.Array, y: jax.Array, mask: jax.Array | None = None
+    ) -> EvalResult:
+        _check_data(x, y, mask, 2)
+        num_clients = _leading_axis(params_stacked, "params_stacked", "client")
+        if num_clients != y.shape[0]:
+            raise ValueError(
+                f"params_stacked has {num_clients} clients (leading axis) but x and y have {y.shape[0]}"
+            )
+        valid = jnp.ones(y.shape, bool) if mask is None else jnp.asarray(mask) > 0
+
+        def one(args):
+            params, xc, yc, mc = args
+            log_probs = lambda xi: log_predictive(apply_fn({"params": params}, xi, train=False))
+            return _batched_stats(log_probs, xc, yc, mc, batch_size, num_bins)
+
+        per_step = None if clients_per_step == 1 else clients_per_step
+        stats = jax.lax.map(one, (params_stacked, x, y, valid), batch_size=per_step)
+        return eval_result(stats)
+
+    return evaluate
+
+
+def client_mean(result: EvalResult) -> EvalResult:
+    """Example-weighted mean over the leading client axis of a per-client :class:`EvalResult`.
+
+    ``metric = Σ_c n_c metric_c / Σ_c n_c`` and ``num_examples = Σ_c n_c``; clients with ``n_c = 0`` weigh
+    nothing. For accuracy and loss this is the pooled value over all clients' examples (up to rounding). For
+    ECE it is the mean of the clients' own ECEs (each personal model's calibration on its own data), which
+    is at least the ECE of the pooled examples (triangle inequality, bin by bin).
+    """
+    n = result.num_examples
+    total = jnp.sum(n, axis=0, dtype=jnp.int32)
+
+    def mean(metric):  # a product with the reciprocal, as in sidejax.metrics (the same bits in any program)
+        w = n.astype(metric.dtype)
+        return jnp.sum(w * metric, axis=0) * (1 / jnp.maximum(total, 1).astype(metric.dtype))
+
+    return EvalResult(
+        accuracy=mean(result.accuracy), loss=mean(result.loss), num_examples=total, ece=mean(result.ece)
+    )

@@ -1,4 +1,5 @@
-"""Local training: an Optax optimizer inside ``lax.scan`` over epochs and minibatch steps.
+"""Local training: an Optax optimizer inside ``lax.scan`` over epochs and minibatch steps (a number of
+epochs, or a number of steps of the same epoch schedule).
 
 A client holds ``num_examples`` valid examples at the front of a padded index row of length
 ``max_examples`` (see :class:`sidejax.fl.ClientData`). One local epoch visits each valid example once, in a
@@ -14,6 +15,7 @@ Flax classifier.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -88,40 +90,75 @@ def epoch_order(key: PRNGKey, num_examples: jax.Array, max_examples: int) -> jax
     return jnp.argsort(scores).astype(jnp.int32)
 
 
+def _check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def build_local_trainer(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
     *,
     batch_size: int,
-    num_epochs: int,
+    num_epochs: int | None = None,
+    num_steps: int | None = None,
 ):
-    """Builds ``train(key, params, data) -> (params, LocalInfo)``: local epochs of minibatch optimisation.
+    """Builds ``train(key, params, data) -> (params, LocalInfo)``: local minibatch optimisation for a number
+    of epochs or a number of steps.
 
     The optimizer state is initialised inside ``train`` (fresh every round), so ``train`` vmaps over clients.
+
+    Schedule: an epoch has ``steps_per_epoch = ceil(max_examples / batch_size)`` steps
+    (:func:`num_local_steps`, static). Epoch ``e`` visits the client's examples in the order drawn from
+    ``stream_key(epoch_key(key, e), ORDER)`` (:func:`epoch_order`), and its step ``s`` takes the batch at
+    positions ``s·batch_size ..`` of that order and passes ``step_key(epoch_key(key, e), s)`` to ``loss_fn``
+    (see :mod:`sidejax.keys`). With ``num_steps = N``, global step ``t = 0..N-1`` is step
+    ``t mod steps_per_epoch`` of epoch ``t // steps_per_epoch``, with exactly those keys: the first ``N``
+    steps of the epoch schedule, so ``num_steps = k · steps_per_epoch`` is ``num_epochs = k`` (the same
+    program, bit for bit), and any other ``N`` ends inside a partial epoch. As in an epoch, a step whose
+    batch holds no valid example (a client smaller than ``max_examples``) leaves parameters and optimizer
+    state unchanged, so such a client makes fewer than ``N`` updates (``LocalInfo.num_steps`` counts them).
+
+    Implementation: ``lax.scan`` over the ``N // steps_per_epoch`` full epochs, each drawing its order once
+    (one ``argsort`` of ``max_examples`` scores per epoch) and scanning its steps; then, if
+    ``r = N mod steps_per_epoch > 0``, one more epoch body whose step scan has length ``r``. No step is
+    computed and masked away and no order is drawn per step; the cost of a partial epoch is a second
+    (shorter) step scan in the program.
 
     Args:
       loss_fn: ``loss_fn(params, batch, key) -> scalar`` (masked mean over ``batch.mask``).
       optimizer: any Optax gradient transformation (e.g. ``optax.sgd(0.05)``).
       batch_size: examples per step (static).
-      num_epochs: local epochs (static).
+      num_epochs: local epochs (static). Exactly one of ``num_epochs`` and ``num_steps``.
+      num_steps: local steps of the epoch schedule (static), counted over epochs.
 
     Returns:
-      The pure training function. ``key`` is the client's training key (:func:`sidejax.keys.client_streams`);
-      epoch ``e`` draws its order from ``stream_key(epoch_key(key, e), ORDER)`` and its step ``s`` passes
-      ``step_key(epoch_key(key, e), s)`` to ``loss_fn`` (see :mod:`sidejax.keys`).
+      The pure training function; ``key`` is the client's training key (:func:`sidejax.keys.client_streams`).
+
+    Raises:
+      ValueError: if not exactly one of ``num_epochs`` and ``num_steps`` is given, or a count is not an
+        integer >= 1.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_epochs < 1:
-        raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
+    batch_size = _check_count(batch_size, "batch_size")
+    if (num_epochs is None) == (num_steps is None):
+        raise ValueError(
+            "build_local_trainer needs exactly one of num_epochs and num_steps, got "
+            f"num_epochs={num_epochs!r}, num_steps={num_steps!r}"
+        )
+    if num_epochs is not None:
+        num_epochs = _check_count(num_epochs, "num_epochs")
+    else:
+        num_steps = _check_count(num_steps, "num_steps")
     grad_fn = jax.value_and_grad(loss_fn)
 
     def train(key: PRNGKey, params: Params, data: ClientData) -> tuple[Params, LocalInfo]:
         max_examples = data.indices.shape[0]
         steps = num_local_steps(max_examples, batch_size)
         padded = steps * batch_size
+        full_epochs, last_steps = (num_epochs, 0) if num_steps is None else divmod(num_steps, steps)
 
-        def epoch(carry, e):
+        def run_epoch(carry, e, length: int):
             ekey = epoch_key(key, e)
             order = epoch_order(stream_key(ekey, ORDER), data.num_examples, max_examples)
             order = jnp.pad(order, (0, padded - max_examples))
@@ -143,11 +180,16 @@ def build_local_trainer(
                 finite = finite & (jnp.isfinite(loss) | ~has_data)
                 return (params, opt_state, loss_sum, n_steps + has_data.astype(jnp.int32), finite), None
 
-            carry, _ = jax.lax.scan(step, carry, jnp.arange(steps))
-            return carry, None
+            carry, _ = jax.lax.scan(step, carry, jnp.arange(length))
+            return carry
 
-        init = (params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0), jnp.asarray(True))
-        (params, _, loss_sum, n_steps, finite), _ = jax.lax.scan(epoch, init, jnp.arange(num_epochs))
+        carry = (params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0), jnp.asarray(True))
+        if full_epochs:
+            epoch = lambda carry, e: (run_epoch(carry, e, steps), None)
+            carry, _ = jax.lax.scan(epoch, carry, jnp.arange(full_epochs))
+        if last_steps:  # the partial epoch that num_steps ends in: its first last_steps steps
+            carry = run_epoch(carry, jnp.int32(full_epochs), last_steps)
+        params, _, loss_sum, n_steps, finite = carry
         finite = finite & tree_all_finite(params)
         loss = loss_sum / jnp.maximum(n_steps, 1).astype(jnp.float32)
         return params, LocalInfo(loss=loss, num_steps=n_steps, finite=finite)
