@@ -41,7 +41,7 @@ from experiments.config import ExperimentConfig, config_from_dict
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.coding import stream_errors
 from sidejax.fl import build_evaluator, classification_loss, run_rounds
-from sidejax.fl.evaluate import build_ensemble_evaluator, build_personal_evaluator
+from sidejax.fl import build_ensemble_evaluator, build_personal_evaluator
 from sidejax.keys import run_keys
 from sidejax.models import count_params, get_model, init_params
 

@@ -4,14 +4,16 @@ Subpackages: :mod:`sidejax.data` (datasets, partitions, FederatedData), :mod:`si
 of the papers), :mod:`sidejax.fl` (round engine, local training, evaluation), :mod:`sidejax.algorithms`
 (FedAvg, FedPM, QSGD, SignSGD, QLSD/SGLD, each with a ``coder=``), :mod:`sidejax.coding` (the Coder
 contract and coders), :mod:`sidejax.keys` (the key schedule), :mod:`sidejax.bits` (code lengths),
-:mod:`sidejax.layout` (flat parameter layouts).
+:mod:`sidejax.layout` (flat parameter layouts), :mod:`sidejax.metrics` (accuracy, NLL, ECE, predictive
+averaging).
 """
 
-from sidejax import algorithms, bits, blocks, coding, data, distributions, fl, keys, layout, models
+from sidejax import algorithms, bits, blocks, coding, data, distributions, fl, keys, layout, metrics, models
 
 __version__ = "0.1.0"
 
 __all__ = [
     "algorithms",
     "layout",
+    "metrics",
     "bits", "blocks", "coding", "data", "distributions", "fl", "keys", "models", "__version__"]

@@ -16,7 +16,14 @@ from sidejax.fl.base import (
     initial_round_state,
     no_metrics,
 )
-from sidejax.fl.evaluate import EvalResult, build_evaluator
+from sidejax.fl.evaluate import (
+    EvalResult,
+    build_ensemble_evaluator,
+    build_evaluator,
+    build_personal_evaluator,
+    client_mean,
+    eval_result,
+)
 from sidejax.fl.local import (
     LocalInfo,
     build_local_trainer,
@@ -54,6 +61,10 @@ __all__ = [
     "ServerUpdate",
     "EvalResult",
     "build_evaluator",
+    "build_ensemble_evaluator",
+    "build_personal_evaluator",
+    "client_mean",
+    "eval_result",
     "LocalInfo",
     "build_local_trainer",
     "classification_loss",
