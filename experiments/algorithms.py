@@ -8,9 +8,9 @@ from typing import Any
 import optax
 
 from experiments.config import ExperimentConfig, config_from_dict
-from sidejax.algorithms import fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import LangevinSettings, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
 from sidejax.coding import KLMSConfig, elias_coder, klms_coder, mask_coder
-from sidejax.fl import Algorithm, ClientMap, default_client_strategy
+from sidejax.fl import Algorithm, ClientMap, LocalTraining, default_client_strategy
 
 __all__ = [
     "ALGORITHMS",
@@ -59,10 +59,8 @@ def _fedavg(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
         server = make_optimizer(config.server_optimizer, config.server_lr)
     return fedavg(
         loss_fn,
-        make_optimizer(config.client_optimizer, config.client_lr),
+        _local(config),
         clients_per_round=config.clients_per_round,
-        batch_size=config.batch_size,
-        local_epochs=config.local_epochs,
         server_optimizer=server,
     )
 
@@ -86,18 +84,22 @@ def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
     return KLMSConfig(**values)
 
 
-def _common(config: ExperimentConfig) -> dict:
-    return dict(
-        clients_per_round=config.clients_per_round,
+def _local(config: ExperimentConfig) -> LocalTraining:
+    return LocalTraining(
+        make_optimizer(config.client_optimizer, config.client_lr),
         batch_size=config.batch_size,
-        local_epochs=config.local_epochs,
+        num_epochs=config.local_epochs,
     )
+
+
+def _common(config: ExperimentConfig) -> dict:
+    return dict(clients_per_round=config.clients_per_round)
 
 
 def _fedpm(config: ExperimentConfig, loss_fn: Callable, coder) -> Algorithm:
     return fedpm(
         loss_fn,
-        make_optimizer(config.client_optimizer, config.client_lr),
+        _local(config),
         coder=coder,
         estimator=config.fedpm_estimator,
         **_common(config),
@@ -107,7 +109,7 @@ def _fedpm(config: ExperimentConfig, loss_fn: Callable, coder) -> Algorithm:
 def _qsgd(config: ExperimentConfig, loss_fn: Callable, coder, levels: int) -> Algorithm:
     return qsgd(
         loss_fn,
-        make_optimizer(config.client_optimizer, config.client_lr),
+        _local(config),
         server_lr=config.server_lr,
         levels=levels,
         coder=coder,
@@ -118,7 +120,7 @@ def _qsgd(config: ExperimentConfig, loss_fn: Callable, coder, levels: int) -> Al
 def _signsgd(config: ExperimentConfig, loss_fn: Callable, coder) -> Algorithm:
     return signsgd(
         loss_fn,
-        make_optimizer(config.client_optimizer, config.client_lr),
+        _local(config),
         server_lr=config.server_lr,
         temperature=config.sign_temperature,
         coder=coder,
@@ -130,9 +132,7 @@ def _langevin(config: ExperimentConfig) -> dict:
     return dict(
         num_clients=config.num_clients,
         clients_per_round=config.clients_per_round,
-        batch_size=config.batch_size,
-        step_size=config.sgld_step_size,
-        weight_decay=config.prior_weight_decay,
+        settings=LangevinSettings(config.batch_size, config.sgld_step_size, config.prior_weight_decay),
     )
 
 

@@ -37,7 +37,7 @@ from sidejax.coding.base import (
 )
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
-from sidejax.fl.local import build_local_trainer
+from sidejax.fl.local import LocalTraining
 from sidejax.keys import ClientKeys, client_streams
 from sidejax.types import Params
 
@@ -67,12 +67,9 @@ def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
 
 def fedavg(
     loss_fn: Callable,
-    client_optimizer: optax.GradientTransformation,
+    local: LocalTraining,
     *,
     clients_per_round: int,
-    batch_size: int,
-    local_epochs: int | None = 1,
-    local_steps: int | None = None,
     server_optimizer: optax.GradientTransformation | None = None,
     coder: Coder | None = None,
 ) -> Algorithm:
@@ -80,10 +77,9 @@ def fedavg(
 
     Args:
       loss_fn: ``loss_fn(params, batch, key) -> scalar`` (see :mod:`sidejax.fl.local`).
-      client_optimizer: the clients' Optax optimizer (state re-initialised every round).
+      local: the clients' training (:class:`sidejax.fl.LocalTraining`: optimizer, batch size, epochs or
+        steps).
       clients_per_round: participants per round.
-      batch_size: local minibatch size.
-      local_epochs, local_steps: local training by epochs, or by a fixed number of steps (give one).
       server_optimizer: optional FedOpt server optimizer on the pseudo-gradient; ``None`` = plain averaging.
       coder: the uplink coder of the local model (``q`` its point mass, ``p`` the point mass at the global
         model); default :func:`sidejax.coding.float32_coder`.
@@ -94,16 +90,15 @@ def fedavg(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from sidejax.algorithms import fedavg
+      >>> from sidejax.fl import LocalTraining
       >>> loss = lambda p, b, k: jnp.sum(b.mask * (b.x[:, 0] * p["w"] - b.y) ** 2) / b.mask.sum()
-      >>> algo = fedavg(loss, optax.sgd(0.1), clients_per_round=2, batch_size=4)
+      >>> algo = fedavg(loss, LocalTraining(optax.sgd(0.1), batch_size=4), clients_per_round=2)
       >>> state = algo.init(jax.random.key(0), {"w": jnp.zeros(())}, 3)
       >>> int(state.round_index)
       0
     """
     coder = float32_coder() if coder is None else coder
-    local_train = build_local_trainer(
-        loss_fn, client_optimizer, batch_size=batch_size, num_epochs=local_epochs, num_steps=local_steps
-    )
+    local_train = local.trainer(loss_fn)
 
     def init(key, params: Params, num_clients: int) -> RoundState:
         del key  # FedAvg clients hold no state

@@ -44,7 +44,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms.dense import coder_metrics
@@ -54,7 +53,7 @@ from sidejax.coding.base import split_message
 from sidejax.coding.sample import mask_coder
 from sidejax.distributions import Bernoulli
 from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
-from sidejax.fl.local import build_local_trainer
+from sidejax.fl.local import LocalTraining
 from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, client_streams, leaf_key, stream_key
 from sidejax.layout import flat_layout
 from sidejax.types import Params
@@ -184,12 +183,9 @@ def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.
 
 def fedpm(
     loss_fn: Callable,
-    client_optimizer: optax.GradientTransformation,
+    local: LocalTraining,
     *,
     clients_per_round: int,
-    batch_size: int,
-    local_epochs: int | None = 1,
-    local_steps: int | None = None,
     coder: Coder | None = None,
     estimator: str = "fedpm",
     reset_priors: bool = True,
@@ -200,10 +196,8 @@ def fedpm(
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)``; it is applied to :math:`m \\odot w`.
-      client_optimizer: optimizer of the mask scores ([C]: ``optax.adam(0.1)``).
+      local: the training of the mask scores (:class:`sidejax.fl.LocalTraining`; [C]: ``optax.adam(0.1)``).
       clients_per_round: participants per round.
-      batch_size: local minibatch size.
-      local_epochs, local_steps: local training by epochs, or by a fixed number of steps (give one).
       coder: the mask's coder, ``q = Bern(phi)`` against ``p = Bern(theta)`` ([C] FedPM-KLMS:
         ``klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=256))``).
       estimator: ``"fedpm"`` or ``"ste"`` (see :func:`bernoulli_mask`).
@@ -258,9 +252,7 @@ def fedpm(
             net = masked(server.weights, scores, unravel(u))
             return loss_fn(net, batch, stream_key(key, LOSS))
 
-        trainer = build_local_trainer(
-            score_loss, client_optimizer, batch_size=batch_size, num_epochs=local_epochs, num_steps=local_steps
-        )
+        trainer = local.trainer(score_loss)
         train_key, sample_key = client_streams(keys.private)
         scores, linfo = trainer(train_key, scores0, data)
         phi = jax.nn.sigmoid(ravel_pytree(scores)[0])

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,9 @@ from sidejax.fl.local import epoch_order
 from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 from sidejax.types import Params
 
-__all__ = ["sgld_klms_sigma", "minibatch_potential_grad", "potential_direction", "qlsd", "sgld"]
+__all__ = [
+    "LangevinSettings",
+    "sgld_klms_sigma", "minibatch_potential_grad", "potential_direction", "qlsd", "sgld"]
 
 
 def sgld_klms_sigma(step_size: float, num_clients: int, clients_per_round: int) -> float:
@@ -92,9 +95,25 @@ def potential_direction(loss_fn: Callable, batch_size: int, weight_decay: float)
     return direction
 
 
-def _check(step_size: float, num_clients: int, clients_per_round: int) -> None:
-    if not step_size > 0:
-        raise ValueError(f"step_size must be > 0, got {step_size}")
+class LangevinSettings(NamedTuple):
+    """The Langevin chain's settings shared by :func:`qlsd` and :func:`sgld`.
+
+    Attributes:
+      batch_size: the minibatch B of the one local gradient ([C] 64).
+      step_size: :math:`\\gamma` ([C] 1e-5).
+      weight_decay: :math:`\\lambda` of the Gaussian prior ([C] 5).
+    """
+
+    batch_size: int = 64
+    step_size: float = 1e-5
+    weight_decay: float = 5.0
+
+
+def _check(settings: LangevinSettings, num_clients: int, clients_per_round: int) -> None:
+    if not settings.step_size > 0:
+        raise ValueError(f"step_size must be > 0, got {settings.step_size}")
+    if settings.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {settings.batch_size}")
     if not 1 <= clients_per_round <= num_clients:
         raise ValueError(
             f"need 1 <= clients_per_round <= num_clients, got {clients_per_round}, {num_clients}"
@@ -106,11 +125,9 @@ def qlsd(
     *,
     num_clients: int,
     clients_per_round: int,
-    batch_size: int = 64,
-    step_size: float = 1e-5,
-    weight_decay: float = 5.0,
     levels: int = 5,
     coder: Coder | None = None,
+    settings: LangevinSettings = LangevinSettings(),
 ) -> Algorithm:
     """Builds QLSD: QSGD-quantised potential gradients, Langevin noise added by the server.
 
@@ -118,14 +135,13 @@ def qlsd(
       loss_fn: the model's ``loss_fn(params, batch, key)`` (mean negative log-likelihood of a batch).
       num_clients: N, the federation size (checked against the data at ``init``).
       clients_per_round: C.
-      batch_size: the minibatch B of the one local gradient.
-      step_size: :math:`\\gamma` ([C] 1e-5).
-      weight_decay: :math:`\\lambda` of the Gaussian prior ([C] 5).
       levels: the QSGD levels ``s`` ([C] 5).
       coder: the levels' coder (default ``elias_coder(levels)``; norms are added as side information).
+      settings: minibatch, step size and prior (:class:`LangevinSettings`).
     """
-    _check(step_size, num_clients, clients_per_round)
+    _check(settings, num_clients, clients_per_round)
     a = num_clients / clients_per_round
+    step_size = settings.step_size
     coder = elias_coder(levels) if coder is None else coder
 
     def server_step(key, flat, hhat, weights):
@@ -134,7 +150,7 @@ def qlsd(
         return flat + (-step_size * a * jnp.sum(hhat, axis=0) + noise)
 
     method = qsgd_method(
-        potential_direction(loss_fn, batch_size, weight_decay),
+        potential_direction(loss_fn, settings.batch_size, settings.weight_decay),
         levels=levels,
         clients_per_round=clients_per_round,
         prior_smoothing=1.0,
@@ -149,20 +165,19 @@ def sgld(
     num_clients: int,
     clients_per_round: int,
     coder: Coder,
-    batch_size: int = 64,
-    step_size: float = 1e-5,
-    weight_decay: float = 5.0,
+    settings: LangevinSettings = LangevinSettings(),
 ) -> Algorithm:
     """Builds federated SGLD whose clients send one sample of :math:`N(H_c, \\sigma^2 I)`: SGLD-KLMS with
     ``coder=klms_coder(config)`` (against :math:`p = N(0, \\sigma^2 I)`), or the uncompressed sample with
     ``coder=float32_coder()``. The server steps :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c y_c`.
 
     Args:
-      loss_fn, num_clients, clients_per_round, batch_size, step_size, weight_decay: as :func:`qlsd`.
+      loss_fn, num_clients, clients_per_round, settings: as :func:`qlsd`.
       coder: the coder of the Gaussian samples.
     """
-    _check(step_size, num_clients, clients_per_round)
+    _check(settings, num_clients, clients_per_round)
     a = num_clients / clients_per_round
+    step_size = settings.step_size
     sigma = sgld_klms_sigma(step_size, num_clients, clients_per_round)
 
     def server_step(key, flat, yhat, weights):
@@ -170,7 +185,7 @@ def sgld(
         return flat + (-step_size * a * jnp.sum(yhat, axis=0) + 0.0)
 
     method = DenseMethod(
-        direction=potential_direction(loss_fn, batch_size, weight_decay),
+        direction=potential_direction(loss_fn, settings.batch_size, settings.weight_decay),
         law=lambda h, layout: DiagGaussian(h, jnp.full_like(h, sigma)),
         prior=lambda state, layout: DiagGaussian(
             jnp.zeros((layout.dim,), jnp.float32), jnp.full((layout.dim,), sigma, jnp.float32)

@@ -55,7 +55,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms.dense import DenseMethod, dense_algorithm
@@ -64,7 +63,7 @@ from sidejax.coding.bitstream import pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.sample import elias_coder
 from sidejax.distributions import StochasticLevels, Ternary
 from sidejax.fl.base import Algorithm
-from sidejax.fl.local import build_local_trainer
+from sidejax.fl.local import LocalTraining
 from sidejax.layout import FlatLayout, tensor_norms
 from sidejax.utils import is_concrete
 
@@ -217,12 +216,9 @@ def mean_step(server_lr: float) -> Callable:
 
 def qsgd(
     loss_fn: Callable,
-    client_optimizer: optax.GradientTransformation,
+    local: LocalTraining,
     *,
     clients_per_round: int,
-    batch_size: int,
-    local_epochs: int | None = 1,
-    local_steps: int | None = None,
     server_lr: float = 1.0,
     levels: int = 1,
     coder: Coder | None = None,
@@ -233,9 +229,8 @@ def qsgd(
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)``.
-      client_optimizer: local optimizer ([C]: Adam 3e-4).
-      clients_per_round, batch_size: federation and local training.
-      local_epochs, local_steps: local training by epochs, or by a fixed number of steps (give one).
+      local: the clients' training (:class:`sidejax.fl.LocalTraining`; [C]: Adam 3e-4).
+      clients_per_round: participants per round.
       server_lr: :math:`\\eta_S` ([C]: 0.1 QSGD, 0.005 QSGD-KLMS with Adam clients).
       levels: QSGD's ``s``.
       coder: the coder of the levels (the norms are added as side information); default
@@ -257,9 +252,7 @@ def qsgd(
         )
     if not server_lr > 0:
         raise ValueError(f"server_lr must be > 0, got {server_lr}")
-    trainer = build_local_trainer(
-        loss_fn, client_optimizer, batch_size=batch_size, num_epochs=local_epochs, num_steps=local_steps
-    )
+    trainer = local.trainer(loss_fn)
     method = qsgd_method(
         local_change(trainer),
         levels=levels,

@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from sidejax.algorithms.dense import DenseMethod, dense_algorithm
 from sidejax.algorithms.qsgd import local_change, mean_step
@@ -33,7 +32,7 @@ from sidejax.coding.base import Coder
 from sidejax.coding.sample import fixed_width_coder
 from sidejax.distributions import Sign
 from sidejax.fl.base import Algorithm
-from sidejax.fl.local import build_local_trainer
+from sidejax.fl.local import LocalTraining
 from sidejax.layout import FlatLayout, tensor_max_abs
 
 __all__ = ["stochastic_sign_probs", "sign_law", "signsgd"]
@@ -55,12 +54,9 @@ def sign_law(v: jax.Array, layout: FlatLayout, *, stochastic: bool, temperature:
 
 def signsgd(
     loss_fn: Callable,
-    client_optimizer: optax.GradientTransformation,
+    local: LocalTraining,
     *,
     clients_per_round: int,
-    batch_size: int,
-    local_epochs: int | None = 1,
-    local_steps: int | None = None,
     server_lr: float = 1e-3,
     stochastic: bool = True,
     temperature: float = 20.0,
@@ -71,9 +67,8 @@ def signsgd(
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)``.
-      client_optimizer: local optimizer ([C]: SGD 0.01).
-      clients_per_round, batch_size: federation and local training.
-      local_epochs, local_steps: local training by epochs, or by a fixed number of steps (give one).
+      local: the clients' training (:class:`sidejax.fl.LocalTraining`; [C]: SGD 0.01).
+      clients_per_round: participants per round.
       server_lr: :math:`\\eta_S` ([C]: 2e-4 SignSGD, 2e-3 SignSGD-KLMS).
       stochastic: stochastic (eq. 6) or deterministic signs.
       temperature: the 20 in :math:`M = \\max|v| / 20`.
@@ -84,9 +79,7 @@ def signsgd(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     coder = fixed_width_coder((-1.0, 1.0)) if coder is None else coder
-    trainer = build_local_trainer(
-        loss_fn, client_optimizer, batch_size=batch_size, num_epochs=local_epochs, num_steps=local_steps
-    )
+    trainer = local.trainer(loss_fn)
     method = DenseMethod(
         direction=local_change(trainer),
         law=lambda v, layout: sign_law(v, layout, stochastic=stochastic, temperature=temperature),

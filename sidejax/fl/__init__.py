@@ -26,6 +26,7 @@ from sidejax.fl.evaluate import (
 )
 from sidejax.fl.local import (
     LocalInfo,
+    LocalTraining,
     build_local_trainer,
     classification_loss,
     epoch_order,
@@ -66,6 +67,7 @@ __all__ = [
     "client_mean",
     "eval_result",
     "LocalInfo",
+    "LocalTraining",
     "build_local_trainer",
     "classification_loss",
     "epoch_order",

@@ -35,6 +35,7 @@ __all__ = [
     "classification_loss",
     "masked_mean",
     "build_local_trainer",
+    "LocalTraining",
 ]
 
 
@@ -195,3 +196,26 @@ def build_local_trainer(
         return params, LocalInfo(loss=loss, num_steps=n_steps, finite=finite)
 
     return train
+
+
+class LocalTraining(NamedTuple):
+    """How the clients train locally, as one argument of every algorithm builder.
+
+    Attributes:
+      optimizer: the clients' Optax optimizer (its state is initialised afresh every round).
+      batch_size: examples per step.
+      num_epochs: local epochs per round; ``None`` with ``num_steps`` set (and 1 when neither is set).
+      num_steps: a fixed number of local steps per round instead of epochs (see :func:`build_local_trainer`).
+    """
+
+    optimizer: optax.GradientTransformation
+    batch_size: int
+    num_epochs: int | None = None
+    num_steps: int | None = None
+
+    def trainer(self, loss_fn: Callable):
+        """:func:`build_local_trainer` for ``loss_fn`` with these settings."""
+        epochs = 1 if self.num_epochs is None and self.num_steps is None else self.num_epochs
+        return build_local_trainer(
+            loss_fn, self.optimizer, batch_size=self.batch_size, num_epochs=epochs, num_steps=self.num_steps
+        )
