@@ -38,10 +38,14 @@ import numpy as np
 from experiments.algorithms import build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import ExperimentConfig, config_from_dict
-from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.coding import stream_errors
-from sidejax.fl import build_evaluator, classification_loss, run_rounds
-from sidejax.fl import build_ensemble_evaluator, build_personal_evaluator
+from sidejax.data import load_dataset, make_federated_data, partition
+from sidejax.fl import (
+    build_ensemble_evaluator,
+    build_evaluator,
+    classification_loss,
+    run_rounds,
+)
 from sidejax.keys import run_keys
 from sidejax.models import count_params, get_model, init_params
 
@@ -180,7 +184,9 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
     ids = np.asarray(infos.client_ids)[r]
     details = []
     for i in np.flatnonzero(bad[r]):
-        reasons = ([] if client_ok[r, i] else ["invalid q or p, or a non-finite KL"]) + stream_errors(errors[r, i])
+        reasons = ([] if client_ok[r, i] else ["invalid q or p, or a non-finite KL"]) + stream_errors(
+            errors[r, i]
+        )
         details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
     round_index = int(np.asarray(infos.round_index)[r])
     raise InvalidStreamError(

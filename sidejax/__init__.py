@@ -16,4 +16,13 @@ __all__ = [
     "algorithms",
     "layout",
     "metrics",
-    "bits", "blocks", "coding", "data", "distributions", "fl", "keys", "models", "__version__"]
+    "bits",
+    "blocks",
+    "coding",
+    "data",
+    "distributions",
+    "fl",
+    "keys",
+    "models",
+    "__version__",
+]

@@ -1,7 +1,7 @@
 """How a parameter pytree maps to the flat vector the coders work on.
 
-:class:`FlatLayout` follows pytree leaf order, as :func:`jax.flatten_util.ravel_pytree`, and records the tensor
-(leaf) of every coordinate, for per-tensor side information (QSGD norms, SignSGD scales).
+:class:`FlatLayout` follows pytree leaf order, as :func:`jax.flatten_util.ravel_pytree`, and records the
+tensor (leaf) of every coordinate, for per-tensor side information (QSGD norms, SignSGD scales).
 """
 
 from __future__ import annotations

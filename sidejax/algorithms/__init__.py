@@ -25,7 +25,13 @@ from sidejax.algorithms.fedpm import (
     masked_network,
     signed_constant_init,
 )
-from sidejax.algorithms.langevin import LangevinSettings, minibatch_potential_grad, qlsd, sgld, sgld_klms_sigma
+from sidejax.algorithms.langevin import (
+    LangevinSettings,
+    minibatch_potential_grad,
+    qlsd,
+    sgld,
+    sgld_klms_sigma,
+)
 from sidejax.algorithms.qsgd import (
     QSGDPrior,
     qsgd,

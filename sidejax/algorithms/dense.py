@@ -24,8 +24,16 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from sidejax.coding.base import Coder, EmptyState, Message, concat_messages, empty_message, encode_float32
-from sidejax.coding.base import decode_float32, split_message
+from sidejax.coding.base import (
+    Coder,
+    EmptyState,
+    Message,
+    concat_messages,
+    decode_float32,
+    empty_message,
+    encode_float32,
+    split_message,
+)
 from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initial_round_state
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.layout import FlatLayout, flat_layout
@@ -50,7 +58,8 @@ class DenseState(NamedTuple):
 
     Attributes:
       params: the global model.
-      prior: the method's side-information state behind ``p`` (e.g. QSGD-KLMS's symbol counts; ``EmptyState``).
+      prior: the method's side-information state behind ``p`` (e.g. QSGD-KLMS's symbol counts;
+        ``EmptyState``).
       coder: the coder's protocol state (``EmptyState`` for stateless coders).
     """
 
@@ -147,7 +156,9 @@ def dense_client_update(method: DenseMethod, coder: Coder, keys: ClientKeys, ser
     return state, message, info
 
 
-def dense_server_update(method: DenseMethod, coder: Coder, rkey, server: DenseState, shared_keys, messages, weights):
+def dense_server_update(
+    method: DenseMethod, coder: Coder, rkey, server: DenseState, shared_keys, messages, weights
+):
     """The server: decode each participant with its shared key, reconstruct, step, update prior and coder."""
     coder, layout = _coder(method, coder, server.params)
     flat, unravel = ravel_pytree(server.params)
@@ -193,7 +204,9 @@ def dense_algorithm(
         init=init,
         broadcast=lambda key, server, ids: dense_broadcast(method, coder, server),
         receive=lambda dkey, keys, server, message: dense_receive(method, coder, server, message),
-        client_update=lambda keys, server, state, data: dense_client_update(method, coder, keys, server, state, data),
+        client_update=lambda keys, server, state, data: dense_client_update(
+            method, coder, keys, server, state, data
+        ),
         server_update=lambda rkey, server, ids, shared, msgs, w: dense_server_update(
             method, coder, rkey, server, shared, msgs, w
         ),

@@ -125,8 +125,10 @@ def fedavg(
         p = PointMass(ravel_pytree(server.params)[0])
         sample_keys = ClientKeys(keys.shared, client_streams(keys.private).sample)
         message, cinfo = coder.encode(sample_keys, PointMass(flat), p, server.coder)
-        return state, message, ClientInfo(
-            loss=info.loss, finite=info.finite, extra=info.num_steps, valid=cinfo.valid
+        return (
+            state,
+            message,
+            ClientInfo(loss=info.loss, finite=info.finite, extra=info.num_steps, valid=cinfo.valid),
         )
 
     def server_update(rkey, server: FedAvgState, client_ids, shared_keys, messages, weights):

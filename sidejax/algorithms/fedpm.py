@@ -18,7 +18,8 @@ Round ``t`` (Alg. 1):
      reports. Beside the stream's length the ideal two-part enumerative length
      (:func:`sidejax.bits.enumerative_mask_bits`, ``ideal_bits``) and FedPM's own formula
      :math:`d H_b(k/d) + \\log_2 d` (``paper_bits``, from the decoded masks) are logged, labelled as such.
-   - **FedPM-KLMS** (Alg. 9, ``coder=klms_coder(config)``): the KLMS message of :math:`q = \\mathrm{Bern}(\\phi)` against the side
+   - **FedPM-KLMS** (Alg. 9, ``coder=klms_coder(config)``): the KLMS message of
+     :math:`q = \\mathrm{Bern}(\\phi)` against the side
      information :math:`p = \\mathrm{Bern}(\\theta^{(t-1)})` (:mod:`sidejax.coding.klms`), about
      :math:`D_{KL}(q \\| p)` bits instead of about :math:`d` bits;
 3. the server clips every received mask to {0.01, 0.99} ([C]) and runs BayesAgg (Alg. 2) with
@@ -48,8 +49,14 @@ from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms.dense import coder_metrics
 from sidejax.bits import binary_entropy_bits
-from sidejax.coding.base import Coder, EmptyState, concat_messages, decode_float32, encode_float32
-from sidejax.coding.base import split_message
+from sidejax.coding.base import (
+    Coder,
+    EmptyState,
+    concat_messages,
+    decode_float32,
+    encode_float32,
+    split_message,
+)
 from sidejax.coding.sample import mask_coder
 from sidejax.distributions import Bernoulli
 from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
@@ -267,7 +274,9 @@ def fedpm(
     def server_update(rkey, server: FedPMState, client_ids, shared_keys, messages, weights):
         del rkey, client_ids, weights  # unweighted 1/C aggregation [P]
         prior = Bernoulli(server.theta)
-        masks, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, prior, server.coder, messages)
+        masks, decoded = jax.vmap(coder.decode, (0, None, None, 0))(
+            shared_keys, prior, server.coder, messages
+        )
         cstate, cinfo = coder.update(server.coder, decoded)
         clipped = jnp.where(masks > 0.5, 1.0 - MASK_CLIP, MASK_CLIP)
         alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors)

@@ -17,7 +17,8 @@ per example, :math:`\\lambda` = ``weight_decay``, [C] 5). With :math:`a = N / C`
   Elias-coded, as :mod:`sidejax.algorithms.qsgd`, with any levels coder accepted); the server steps
   :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c \\hat H_c + \\sqrt{2\\gamma}\\,\\xi`,
   :math:`\\xi \\sim N(0, I)` drawn from the round's server key.
-- **SGLD-KLMS** (:func:`sgld` with ``coder=klms_coder(config)``) sends a KLMS sample :math:`y_c` of :math:`q = N(H_c, \\sigma^2 I)` against
+- **SGLD-KLMS** (:func:`sgld` with ``coder=klms_coder(config)``) sends a KLMS sample :math:`y_c` of
+  :math:`q = N(H_c, \\sigma^2 I)` against
   :math:`p = N(0, \\sigma^2 I)` and the server steps
   :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c y_c`
   with **no** extra noise: the clients' noise is the Langevin noise. The paper's
@@ -56,7 +57,12 @@ from sidejax.types import Params
 
 __all__ = [
     "LangevinSettings",
-    "sgld_klms_sigma", "minibatch_potential_grad", "potential_direction", "qlsd", "sgld"]
+    "sgld_klms_sigma",
+    "minibatch_potential_grad",
+    "potential_direction",
+    "qlsd",
+    "sgld",
+]
 
 
 def sgld_klms_sigma(step_size: float, num_clients: int, clients_per_round: int) -> float:
@@ -109,7 +115,8 @@ class LangevinSettings(NamedTuple):
     weight_decay: float = 5.0
 
 
-def _check(settings: LangevinSettings, num_clients: int, clients_per_round: int) -> None:
+def _check(settings: LangevinSettings | None, num_clients: int, clients_per_round: int) -> LangevinSettings:
+    settings = LangevinSettings() if settings is None else settings
     if not settings.step_size > 0:
         raise ValueError(f"step_size must be > 0, got {settings.step_size}")
     if settings.batch_size < 1:
@@ -118,6 +125,7 @@ def _check(settings: LangevinSettings, num_clients: int, clients_per_round: int)
         raise ValueError(
             f"need 1 <= clients_per_round <= num_clients, got {clients_per_round}, {num_clients}"
         )
+    return settings
 
 
 def qlsd(
@@ -127,7 +135,7 @@ def qlsd(
     clients_per_round: int,
     levels: int = 5,
     coder: Coder | None = None,
-    settings: LangevinSettings = LangevinSettings(),
+    settings: LangevinSettings | None = None,
 ) -> Algorithm:
     """Builds QLSD: QSGD-quantised potential gradients, Langevin noise added by the server.
 
@@ -137,9 +145,9 @@ def qlsd(
       clients_per_round: C.
       levels: the QSGD levels ``s`` ([C] 5).
       coder: the levels' coder (default ``elias_coder(levels)``; norms are added as side information).
-      settings: minibatch, step size and prior (:class:`LangevinSettings`).
+      settings: minibatch, step size and prior (:class:`LangevinSettings`; default ``LangevinSettings()``).
     """
-    _check(settings, num_clients, clients_per_round)
+    settings = _check(settings, num_clients, clients_per_round)
     a = num_clients / clients_per_round
     step_size = settings.step_size
     coder = elias_coder(levels) if coder is None else coder
@@ -165,7 +173,7 @@ def sgld(
     num_clients: int,
     clients_per_round: int,
     coder: Coder,
-    settings: LangevinSettings = LangevinSettings(),
+    settings: LangevinSettings | None = None,
 ) -> Algorithm:
     """Builds federated SGLD whose clients send one sample of :math:`N(H_c, \\sigma^2 I)`: SGLD-KLMS with
     ``coder=klms_coder(config)`` (against :math:`p = N(0, \\sigma^2 I)`), or the uncompressed sample with
@@ -175,7 +183,7 @@ def sgld(
       loss_fn, num_clients, clients_per_round, settings: as :func:`qlsd`.
       coder: the coder of the Gaussian samples.
     """
-    _check(settings, num_clients, clients_per_round)
+    settings = _check(settings, num_clients, clients_per_round)
     a = num_clients / clients_per_round
     step_size = settings.step_size
     sigma = sgld_klms_sigma(step_size, num_clients, clients_per_round)

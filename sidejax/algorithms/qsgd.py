@@ -125,7 +125,8 @@ def qsgd_elias_bound_bits(levels: int, tensor_sizes, *, paper_compat: bool = Fal
 
 
 def symbol_counts(levels: jax.Array) -> jax.Array:
-    """int32 ``[dim, 2]``: how many of the stacked ``levels[C, dim]`` are negative / positive per coordinate."""
+    """int32 ``[dim, 2]``: how many of the stacked ``levels[C, dim]`` are negative / positive, per
+    coordinate."""
     return jnp.stack([jnp.sum(levels < 0, axis=0), jnp.sum(levels > 0, axis=0)], axis=-1).astype(jnp.int32)
 
 

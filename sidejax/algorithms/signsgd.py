@@ -11,7 +11,8 @@ From the local model change :math:`v = w^{(t,c)} - w^{(t-1)}`:
 
   both send 1 bit per coordinate (``coder=fixed_width_coder((-1.0, 1.0))``): the packed signs, exactly
   ``d`` bits;
-- **SignSGD-KLMS** (``coder=klms_coder(config)``) sends a KLMS sample of the stochastic-sign law ``q`` against the fixed side information
+- **SignSGD-KLMS** (``coder=klms_coder(config)``) sends a KLMS sample of the stochastic-sign law ``q``
+  against the fixed side information
   :math:`p = \\mathrm{Uniform}\\{-1, +1\\}` (:mod:`sidejax.coding.klms`), per-coordinate KL
   :math:`1 - H_b(\\sigma(v_i/M))` bits.
 
@@ -63,7 +64,8 @@ def signsgd(
     coder: Coder | None = None,
 ) -> Algorithm:
     """Builds (stochastic) SignSGD (``coder=None``: 1 bit per sign) or SignSGD-KLMS
-    (``coder=klms_coder(config)``; the side information is the fixed :math:`p = \\mathrm{Uniform}\\{-1, +1\\}`).
+    (``coder=klms_coder(config)``; the side information is the fixed
+    :math:`p = \\mathrm{Uniform}\\{-1, +1\\}`).
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)``.

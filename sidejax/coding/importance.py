@@ -215,8 +215,8 @@ def encode_bounded(
 
     The log-weight accumulator and the Gumbel noise are ``[work_blocks, K]`` instead of ``[max_blocks, K]``
     (with ``max_blocks = dim`` and K = 256 that is 61,706 x 256 floats for ~600 live blocks). The caller must
-    guarantee ``blocks.num_blocks <= work_blocks`` (:func:`sidejax.coding.klms.klms_encode` picks the bound from
-    static buckets); blocks past the bound would be dropped. For the same keys the result equals the
+    guarantee ``blocks.num_blocks <= work_blocks`` (:func:`sidejax.coding.klms.klms_encode` picks the bound
+    from static buckets); blocks past the bound would be dropped. For the same keys the result equals the
     unbounded encoder's: the Gumbel draw for block m and candidate k is element ``(m, k)`` of one
     ``jax.random.gumbel(private_key, (rows, K))`` draw, which with JAX's default partitionable Threefry
     (``jax_threefry_partitionable``, the default since jax 0.5) depends only on ``m * K + k``, not on

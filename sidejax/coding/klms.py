@@ -500,7 +500,6 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     offset = jnp.int32(0)
     ok_partition = jnp.asarray(True)
     if config.adaptive:
-
         blocks, ok_partition = jax.lax.cond(
             state.update,
             lambda: _blocks_from_lengths(words, 0, dim, mb, L),

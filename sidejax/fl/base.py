@@ -18,7 +18,7 @@ stacked over rounds, and never fed back. Every bit count in :class:`RoundInfo` i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp

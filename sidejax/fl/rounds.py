@@ -199,7 +199,9 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         cinfo = cinfo._replace(valid=jnp.broadcast_to(jnp.asarray(cinfo.valid, bool), ids.shape))
 
         weights = counts.astype(jnp.float32)
-        server, sinfo, errors = algorithm.server_update(rkey, state.server, ids, keys.shared, messages, weights)
+        server, sinfo, errors = algorithm.server_update(
+            rkey, state.server, ids, keys.shared, messages, weights
+        )
         info = RoundInfo(
             round_index=state.round_index,
             client_ids=ids,

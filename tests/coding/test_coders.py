@@ -80,7 +80,9 @@ def _gauss(seed):
 
 def _point(seed):
     rng = np.random.default_rng(seed)
-    return PointMass(jnp.asarray(rng.standard_normal(DIM), jnp.float32)), PointMass(jnp.zeros(DIM, jnp.float32))
+    return PointMass(jnp.asarray(rng.standard_normal(DIM), jnp.float32)), PointMass(
+        jnp.zeros(DIM, jnp.float32)
+    )
 
 
 def _with_side(make):
@@ -107,14 +109,22 @@ def _klms_oracle(config):
             blocks = jax.lax.cond(
                 state.update,
                 lambda: kl_blocks(
-                    q.kl_bits(p), config.target_bits, max_block_size=config.max_block_size,
+                    q.kl_bits(p),
+                    config.target_bits,
+                    max_block_size=config.max_block_size,
                     max_blocks=blocks.max_blocks,
                 ),
                 lambda: blocks,
             )
         indices, _ = encode_bounded(
-            keys.shared, keys.private, q, p, blocks, log2_num_candidates=config.log2_num_candidates,
-            work_blocks=blocks.max_blocks, memory_budget_bytes=config.memory_budget_bytes,
+            keys.shared,
+            keys.private,
+            q,
+            p,
+            blocks,
+            log2_num_candidates=config.log2_num_candidates,
+            work_blocks=blocks.max_blocks,
+            memory_budget_bytes=config.memory_budget_bytes,
         )
         return importance_decode(keys.shared, p, blocks, indices)
 
@@ -142,7 +152,12 @@ CASES = [
     ("klms-adaptive-bernoulli", klms_coder(_ADAPTIVE), _bernoulli, _klms_oracle(_ADAPTIVE)),
     ("klms-fixed-gaussian", klms_coder(_FIXED), _gauss, _klms_oracle(_FIXED)),
     ("klms-crc-signs", klms_coder(_CRC), _signs, _klms_oracle(_CRC)),
-    ("elias+side", with_side_info(elias_coder(3), NUM_SIDE), _with_side(_levels), _side_oracle(_sample_oracle)),
+    (
+        "elias+side",
+        with_side_info(elias_coder(3), NUM_SIDE),
+        _with_side(_levels),
+        _side_oracle(_sample_oracle),
+    ),
     (
         "klms+side-ternary",
         with_side_info(klms_coder(_ADAPTIVE), NUM_SIDE),
