@@ -129,6 +129,12 @@ def _batched_stats(
     return sum_stats(jax.lax.map(one, (xb, yb, mb)))
 
 
+def _check_stacked(params_stacked, x, y, mask, *, data_axes: int, axis: str) -> int:
+    """Checks the data (``data_axes`` leading axes on ``y``) and returns the params' leading-axis length."""
+    _check_data(x, y, mask, data_axes)
+    return _leading_axis(params_stacked, "params_stacked", axis)
+
+
 def build_evaluator(apply_fn: Callable, *, batch_size: int = 1000, num_bins: int = DEFAULT_NUM_BINS):
     """Builds ``evaluate(params, x, y, mask=None) -> EvalResult`` for one model.
 
@@ -187,15 +193,13 @@ def build_ensemble_evaluator(
     Returns:
       ``evaluate(params_stacked, x [n, ...], y [n], mask [n] | None)``. Not jitted.
     """
-    batch_size = _check_int(batch_size, "batch_size")
-    num_bins = _check_int(num_bins, "num_bins")
-    samples_per_step = _check_int(samples_per_step, "samples_per_step")
+    batch_size, num_bins, samples_per_step = (
+        _check_int(v, k)
+        for k, v in dict(batch_size=batch_size, num_bins=num_bins, samples_per_step=samples_per_step).items()
+    )
 
-    def evaluate(
-        params_stacked: Params, x: jax.Array, y: jax.Array, mask: jax.Array | None = None
-    ) -> EvalResult:
-        _check_data(x, y, mask, 1)
-        num_samples = _leading_axis(params_stacked, "params_stacked", "sample")
+    def evaluate(params_stacked: Params, x, y, mask=None) -> EvalResult:
+        num_samples = _check_stacked(params_stacked, x, y, mask, data_axes=1, axis="sample")
         if num_samples < 1:
             raise ValueError("params_stacked must hold at least one sample (its leading axis is empty)")
 
@@ -236,15 +240,13 @@ def build_personal_evaluator(
       ``evaluate(params_stacked, x [clients, n, ...], y [clients, n], mask [clients, n] | None)``: an
       :class:`EvalResult` whose fields are ``[clients]``. Not jitted.
     """
-    batch_size = _check_int(batch_size, "batch_size")
-    num_bins = _check_int(num_bins, "num_bins")
-    clients_per_step = _check_int(clients_per_step, "clients_per_step")
+    batch_size, num_bins, clients_per_step = (
+        _check_int(v, k)
+        for k, v in dict(batch_size=batch_size, num_bins=num_bins, clients_per_step=clients_per_step).items()
+    )
 
-    def evaluate(
-        params_stacked: Params, x: jax.Array, y: jax.Array, mask: jax.Array | None = None
-    ) -> EvalResult:
-        _check_data(x, y, mask, 2)
-        num_clients = _leading_axis(params_stacked, "params_stacked", "client")
+    def evaluate(params_stacked: Params, x, y, mask=None) -> EvalResult:
+        num_clients = _check_stacked(params_stacked, x, y, mask, data_axes=2, axis="client")
         if num_clients != y.shape[0]:
             raise ValueError(
                 f"params_stacked has {num_clients} clients (leading axis) but x and y have {y.shape[0]}"
