@@ -47,6 +47,7 @@ __all__ = [
     "check_positive",
     "check_finite",
     "check_dims",
+    "is_valid",
     "dist_dim",
 ]
 
@@ -74,6 +75,13 @@ def dist_dim(dist) -> int:
     if jnp.ndim(leaf) < 1:
         raise ValueError(f"{type(dist).__name__} needs a leading coordinate axis, got a scalar")
     return int(jnp.shape(leaf)[0])
+
+
+def is_valid(dist) -> jax.Array:
+    """bool scalar: ``dist.is_valid()`` (usable inside jit), or True for a distribution type without the
+    method (e.g. a user's own pytree)."""
+    check = getattr(dist, "is_valid", None)
+    return jnp.asarray(True) if check is None else check()
 
 
 def check_dims(dim: int, built_for: str, fix: str, **dists) -> None:

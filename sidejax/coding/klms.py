@@ -84,7 +84,7 @@ from sidejax.coding.base import (
 )
 from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
-from sidejax.distributions import check_dims
+from sidejax.distributions import check_dims, is_valid
 from sidejax.keys import ClientKeys
 from sidejax.utils import is_concrete
 
@@ -411,17 +411,12 @@ def klms_encode(
         num_fallback_blocks=info.num_fallback_blocks,
         overflow=blocks.overflow,
         statistic=stat,
-        valid=_dist_ok(q) & _dist_ok(p) & jnp.isfinite(info.kl_bits),
+        valid=is_valid(q) & is_valid(p) & jnp.isfinite(info.kl_bits),
     )
     num_bits = offset.astype(jnp.float32)
     if is_concrete(num_bits):  # outside jit: exactly the words that are sent
         words = words[: sent_words(num_bits)]
     return Message(payload=words, num_bits=num_bits), cinfo
-
-
-def _dist_ok(dist) -> jax.Array:
-    check = getattr(dist, "is_valid", None)
-    return jnp.asarray(True) if check is None else check()
 
 
 def _check_dims(dim: int, **dists) -> None:
@@ -531,7 +526,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
         jnp.where(ok_length, 0, ERR_LENGTH)
         | jnp.where(ok_partition, 0, ERR_PARTITION)
         | jnp.where(ok_parse, 0, ERR_PARSE)
-        | jnp.where(_dist_ok(p), 0, ERR_PRIOR)
+        | jnp.where(is_valid(p), 0, ERR_PRIOR)
         | jnp.where(ok_crc, 0, ERR_CRC)
     ).astype(jnp.int32)
     valid = errors == 0

@@ -22,6 +22,7 @@ from sidejax.bits import enumerative_mask_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.lossless import elias_levels_decode, elias_levels_encode, mask_decode, mask_encode
+from sidejax.distributions import is_valid
 from sidejax.utils import is_concrete
 
 __all__ = ["SampleInfo", "fixed_width_coder", "elias_coder", "mask_coder"]
@@ -37,11 +38,6 @@ class SampleInfo(NamedTuple):
 
 
 _NAN = jnp.float32(jnp.nan)
-
-
-def _valid(q) -> jax.Array:
-    check = getattr(q, "is_valid", None)
-    return jnp.asarray(True) if check is None else check()
 
 
 def _trim(words, num_bits):
@@ -66,7 +62,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         x = q.sample(keys.private)
         table = jnp.asarray(symbols, jnp.float32)
         index = jnp.clip(jnp.searchsorted(table, x), 0, len(symbols) - 1)
-        ok = _valid(q) & jnp.all(table[index] == x)
+        ok = is_valid(q) & jnp.all(table[index] == x)
         words = pack_fixed(index.astype(jnp.uint32), width)
         num_bits = jnp.float32(width * x.shape[0])
         return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
@@ -114,7 +110,7 @@ def elias_coder(max_level: int) -> Coder:
     def encode(keys, q, p):
         del p
         levels = q.sample(keys.private)
-        ok = _valid(q) & jnp.all(jnp.abs(levels) <= max_level)
+        ok = is_valid(q) & jnp.all(jnp.abs(levels) <= max_level)
         words, num_bits = elias_levels_encode(levels.astype(jnp.int32), max_level=max_level)
         return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
 
@@ -139,7 +135,7 @@ def mask_coder() -> Coder:
         del p
         mask = q.sample(keys.private)
         words, num_bits = mask_encode(mask)
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(_valid(q), enumerative_mask_bits(mask))
+        return Message(_trim(words, num_bits), num_bits), SampleInfo(is_valid(q), enumerative_mask_bits(mask))
 
     def decode(shared_key, p, message):
         del shared_key
