@@ -231,12 +231,13 @@ class Float32Info(NamedTuple):
 
 
 def float32_coder() -> Coder:
-    """The uncompressed coder: ``q`` is a point mass (:class:`sidejax.distributions.PointMass`) whose value
-    is sent as float32 words, 32 bits per coordinate (FedAvg's messages). ``p`` is not used."""
+    """The uncompressed coder: the sender draws its sample of ``q`` with its private key (a point mass,
+    :class:`sidejax.distributions.PointMass`, for FedAvg's parameters; a Gaussian for uncompressed SGLD)
+    and sends it as float32 words, 32 bits per coordinate. ``p`` is not used."""
 
     def encode(keys, q, p):
-        del keys, p
-        value = q.sample(None)
+        del p
+        value = q.sample(keys.private)
         return encode_float32(value), Float32Info(jnp.all(jnp.isfinite(value)), jnp.float32(jnp.nan))
 
     def decode(shared_key, p, message):
