@@ -203,9 +203,9 @@ class ExperimentConfig:
 
         ``method.name`` starts a new method section from that method's defaults (unless it is the current
         method); the coder stays if the new method accepts it, else it becomes the method's default coder.
-        ``coder.name`` likewise starts a coder section, from its defaults as tuned for the method. Giving ``local_steps`` unsets ``local_epochs`` (and
-        back), and changing a field that others depend on unsets those that no longer apply (a new
-        ``data.partition`` drops the old one's ``c_max``).
+        ``coder.name`` likewise starts a coder section, from its defaults as tuned for the method. Giving
+        ``local_steps`` unsets ``local_epochs`` (and back), and changing a field that others depend on unsets
+        those that no longer apply (a new ``data.partition`` drops the old one's ``c_max``).
 
         Raises:
           ValueError: an unknown section, method, coder or key (the message names it and lists the valid
