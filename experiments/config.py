@@ -1,167 +1,397 @@
-"""Typed experiment configuration and named presets (TOML files in ``experiments/presets/``)."""
+"""Typed experiment configuration: four sections, and named presets (TOML files in ``experiments/presets/``).
+
+An :class:`ExperimentConfig` is ``run`` (:class:`RunConfig`), ``data`` (:class:`DataConfig`), ``method``
+(one of :data:`experiments.methods.METHODS`) and ``coder`` (one of :data:`experiments.coders.CODERS`). A
+preset is the same four TOML tables plus a ``description``::
+
+    description = "FedPM-KLMS on the bundled digits"
+    [run]
+    rounds = 20
+    [data]
+    dataset = "digits"
+    model = "mlp_100"
+    [method]
+    name = "fedpm"
+    client_lr = 0.1
+    [coder]
+    name = "klms"
+    log2_num_candidates = 4
+
+A key a section does not have (a typo, or a field of another method) and a value of the wrong type are
+errors naming the file, the table and the key. Fields a preset leaves out take their class's defaults (for
+``[method]`` the method's tuned values, for ``[coder]`` sidejax's, e.g. :class:`sidejax.coding.KLMSConfig`'s;
+a field that is unset, ``None``, has no TOML value and is left out); a preset without a ``[coder]`` table
+uses the method's default coder. The shipped presets write out every field they set.
+
+Dotted keys (``"method.client_lr"``) address fields in :meth:`ExperimentConfig.override` and
+:func:`default_config`, and as ``--method.client_lr`` on the command line.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from experiments.coders import CODERS, CoderConfig, Float32CoderConfig
+from experiments.methods import METHODS, FedAvgConfig, MethodConfig, algorithm_name, parse_algorithm
+from experiments.sections import Section, choice, coerce_value
+from sidejax.data import DATASETS, PARTITION_KINDS
+from sidejax.models import MODELS
 
 __all__ = [
+    "RunConfig",
+    "DataConfig",
     "ExperimentConfig",
+    "TABLES",
     "PRESET_DIR",
+    "OldConfigError",
+    "default_config",
+    "config_from_dict",
     "list_presets",
     "load_preset",
     "preset_description",
-    "config_from_dict",
+    "preset_toml",
     "field_docs",
 ]
 
 PRESET_DIR = Path(__file__).parent / "presets"
+TABLES = ("run", "data", "method", "coder")
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    """How the rounds run and are evaluated.
+
+    Attributes:
+      seed: the run's seed; every key derives from it (sidejax.keys.run_keys), and the data partition and
+        train_subset draw from it.
+      rounds: communication rounds.
+      eval_every: rounds per jit call; the test set is evaluated and a checkpoint written after each.
+      eval_batch_size: batch size of evaluation.
+      client_strategy: auto (the library's backend default, sidejax.fl.default_client_strategy: map on CPU,
+        vmap on GPU/TPU), or map (sequential) / vmap to force one.
+      stop_at_accuracy: stop once test accuracy (a fraction, e.g. 0.9) reaches this (unset: never).
+    """
+
+    table: ClassVar[str] = "run"
+    seed: int = 0
+    rounds: int = 20
+    eval_every: int = 1
+    eval_batch_size: int = 1000
+    client_strategy: str = choice("auto", ("auto", "map", "vmap"))
+    stop_at_accuracy: float | None = None
+
+    def check(self) -> None:
+        self.require(self.seed >= 0, "seed", "must be >= 0")
+        self.require(self.rounds >= 1, "rounds", "must be >= 1")
+        self.require(self.eval_every >= 1, "eval_every", "must be >= 1")
+        self.require(self.eval_batch_size >= 1, "eval_batch_size", "must be >= 1")
+        stop = self.stop_at_accuracy
+        self.require(stop is None or 0 < stop <= 1, "stop_at_accuracy", "must be in (0, 1]")
+
+
+_LABEL_SKEW = ("shards", "klms_noniid")
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """The dataset, the model and the federation.
+
+    Attributes:
+      dataset: sidejax.data.DATASETS name.
+      model: sidejax.models.MODELS name.
+      num_clients: clients in the federation.
+      participation: fraction of clients sampled per round (without replacement); at least one client.
+      partition: iid, shards, klms_noniid, dirichlet or fixed.
+      c_max: classes per client, for (and needed by) partition shards or klms_noniid.
+      alpha: Dirichlet concentration, for (and needed by) partition dirichlet.
+      examples_per_client: per-client size, for (and needed by) partition fixed.
+      train_subset: use a fixed random subset of this many training examples (reduced-scale runs; unset:
+        all of them).
+    """
+
+    table: ClassVar[str] = "data"
+    conditional: ClassVar = {
+        "c_max": ("partition", _LABEL_SKEW, True),
+        "alpha": ("partition", ("dirichlet",), True),
+        "examples_per_client": ("partition", ("fixed",), True),
+    }
+
+    dataset: str = choice("digits", tuple(DATASETS))
+    model: str = choice("mlp_100", tuple(MODELS))
+    num_clients: int = 10
+    participation: float = 1.0
+    partition: str = choice("iid", tuple(PARTITION_KINDS))
+    c_max: int | None = None
+    alpha: float | None = None
+    examples_per_client: int | None = None
+    train_subset: int | None = None
+
+    def check(self) -> None:
+        self.require(self.num_clients >= 1, "num_clients", "must be >= 1")
+        self.require(0 < self.participation <= 1, "participation", "must be in (0, 1]")
+        for name in ("c_max", "examples_per_client", "train_subset"):
+            value = getattr(self, name)
+            self.require(value is None or value >= 1, name, "must be >= 1")
+        self.require(self.alpha is None or self.alpha > 0, "alpha", "must be > 0")
+
+    @property
+    def clients_per_round(self) -> int:
+        """``round(participation * num_clients)``, at least one."""
+        return max(1, round(self.participation * self.num_clients))
+
+    def partition_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`sidejax.data.partition` for :attr:`partition`."""
+        return {
+            name: getattr(self, name)
+            for name, (_, kinds, _) in self.conditional.items()
+            if self.partition in kinds
+        }
+
+
+class OldConfigError(ValueError):
+    """A flat configuration, as written by sidejax before the sectioned config."""
+
+
+_OLD_KEYS = {"algorithm", "dataset", "model", "rounds", "num_clients", "client_lr", "seed"}
 
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """Everything that defines a run. Field names are the TOML keys and (with ``-``) the CLI flags.
+    """Everything that defines a run: four typed sections.
 
     Attributes:
-      algorithm: registered algorithm name (``python -m experiments.run --help`` lists them).
-      dataset: :data:`sidejax.data.DATASETS` name.
-      model: :data:`sidejax.models.MODELS` name.
-      num_clients: clients in the federation.
-      participation: fraction of clients sampled per round (without replacement); at least one client.
-      rounds: communication rounds.
-      local_epochs: local epochs per round.
-      batch_size: local minibatch size.
-      client_optimizer: ``sgd``, ``momentum`` (SGD with momentum 0.9) or ``adam``.
-      client_lr: local learning rate.
-      server_optimizer: ``none`` (plain averaging), ``sgd``, ``momentum`` or ``adam`` (FedOpt).
-      server_lr: server learning rate (ignored with ``none``).
-      partition: ``iid``, ``shards``, ``klms_noniid``, ``dirichlet`` or ``fixed``.
-      c_max: classes per client for ``shards``/``klms_noniid``.
-      alpha: Dirichlet concentration for ``dirichlet``.
-      examples_per_client: per-client size for ``fixed``.
-      train_subset: if > 0, use a fixed random subset of this many training examples (reduced-scale runs).
-      seed: the run's seed; every key derives from it (:func:`sidejax.keys.run_keys`).
-      eval_every: rounds per jit call; the test set is evaluated and a checkpoint written after each.
-      eval_batch_size: batch size of evaluation.
-      client_strategy: ``auto`` (the library's backend default, :func:`sidejax.fl.default_client_strategy`:
-        ``map`` on CPU, ``vmap`` on GPU/TPU), or ``map`` (sequential) / ``vmap`` to force one.
-      stop_at_accuracy: if > 0, stop once test accuracy (a fraction, e.g. 0.9) reaches it.
-      log2_candidates: KLMS ``log2 K`` (candidates per block), also the target KL per block in bits.
-      klms_overhead_bits: KLMS overhead r: blocks carry ``log2_candidates - r`` bits of KL.
-      klms_adaptive: Adaptive-KLMS (KL-sized blocks, update protocol) if true, Fixed-KLMS if false.
-      block_size: Fixed-KLMS block size, and the initial Adaptive-KLMS partition.
-      max_block_size: Adaptive-KLMS cap on block length (power of two).
-      klms_trigger: ``thresholds`` (paper) or ``rho`` (reference code) re-partition rule.
-      klms_dbar_min: ``thresholds`` trigger: re-partition when the mean block KL (bits) falls below this;
-        0 means the default ``D_target / 3``.
-      klms_dbar_max: re-partition when it rises above this; 0 means the default ``2 * D_target``.
-      fedpm_estimator: FedPM's gradient estimator through the mask sample, ``fedpm`` or ``ste``.
-      qsgd_levels: QSGD quantisation levels s (QSGD baseline; QLSD uses it too).
-      sign_temperature: stochastic SignSGD uses ``P(+1) = sigmoid(temperature * v / max|v|)`` per tensor.
-      sgld_step_size: Langevin step size gamma (QLSD, SGLD-KLMS).
-      prior_weight_decay: Gaussian-prior weight decay of the Langevin potential ([C] 5).
-      paper_compat: QSGD/QLSD charge the reference code's Elias bound (with its precedence bug) instead of
-        the exact Elias stream length.
+      run: seed, rounds, evaluation, client strategy.
+      data: dataset, model, federation and partition.
+      method: the federated method's config (its class is the method: ``method.name``).
+      coder: the coder's config (``coder.name``); the method must accept it.
     """
 
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    model: str = "mlp_100"
-    num_clients: int = 10
-    participation: float = 1.0
-    rounds: int = 20
-    local_epochs: int = 1
-    batch_size: int = 32
-    client_optimizer: str = "sgd"
-    client_lr: float = 0.05
-    server_optimizer: str = "none"
-    server_lr: float = 1.0
-    partition: str = "iid"
-    c_max: int = 2
-    alpha: float = 0.5
-    examples_per_client: int = 0
-    train_subset: int = 0
-    seed: int = 0
-    eval_every: int = 1
-    eval_batch_size: int = 1000
-    client_strategy: str = "auto"
-    stop_at_accuracy: float = 0.0
-    log2_candidates: int = 2
-    klms_overhead_bits: float = 0.0
-    klms_adaptive: bool = True
-    block_size: int = 8
-    max_block_size: int = 256
-    klms_trigger: str = "thresholds"
-    klms_dbar_min: float = 0.0
-    klms_dbar_max: float = 0.0
-    fedpm_estimator: str = "fedpm"
-    qsgd_levels: int = 1
-    sign_temperature: float = 20.0
-    sgld_step_size: float = 1e-5
-    prior_weight_decay: float = 5.0
-    paper_compat: bool = False
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    method: MethodConfig = dataclasses.field(default_factory=FedAvgConfig)
+    coder: CoderConfig = dataclasses.field(default_factory=Float32CoderConfig)
 
     def __post_init__(self):
-        checks = {
-            "num_clients": self.num_clients >= 1,
-            "participation": 0.0 < self.participation <= 1.0,
-            "rounds": self.rounds >= 1,
-            "local_epochs": self.local_epochs >= 1,
-            "batch_size": self.batch_size >= 1,
-            "client_lr": self.client_lr > 0,
-            "server_lr": self.server_lr > 0,
-            "eval_every": self.eval_every >= 1,
-            "eval_batch_size": self.eval_batch_size >= 1,
-            "train_subset": self.train_subset >= 0,
-            "stop_at_accuracy": 0.0 <= self.stop_at_accuracy <= 1.0,
-            "log2_candidates": 0 <= self.log2_candidates <= 24,
-            "block_size": self.block_size >= 1,
-            "klms_dbar_min": self.klms_dbar_min >= 0,
-            "klms_dbar_max": self.klms_dbar_max >= 0,
-            "max_block_size": self.max_block_size >= 2
-            and self.max_block_size & (self.max_block_size - 1) == 0,
-            "qsgd_levels": self.qsgd_levels >= 1,
-            "sign_temperature": self.sign_temperature > 0,
-            "sgld_step_size": self.sgld_step_size > 0,
-            "prior_weight_decay": self.prior_weight_decay >= 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"invalid {name}={getattr(self, name)!r}: see ExperimentConfig's docstring")
-        if self.client_strategy not in ("auto", "map", "vmap"):
-            raise ValueError(f"client_strategy must be 'auto', 'map' or 'vmap', got {self.client_strategy!r}")
+        for table, kind in (("run", RunConfig), ("data", DataConfig), ("method", MethodConfig)):
+            if not isinstance(getattr(self, table), kind):
+                raise TypeError(f"{table} must be a {kind.__name__}, got {getattr(self, table)!r}")
+        if not isinstance(self.coder, CoderConfig):
+            raise TypeError(f"coder must be a CoderConfig, got {self.coder!r}")
+        self.method.check_coder(self.coder)
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm's name in tables and plots: a shortcut (``fedpm_klms``) or ``method+coder``."""
+        return algorithm_name(self.method.name, self.coder.name)
 
     @property
     def clients_per_round(self) -> int:
-        return max(1, round(self.participation * self.num_clients))
+        return self.data.clients_per_round
 
-    def replace(self, **changes: Any) -> ExperimentConfig:
-        return dataclasses.replace(self, **changes)
+    def replace(self, **sections: Section) -> ExperimentConfig:
+        """This config with whole sections replaced (``config.replace(run=...)``); see :meth:`override` to
+        change single fields."""
+        return dataclasses.replace(self, **sections)
+
+    def override(self, values: Mapping[str, Any], *, source: str = "overrides") -> ExperimentConfig:
+        """This config with fields changed by dotted keys (``{"run.rounds": 5, "method.client_lr": 0.1}``).
+
+        ``method.name`` starts a new method section from that method's defaults (unless it is the current
+        method); the coder stays if the new method accepts it, else it becomes the method's default coder.
+        ``coder.name`` likewise starts a coder section, from its defaults as tuned for the method. Giving
+        ``local_steps`` unsets ``local_epochs`` (and back), and changing a field that others depend on unsets
+        those that no longer apply (a new ``data.partition`` drops the old one's ``c_max``).
+
+        Raises:
+          ValueError: an unknown section, method, coder or key (the message names it and lists the valid
+            ones), a wrong type or an invalid value.
+        """
+        given = _split_dotted(values, source)
+        method_name, coder_name = self.names_after(values, source=source)
+        given["method"].pop("name", None)
+        given["coder"].pop("name", None)
+        current = {table: dict(getattr(self, table).to_dict()) for table in TABLES}
+        current["method"].pop("name")
+        current["coder"].pop("name")
+        method_base = current["method"] if method_name == self.method.name else None
+        coder_base = current["coder"] if coder_name == self.coder.name else None
+        return _build(
+            given,
+            source,
+            method_name=method_name,
+            coder_name=coder_name,
+            bases={
+                "run": current["run"],
+                "data": current["data"],
+                "method": method_base,
+                "coder": coder_base,
+            },
+        )
+
+    def names_after(self, values: Mapping[str, Any], *, source: str = "overrides") -> tuple[str, str]:
+        """The (method, coder) names of :meth:`override` ``(values)``: ``method.name`` if given, else this
+        config's; ``coder.name`` if given, else this config's coder if the method takes it, else the method's
+        default coder."""
+        method_name = values.get("method.name", self.method.name)
+        method_cls = _lookup(METHODS, "method", method_name, source)
+        coder_name = values.get("coder.name")
+        if coder_name is None:
+            coder_name = self.coder.name if self.coder.name in method_cls.coders else method_cls.default_coder
+        return method_name, coder_name
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """``{"run": {...}, "data": {...}, "method": {"name": ..., ...}, "coder": {"name": ..., ...}}``
+        (unset fields as ``None``)."""
+        return {table: getattr(self, table).to_dict() for table in TABLES}
+
+    def flat(self) -> dict[str, Any]:
+        """Every field under its dotted key (``"method.client_lr"``), names included."""
+        return {f"{table}.{k}": v for table in TABLES for k, v in getattr(self, table).to_dict().items()}
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+def _lookup(registry: Mapping[str, type], table: str, name: Any, source: str) -> type:
+    if name not in registry:
+        raise ValueError(f"{source}: [{table}] unknown name {name!r}; valid names: {', '.join(registry)}")
+    return registry[name]
 
 
-def config_from_dict(values: dict[str, Any], *, source: str = "config") -> ExperimentConfig:
-    """Builds a config, checking every key and its type (ints are accepted where floats are expected)."""
+def _split_dotted(values: Mapping[str, Any], source: str) -> dict[str, dict[str, Any]]:
+    given: dict[str, dict[str, Any]] = {table: {} for table in TABLES}
     for key, value in values.items():
-        if key not in _FIELDS:
-            raise ValueError(f"{source}: unknown key {key!r}; valid keys: {sorted(_FIELDS)}")
-        expected = type(_FIELDS[key].default)
-        ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            raise ValueError(f"{source}: key {key!r} must be {expected.__name__}, got {value!r}")
-    values = {k: (float(v) if type(_FIELDS[k].default) is float else v) for k, v in values.items()}
-    return ExperimentConfig(**values)
+        table, dot, name = key.partition(".")
+        if table not in given or not dot or not name:
+            raise ValueError(
+                f"{source}: {key!r} is not a dotted key <table>.<field>; tables: {', '.join(TABLES)}"
+            )
+        given[table][name] = value
+    return given
+
+
+def _owners(registry: Mapping[str, type[Section]], key: str) -> list[str]:
+    return [name for name, cls in registry.items() if key in cls.field_names()]
+
+
+def _section(
+    cls: type[Section], base: Mapping[str, Any], given: Mapping[str, Any], source: str, registry=None
+) -> Section:
+    """``cls`` from ``given`` (checked key by key, then merged onto ``base``), errors naming ``source``, the
+    table and the key. ``registry``: the classes of a named table (methods, coders)."""
+    head = f"{source}: [{cls.table}]"
+    valid = ", ".join(("name", *cls.field_names()) if registry else cls.field_names())
+    checked = {}
+    for key, value in given.items():
+        if key not in cls.field_names():
+            others = _owners(registry, key) if registry else []
+            if others:
+                raise ValueError(
+                    f"{head} key {key!r} is not a field of {cls.table} {cls.name!r} ({cls.table}s with it: "
+                    f"{', '.join(others)}); valid keys: {valid}"
+                )
+            of = f" for {cls.table} {cls.name!r}" if registry else ""
+            raise ValueError(f"{head} unknown key {key!r}{of}; valid keys: {valid}")
+        try:
+            checked[key] = coerce_value(cls, key, value)
+        except TypeError as e:
+            raise ValueError(f"{head} key {key!r} {e}") from None
+    try:
+        return cls(**cls.merge(base, checked))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _fresh_coder(method_cls: type[MethodConfig], coder_cls: type[CoderConfig]) -> dict[str, Any]:
+    return {**coder_cls.defaults(), **method_cls.coder_defaults.get(coder_cls.name, {})}
+
+
+def _build(
+    given: Mapping[str, Mapping[str, Any]],
+    source: str,
+    *,
+    method_name: str,
+    coder_name: str,
+    bases: Mapping[str, Mapping[str, Any] | None],
+) -> ExperimentConfig:
+    """The config of ``given`` tables (names removed) applied on ``bases`` (``None``: a fresh section)."""
+    method_cls = _lookup(METHODS, "method", method_name, source)
+    coder_cls = _lookup(CODERS, "coder", coder_name, source)
+    run = _section(RunConfig, bases["run"] or RunConfig.defaults(), given["run"], source)
+    data = _section(DataConfig, bases["data"] or DataConfig.defaults(), given["data"], source)
+    method_base = bases["method"] if bases["method"] is not None else method_cls.defaults()
+    method = _section(method_cls, method_base, given["method"], source, METHODS)
+    coder_base = bases["coder"] if bases["coder"] is not None else _fresh_coder(method_cls, coder_cls)
+    coder = _section(coder_cls, coder_base, given["coder"], source, CODERS)
+    try:
+        return ExperimentConfig(run=run, data=data, method=method, coder=coder)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> ExperimentConfig:
+    """The config of nested tables (a preset's TOML, ``config.json``), every key and type checked.
+
+    ``[method]`` needs a ``name``; ``[coder]`` without one (or missing) is the method's default coder. A
+    field left out takes its section's default: the method's (tuned) defaults, and the coder's own
+    defaults, not the coder fields as tuned for the method (those may set a field that TOML has no way to
+    unset, such as ``dbar_min``).
+
+    Raises:
+      OldConfigError: a flat configuration written by an older sidejax version.
+      ValueError: a missing or unknown table or key, a wrong type or an invalid value (the message names
+        ``source``, the table and the key and lists the valid keys).
+    """
+    if not any(t in values for t in TABLES) and _OLD_KEYS & set(values):
+        raise OldConfigError(
+            f"{source}: a flat configuration (keys such as {', '.join(sorted(_OLD_KEYS & set(values)))}), "
+            f"written by an older sidejax version; this version reads [run], [data], [method] and [coder] "
+            f"tables"
+        )
+    unknown = sorted(set(values) - set(TABLES))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; valid tables: {', '.join(TABLES)}"
+        )
+    for table in TABLES:
+        if not isinstance(values.get(table, {}), Mapping):
+            raise ValueError(f"{source}: {table!r} must be a table, got {values[table]!r}")
+    given = {table: dict(values.get(table, {})) for table in TABLES}
+    if "name" not in given["method"]:
+        raise ValueError(f"{source}: [method] needs a name; valid names: {', '.join(METHODS)}")
+    method_name = given["method"].pop("name")
+    method_cls = _lookup(METHODS, "method", method_name, source)
+    coder_name = given["coder"].pop("name", method_cls.default_coder)
+    coder_base = _lookup(CODERS, "coder", coder_name, source).defaults()  # not the method's tuning: see above
+    bases = {"run": None, "data": None, "method": None, "coder": coder_base}
+    return _build(given, source, method_name=method_name, coder_name=coder_name, bases=bases)
+
+
+def default_config(algorithm: str | None = None, **overrides: Any) -> ExperimentConfig:
+    """The configuration of ``algorithm`` from defaults: each section's defaults (the method's tuned values,
+    its coder as tuned for it, and its :attr:`~experiments.methods.MethodConfig.run_defaults`), then the
+    dotted ``overrides`` (``default_config("fedpm", **{"method.client_lr": 0.2, "run.rounds": 5})``).
+
+    Args:
+      algorithm: a shortcut (``fedpm_klms``) or ``method+coder``; may be left out if ``overrides`` has
+        ``method.name`` (and optionally ``coder.name``).
+    """
+    method_name, coder_name = parse_algorithm(algorithm) if algorithm is not None else (None, None)
+    method_name = overrides.pop("method.name", method_name)
+    coder_name = overrides.pop("coder.name", coder_name)
+    if method_name is None:
+        raise ValueError(f"give an algorithm or method.name; methods: {', '.join(METHODS)}")
+    method_cls = _lookup(METHODS, "method", method_name, "default_config")
+    coder_cls = _lookup(CODERS, "coder", coder_name or method_cls.default_coder, "default_config")
+    base = ExperimentConfig(
+        run=RunConfig(**method_cls.run_defaults),
+        data=DataConfig(),
+        method=method_cls(),
+        coder=coder_cls(**_fresh_coder(method_cls, coder_cls)),
+    )
+    return base.override(overrides, source="default_config") if overrides else base
 
 
 def list_presets() -> list[str]:
@@ -178,11 +408,8 @@ def _read_preset(name: str) -> tuple[Path, dict[str, Any]]:
 
 
 def load_preset(name: str) -> ExperimentConfig:
-    """Loads ``experiments/presets/<name>.toml`` into a checked :class:`ExperimentConfig`.
-
-    A preset sets its fields completely: fields it leaves out take :class:`ExperimentConfig`'s defaults (not
-    the per-algorithm CLI defaults), so a preset means the same run whatever those defaults become.
-    """
+    """Loads ``experiments/presets/<name>.toml`` (``description`` and the four tables) into a checked
+    :class:`ExperimentConfig` (see the module docstring for what a left-out field means)."""
     path, values = _read_preset(name)
     values.pop("description", None)
     return config_from_dict(values, source=str(path))
@@ -196,18 +423,35 @@ def preset_description(name: str) -> str:
     return values["description"]
 
 
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def preset_toml(config: ExperimentConfig, description: str) -> str:
+    """The TOML text of a preset that loads as ``config``: every field that is set, written out (unset
+    fields have no TOML value and are left out)."""
+    lines = [f"description = {_toml_value(description)}"]
+    for table, values in config.to_dict().items():
+        lines += ["", f"[{table}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
 def field_docs() -> dict[str, str]:
-    """One line of help per config field, from the ``Attributes:`` section of :class:`ExperimentConfig`."""
-    doc = ExperimentConfig.__doc__ or ""
+    """One line of help per flag (``run.rounds``, ``method.client_lr``, ...): a field several methods or
+    coders have is documented by the first that has it."""
     docs: dict[str, str] = {}
-    name = None
-    for line in doc.split("Attributes:", 1)[-1].splitlines():
-        m = re.match(r"^      (\w+): (.*)$", line)
-        if m and m.group(1) in _FIELDS:
-            name = m.group(1)
-            docs[name] = m.group(2).strip()
-        elif name and line.startswith("        "):
-            docs[name] += " " + line.strip()
-        elif line.strip():
-            name = None
-    return {k: re.sub(r":\w+:`([^`]*)`", r"\1", v).replace("``", "") for k, v in docs.items()}
+    for table, classes in (
+        ("run", [RunConfig]),
+        ("data", [DataConfig]),
+        ("method", list(METHODS.values())),
+        ("coder", list(CODERS.values())),
+    ):
+        for cls in classes:
+            for name, doc in cls.field_docs().items():
+                docs.setdefault(f"{table}.{name}", doc)
+    return docs

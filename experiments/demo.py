@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, preset in DEMO_PRESETS.items():
         config = load_preset(preset)
         if args.rounds:
-            config = config.replace(rounds=args.rounds)
+            config = config.override({"run.rounds": args.rounds}, source="--rounds")
         print(f"\n=== {label}  (preset {preset})")
         try:
             summary = run_experiment(config, args.output / preset, label=label, overwrite=True)

@@ -2,7 +2,8 @@
 
 Output folder layout::
 
-    config.json                  the ExperimentConfig the run was started with (plus the derived
+    config.json                  the ExperimentConfig the run was started with, its [run], [data],
+                                 [method] and [coder] tables (plus the derived algorithm name,
                                  clients_per_round and num_params); never rewritten by --resume
     metrics.jsonl                one JSON object per round (appended as rounds finish)
     metrics.csv                  the same table as CSV (rewritten after every chunk)
@@ -37,15 +38,10 @@ import numpy as np
 
 from experiments.algorithms import build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
-from experiments.config import ExperimentConfig, config_from_dict
+from experiments.config import TABLES, ExperimentConfig, OldConfigError, config_from_dict
 from sidejax.coding import stream_errors
 from sidejax.data import load_dataset, make_federated_data, partition
-from sidejax.fl import (
-    build_ensemble_evaluator,
-    build_evaluator,
-    classification_loss,
-    run_rounds,
-)
+from sidejax.fl import build_ensemble_evaluator, build_evaluator, classification_loss, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import count_params, get_model, init_params
 
@@ -90,10 +86,27 @@ def tail_accuracy(accuracies: list[float]) -> float | None:
     return float(np.mean(tail)) if tail else None
 
 
-def run_config(saved: dict[str, Any]) -> ExperimentConfig:
-    """The :class:`ExperimentConfig` of a run folder's ``config.json`` (derived fields dropped)."""
-    fields = ExperimentConfig().to_dict()
-    return config_from_dict({k: v for k, v in saved.items() if k in fields})
+#: the derived values ``config.json`` holds besides the config's tables
+DERIVED_KEYS = ("algorithm", "clients_per_round", "num_params")
+
+
+def run_config(saved: dict[str, Any], *, source: str = "config.json") -> ExperimentConfig:
+    """The :class:`ExperimentConfig` of a run folder's ``config.json`` (derived values dropped).
+
+    Raises:
+      OldConfigError: a flat ``config.json``, written by a sidejax version before the sectioned config.
+      ValueError: any other bad content.
+    """
+    if any(t in saved for t in TABLES):
+        saved = {k: v for k, v in saved.items() if k not in DERIVED_KEYS}
+    try:
+        return config_from_dict(saved, source=source)
+    except OldConfigError:
+        raise OldConfigError(
+            f"{source} was written by an older sidejax version (a flat config, before the [run], [data], "
+            f"[method] and [coder] tables): this version cannot resume or re-read the run; start it again "
+            f"(--overwrite), or use the version that wrote it"
+        ) from None
 
 
 class NonFiniteError(FloatingPointError):
@@ -117,16 +130,6 @@ class RunSummary:
     metrics: list[dict[str, Any]]
 
 
-def _partition_kwargs(config: ExperimentConfig) -> dict[str, Any]:
-    if config.partition in ("shards", "klms_noniid"):
-        return {"c_max": config.c_max}
-    if config.partition == "dirichlet":
-        return {"alpha": config.alpha}
-    if config.partition == "fixed":
-        return {"examples_per_client": config.examples_per_client}
-    return {}
-
-
 def _mean_or_none(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return float(np.mean(vals)) if vals else None
@@ -138,17 +141,18 @@ def prepare(config: ExperimentConfig):
     Returns:
       ``(algorithm, model_spec, fed_data, (x_test, y_test))`` with arrays on the default device.
     """
-    train = load_dataset(config.dataset, "train")
-    test = load_dataset(config.dataset, "test")
+    data, seed = config.data, config.run.seed
+    train = load_dataset(data.dataset, "train")
+    test = load_dataset(data.dataset, "test")
     x, y = train.x, train.y
-    if config.train_subset:
-        if config.train_subset > len(y):
-            raise ValueError(f"train_subset={config.train_subset} exceeds the {len(y)} training examples")
-        keep = np.sort(np.random.default_rng(config.seed).permutation(len(y))[: config.train_subset])
+    if data.train_subset is not None:
+        if data.train_subset > len(y):
+            raise ValueError(f"data.train_subset={data.train_subset} exceeds the {len(y)} training examples")
+        keep = np.sort(np.random.default_rng(seed).permutation(len(y))[: data.train_subset])
         x, y = x[keep], y[keep]
-    parts = partition(config.partition, y, config.num_clients, seed=config.seed, **_partition_kwargs(config))
+    parts = partition(data.partition, y, data.num_clients, seed=seed, **data.partition_kwargs())
     fed = make_federated_data(x, y, parts)
-    spec = get_model(config.model, num_classes=train.num_classes, input_shape=tuple(x.shape[1:]))
+    spec = get_model(data.model, num_classes=train.num_classes, input_shape=tuple(x.shape[1:]))
     algorithm = build_algorithm(config, classification_loss(spec.module.apply))
     return algorithm, spec, fed, (jnp.asarray(test.x), jnp.asarray(test.y))
 
@@ -184,9 +188,8 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
     ids = np.asarray(infos.client_ids)[r]
     details = []
     for i in np.flatnonzero(bad[r]):
-        reasons = ([] if client_ok[r, i] else ["invalid q or p, or a non-finite KL"]) + stream_errors(
-            errors[r, i]
-        )
+        reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] else []
+        reasons += stream_errors(errors[r, i])
         details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
     round_index = int(np.asarray(infos.round_index)[r])
     raise InvalidStreamError(
@@ -424,15 +427,15 @@ def check_resumable_folder(output_dir: str | Path) -> None:
     raise FileNotFoundError(f"--resume: no run to resume in {out} ({hint})")
 
 
-def _check_resumable(out: Path, config: ExperimentConfig) -> dict[str, Any]:
-    """Checks, before any work, that ``out`` holds a run of ``config`` (``rounds`` aside) with a checkpoint.
-    Returns the saved ``config.json``."""
+def _check_resumable(out: Path, config: ExperimentConfig) -> ExperimentConfig:
+    """Checks, before any work, that ``out`` holds a run of ``config`` (``run.rounds`` aside) with a
+    checkpoint. Returns the saved config."""
     check_resumable_folder(out)
-    saved = json.loads((out / "config.json").read_text())
-    if run_config(saved).replace(rounds=config.rounds) != config:
-        diff = {
-            k: (v, saved.get(k)) for k, v in config.to_dict().items() if k != "rounds" and saved.get(k) != v
-        }
+    saved = run_config(json.loads((out / "config.json").read_text()), source=str(out / "config.json"))
+    if saved.override({"run.rounds": config.run.rounds}) != config:
+        now, then = config.flat(), saved.flat()
+        diff = {k: (v, then.get(k)) for k, v in now.items() if k != "run.rounds" and then.get(k) != v}
+        diff.update({k: (None, v) for k, v in then.items() if k not in now})
         raise ValueError(f"--resume: config differs from the checkpointed run in {out} (now, saved): {diff}")
     return saved
 
@@ -453,15 +456,15 @@ def run_experiment(
     unless ``overwrite`` (which removes that run's files once the new run's data and model are built);
     ``resume`` needs a run with a checkpoint there and checks it before any work, creating nothing.
     ``config.json`` is the configuration the run was started with and is never rewritten by a resume;
-    ``config.rounds`` is the target: resuming with a larger one extends the run, and each resume appends
+    ``config.run.rounds`` is the target: resuming with a larger one extends the run, and each resume appends
     ``{"time", "from_round", "rounds"}`` to ``resume_log.jsonl`` (the target is also kept in the
     checkpoint as ``rounds_target`` and in ``summary.json``).
 
     Args:
       config: the experiment.
       output_dir: results folder (created).
-      resume: continue from ``output_dir/checkpoint`` (the config must match, except ``rounds``, which
-        must not be below the rounds already done).
+      resume: continue from ``output_dir/checkpoint`` (the config must match, except ``run.rounds``,
+        which must not be below the rounds already done).
       overwrite: replace a run already in ``output_dir``.
       progress: show a tqdm progress bar over rounds.
       verbose: print the per-round table.
@@ -495,7 +498,8 @@ def run_experiment(
     t_start = time.perf_counter()
 
     algorithm, spec, fed, (x_test, y_test) = prepare(config)
-    init_key, rounds_key = run_keys(config.seed)
+    rounds = config.run.rounds
+    init_key, rounds_key = run_keys(config.run.seed)
     params = init_params(init_key, spec)
     num_params = count_params(params)
     state = algorithm.init(init_key, params, int(fed.num_examples.shape[0]))
@@ -504,47 +508,55 @@ def run_experiment(
     if resume:
         state, meta = load_checkpoint(ckpt_dir, state)
         rows = _checkpointed_rows(meta, int(state.round_index), ckpt_dir)
-        if config.rounds < len(rows):
+        if rounds < len(rows):
             raise ValueError(
-                f"--resume: rounds={config.rounds} is below the {len(rows)} rounds already done in {out}; "
+                f"--resume: run.rounds={rounds} is below the {len(rows)} rounds already done in {out}; "
                 f"a run cannot be shortened (its metrics up to any round are in metrics.jsonl)"
             )
         t_start -= float(meta.get("wall_time_s", 0.0))
         with (out / "resume_log.jsonl").open("a") as f:
             entry = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "from_round": len(rows)}
-            f.write(json.dumps({**entry, "rounds": config.rounds}) + "\n")
+            f.write(json.dumps({**entry, "rounds": rounds}) + "\n")
     else:
         if overwrite:
             _remove_run(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(
             json.dumps(
-                {**config.to_dict(), "clients_per_round": config.clients_per_round, "num_params": num_params},
+                {
+                    "algorithm": config.algorithm,
+                    **config.to_dict(),
+                    "clients_per_round": config.clients_per_round,
+                    "num_params": num_params,
+                },
                 indent=2,
             )
         )
-        save_checkpoint(ckpt_dir, state, _checkpoint_meta(0, [], 0.0, config.rounds))
+        save_checkpoint(ckpt_dir, state, _checkpoint_meta(0, [], 0.0, rounds))
     # metrics.jsonl is a log for watching a run; the checkpoint holds the authoritative rows, so on resume
     # the file is rewritten from them (rows written after the checkpointed round are dropped, none are lost)
     with (out / "metrics.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
-    evaluate = jax.jit(_evaluator(algorithm.eval_axis)(spec.module.apply, batch_size=config.eval_batch_size))
+    evaluate = jax.jit(
+        _evaluator(algorithm.eval_axis)(spec.module.apply, batch_size=config.run.eval_batch_size)
+    )
     cum_bits = rows[-1]["cumulative_bits"] if rows else 0.0
     cum_up = rows[-1]["cumulative_uplink_bits"] if rows else 0.0
     done = int(state.round_index)
     if verbose:
         print(
-            f"{config.algorithm} on {config.dataset}/{config.model}: {num_params:,} parameters, "
-            f"{config.num_clients} clients ({config.clients_per_round} per round), output {out}"
+            f"{config.algorithm} on {config.data.dataset}/{config.data.model}: {num_params:,} parameters, "
+            f"{config.data.num_clients} clients ({config.clients_per_round} per round), output {out}"
         )
         print(TABLE_HEADER)
     cmap = client_map(config)
-    bar = tqdm(total=config.rounds, initial=done, disable=not progress, unit="round", leave=False)
+    bar = tqdm(total=rounds, initial=done, disable=not progress, unit="round", leave=False)
     stopped_early = False
-    while done < config.rounds and not stopped_early:
-        chunk = min(config.eval_every, config.rounds - done)
+    stop_at = config.run.stop_at_accuracy
+    while done < rounds and not stopped_early:
+        chunk = min(config.run.eval_every, rounds - done)
         new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk, client_map=cmap)
         # Checks of the chunk's flags, before its state is accepted or checkpointed (the last good state
         # stays on disk): NaN/inf, then the coders' input flags and the server's stream errors.
@@ -583,18 +595,16 @@ def run_experiment(
                 f.write(json.dumps(r) + "\n")
         rows.extend(new_rows)
         done += chunk
-        save_checkpoint(
-            ckpt_dir, state, _checkpoint_meta(done, rows, time.perf_counter() - t_start, config.rounds)
-        )
+        save_checkpoint(ckpt_dir, state, _checkpoint_meta(done, rows, time.perf_counter() - t_start, rounds))
         _write_csv(out / "metrics.csv", rows)
         if verbose:
             for r in new_rows:
                 bar.write(_fmt_row(r))
         bar.update(chunk)
-        if config.stop_at_accuracy and acc >= config.stop_at_accuracy:
+        if stop_at is not None and acc >= stop_at:
             stopped_early = True
             if verbose:
-                bar.write(f"reached stop_at_accuracy={config.stop_at_accuracy} at round {done}")
+                bar.write(f"reached run.stop_at_accuracy={stop_at} at round {done}")
     bar.close()
 
     accs = [r["test_accuracy"] for r in rows if r["test_accuracy"] is not None]
@@ -612,13 +622,14 @@ def run_experiment(
     plot_runs(
         {label or config.algorithm: rows},
         out,
-        title=f"{config.dataset} / {config.model}, {config.num_clients} clients ({config.partition})",
+        title=f"{config.data.dataset} / {config.data.model}, {config.data.num_clients} clients "
+        f"({config.data.partition})",
     )
     (out / "summary.json").write_text(
         json.dumps(
             {
                 "rounds_run": done,
-                "rounds_target": config.rounds,
+                "rounds_target": rounds,
                 "final_accuracy": summary.final_accuracy,
                 "best_accuracy": summary.best_accuracy,
                 "tail_accuracy": summary.tail_accuracy,

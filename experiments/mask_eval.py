@@ -38,18 +38,18 @@ __all__ = ["evaluate_final_mask", "main"]
 
 def evaluate_final_mask(run_dir: Path, num_samples: int = 32, seed: int = 12345) -> dict:
     """Final-round accuracy of a FedPM-family run over ``num_samples`` fresh masks, and with the threshold."""
-    saved = json.loads((run_dir / "config.json").read_text())
-    if saved.get("algorithm") not in ("fedpm", "fedpm_klms"):
-        raise ValueError(f"{run_dir}: algorithm {saved.get('algorithm')!r} has no probability mask")
+    path = run_dir / "config.json"
+    config = run_config(json.loads(path.read_text()), source=str(path))
+    if config.method.name != "fedpm":
+        raise ValueError(f"{run_dir}: algorithm {config.algorithm!r} has no probability mask")
     if not checkpoint_exists(run_dir / "checkpoint"):
         raise FileNotFoundError(f"{run_dir}: no checkpoint; run the experiment first")
-    config = run_config(saved)
     algorithm, spec, fed, (x_test, y_test) = prepare(config)
-    init_key, _ = run_keys(config.seed)
+    init_key, _ = run_keys(config.run.seed)
     state = algorithm.init(init_key, init_params(init_key, spec), int(fed.num_examples.shape[0]))
     state, meta = load_checkpoint(run_dir / "checkpoint", state)
     server = state.server
-    evaluate = build_evaluator(spec.module.apply, batch_size=config.eval_batch_size)
+    evaluate = build_evaluator(spec.module.apply, batch_size=config.run.eval_batch_size)
 
     @jax.jit
     def accuracy(mask):

@@ -2,24 +2,29 @@
 
 Examples::
 
-    python -m experiments.run fedavg --dataset digits --model mlp_100 --clients 10 --rounds 20
+    python -m experiments.run fedavg --data.num_clients 10 --run.rounds 20 --method.client_lr 0.1
+    python -m experiments.run fedpm_klms --coder.log2_num_candidates 6 --run.rounds 5
+    python -m experiments.run --method.name sgld --coder.name float32          # a pair without a shortcut
     python -m experiments.run --preset fedavg_fmnist_lenet5_iid --output results/fmnist
-    python -m experiments.run --output results/fmnist --resume                # continue it
-    python -m experiments.run --output results/fmnist --resume --rounds 200   # extend it
+    python -m experiments.run --output results/fmnist --resume                    # continue it
+    python -m experiments.run --output results/fmnist --resume --run.rounds 200   # extend it
     python -m experiments.run --list-presets
 
-Flags given on the command line override the preset's values, which override the algorithm's defaults
-(:data:`experiments.algorithms.ALGORITHM_DEFAULTS`, used only without a preset), which override
-:class:`ExperimentConfig`'s.
+A flag ``--<table>.<field>`` sets a field of the config's ``[run]``, ``[data]``, ``[method]`` or ``[coder]``
+table (:mod:`experiments.config`); ``none`` unsets an optional field. Flags override the preset's values;
+without a preset, the defaults of the method (its tuned values) and of its coder as tuned for it
+(:func:`experiments.config.default_config`). ``ALGORITHM`` is a shortcut for ``--method.name`` and
+``--coder.name`` (``fedpm_klms``: method ``fedpm``, coder ``klms``). A flag for a field the chosen method or
+coder does not have is an error.
 
 Rules for the results folder:
 
 - a new run refuses an ``--output`` that already holds a run; ``--resume`` continues it, ``--overwrite``
   replaces it;
 - ``--resume`` takes the configuration from the folder's ``config.json`` (a preset or flags given must
-  agree with it) and fails before any work if there is no run there; ``--rounds N`` extends the run to N
-  rounds without rewriting ``config.json`` (each resume is logged in ``resume_log.jsonl``), and without
-  ``--rounds`` the last target is kept;
+  agree with it) and fails before any work if there is no run there; ``--run.rounds N`` extends the run to
+  N rounds without rewriting ``config.json`` (each resume is logged in ``resume_log.jsonl``), and without
+  it the last target is kept; a folder written before the sectioned config cannot be resumed;
 - Ctrl-C stops the run, prints the round of the last checkpoint and the command that continues it, and
   exits with status 130.
 
@@ -29,7 +34,6 @@ Exit status: 0 done, 2 bad input or folder, 3 stopped on NaN/inf, 130 interrupte
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import signal
@@ -38,11 +42,13 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from experiments.algorithms import ALGORITHM_DEFAULTS, ALGORITHMS, OPTIMIZERS, default_config
 from experiments.checkpoint import read_checkpoint_meta
+from experiments.coders import CODERS
 from experiments.config import (
+    DataConfig,
     ExperimentConfig,
-    config_from_dict,
+    RunConfig,
+    default_config,
     field_docs,
     list_presets,
     load_preset,
@@ -55,8 +61,12 @@ from experiments.driver import (
     run_config,
     run_experiment,
 )
-from sidejax.data import DATASETS, PARTITION_KINDS
-from sidejax.models import MODELS
+from experiments.methods import METHODS, SHORTCUTS
+from experiments.sections import Section, field_type
+
+
+class FlagError(ValueError):
+    """A flag for a field that the chosen method or coder does not have (argparse's error, exit status 2)."""
 
 
 def _parse_bool(text: str) -> bool:
@@ -68,50 +78,56 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-#: the fields with a fixed set of values (checked when the command line is parsed)
-CHOICES: dict[str, tuple[str, ...]] = {
-    "dataset": tuple(DATASETS),
-    "model": tuple(MODELS),
-    "client_optimizer": OPTIMIZERS,
-    "server_optimizer": ("none", *OPTIMIZERS),
-    "partition": tuple(PARTITION_KINDS),
-    "client_strategy": ("auto", "map", "vmap"),
-    "klms_trigger": ("thresholds", "rho"),
-    "fedpm_estimator": ("fedpm", "ste"),
-}
+def _value_parser(base: type, optional: bool):
+    convert = _parse_bool if base is bool else base
 
-_GROUPS = {  # help sections, by field
-    "data and federation": (
-        "dataset model num_clients participation partition c_max alpha examples_per_client train_subset seed"
-    ),
-    "training": (
-        "rounds local_epochs batch_size client_optimizer client_lr server_optimizer server_lr eval_every "
-        "eval_batch_size client_strategy stop_at_accuracy"
-    ),
-    "KLMS (the *_klms algorithms)": (
-        "log2_candidates klms_overhead_bits klms_adaptive block_size max_block_size klms_trigger "
-        "klms_dbar_min klms_dbar_max"
-    ),
-    "method-specific": (
-        "fedpm_estimator qsgd_levels sign_temperature sgld_step_size prior_weight_decay paper_compat"
-    ),
-}
+    def parse(text: str):
+        if optional and text.lower() == "none":
+            return None
+        try:
+            return convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
+
+    parse.__name__ = base.__name__  # argparse names the type in its errors
+    return parse
 
 
-def _flag(field: str) -> str:
-    return "--" + ("clients" if field == "num_clients" else field).replace("_", "-")
+def _fmt(value: Any) -> str:
+    return "unset" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _default_help(field: str, base: Any) -> str:
-    """``default X`` plus the algorithms whose CLI default differs (see ALGORITHM_DEFAULTS)."""
-    by_value: dict[Any, list[str]] = {}
-    for algo, values in ALGORITHM_DEFAULTS.items():
-        if field in values and values[field] != base:
-            by_value.setdefault(values[field], []).append(algo)
-    text = f"default {base}"
-    if by_value:
-        text += "; " + "; ".join(f"{v} for {', '.join(algos)}" for v, algos in by_value.items())
-    return text
+def _flag_help(table: str, name: str, owners: dict[str, type[Section]], doc: str) -> str:
+    """The flag's doc, then which methods/coders have it and their defaults."""
+    defaults: dict[str, list[str]] = {}
+    for owner, cls in owners.items():
+        defaults.setdefault(_fmt(cls.defaults()[name]), []).append(owner)
+    if len(owners) == 1 or len(defaults) == 1:
+        text = f"default {next(iter(defaults))}"
+    else:
+        text = "default " + "; ".join(f"{v} for {', '.join(names)}" for v, names in defaults.items())
+    if table == "coder":
+        tuned: dict[str, list[str]] = {}
+        for method, cls in METHODS.items():
+            for coder, values in cls.coder_defaults.items():
+                if coder in owners and name in values:
+                    tuned.setdefault(_fmt(values[name]), []).append(method)
+        if tuned:
+            text += "; without a preset, as tuned for the method: " + "; ".join(
+                f"{v} for {', '.join(methods)}" for v, methods in tuned.items()
+            )
+    head = f"{table}s {', '.join(owners)}; " if table in ("method", "coder") else ""
+    return f"{doc.rstrip('.')} ({head}{text})"
+
+
+def _owners_of(table: str) -> dict[str, dict[str, type[Section]]]:
+    """``{field: {owner name: class}}`` for a table (run and data have one class, owner ``""``)."""
+    registry = {"run": {"": RunConfig}, "data": {"": DataConfig}, "method": METHODS, "coder": CODERS}[table]
+    owners: dict[str, dict[str, type[Section]]] = {}
+    for owner, cls in registry.items():
+        for name in cls.field_names():
+            owners.setdefault(name, {})[owner] = cls
+    return owners
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -121,34 +137,48 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+_TABLE_TITLES = {
+    "run": "[run] table: seed, rounds, evaluation",
+    "data": "[data] table: dataset, model, federation",
+    "method": "[method] table: the method and its fields (each flag says which methods have it)",
+    "coder": "[coder] table: the coder of the messages and its fields (each flag says which coders have it)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.run",
         usage="python -m experiments.run [ALGORITHM] [--preset NAME] [--output DIR] [--resume | --overwrite] "
-        "[--FIELD VALUE ...]",
+        "[--TABLE.FIELD VALUE ...]",
         description=textwrap.fill(
             "Run a sidejax federated experiment and write a results folder (config.json, metrics.jsonl/.csv, "
-            "summary.json, plots, checkpoint/). Run it from the repository root. Values come from, in order "
-            "of precedence: the flags given, the --preset, the algorithm's defaults (shown per flag), "
-            "ExperimentConfig's defaults; with --resume, the run's saved config.json replaces the last two. "
-            "Ctrl-C stops a run and prints the command that resumes it.",
+            "summary.json, plots, checkpoint/). Run it from the repository root. A flag --TABLE.FIELD sets a "
+            "field of the configuration's [run], [data], [method] or [coder] table (as in a preset's TOML; "
+            "'none' unsets an optional field). Values come from, in order of precedence: the flags given, "
+            "the --preset, the method's and coder's defaults (shown per flag); with --resume, the run's "
+            "saved config.json replaces the last two. A flag for a field the chosen method or coder does not "
+            "have is an error. Ctrl-C stops a run and prints the command that resumes it.",
             width=100,
         ),
         epilog=(
             "examples:\n"
-            "  python -m experiments.run signsgd --rounds 10                 # digits, MLP, tuned defaults\n"
-            "  python -m experiments.run --preset demo_digits_qsgd_klms      # < 1 min on a CPU\n"
-            "  python -m experiments.run --output results/x --resume --rounds 40   # continue / extend\n"
+            "  python -m experiments.run signsgd --run.rounds 10          # digits, MLP, tuned defaults\n"
+            "  python -m experiments.run fedpm_klms --coder.log2_num_candidates 6 --method.client_lr 0.05\n"
+            "  python -m experiments.run --method.name sgld --coder.name float32   # no shortcut for it\n"
+            "  python -m experiments.run --preset demo_digits_qsgd_klms   # < 1 min on a CPU\n"
+            "  python -m experiments.run --output results/x --resume --run.rounds 40   # continue / extend\n"
             "exit status: 0 done, 2 bad input or results folder, 3 stopped on NaN/inf, 130 interrupted"
         ),
         formatter_class=_HelpFormatter,
     )
+    pairs = ", ".join(f"{name} ({m}+{c})" for name, (m, c) in SHORTCUTS.items())
     p.add_argument(
         "algorithm",
         nargs="?",
-        choices=sorted(ALGORITHMS),
+        choices=sorted(SHORTCUTS),
         metavar="ALGORITHM",
-        help=f"one of: {', '.join(sorted(ALGORITHMS))} (or take it from --preset)",
+        help=f"a method and coder pair: {pairs} (or give --method.name and --coder.name, or take them from "
+        f"--preset)",
     )
     run = p.add_argument_group("run and results folder")
     run.add_argument(
@@ -166,76 +196,116 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue the run in the output folder from its last checkpoint, with its saved config; "
-        "--rounds N extends it to N rounds (config.json is kept; the extension goes to resume_log.jsonl)",
+        "--run.rounds N extends it to N rounds (config.json is kept; the extension goes to "
+        "resume_log.jsonl)",
     )
     run.add_argument("--overwrite", action="store_true", help="replace a run already in the output folder")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--quiet", action="store_true", help="no per-round table")
-    defaults = ExperimentConfig()
     docs = field_docs()
-    groups = {}
-    for title, names in _GROUPS.items():
+    for table, title in _TABLE_TITLES.items():
         group = p.add_argument_group(title)
-        for name in names.split():
-            groups[name] = group
-    for f in dataclasses.fields(ExperimentConfig):
-        if f.name == "algorithm":
-            continue
-        base = getattr(defaults, f.name)
-        kind = type(base)
-        choices = CHOICES.get(f.name)
-        text = docs[f.name].rstrip(".")
-        if choices and not all(c in text for c in choices):
-            text += f". choices: {', '.join(choices)}"
-        groups[f.name].add_argument(
-            _flag(f.name),
-            dest=f.name,
-            type=_parse_bool if kind is bool else str.lower if choices else kind,
-            choices=choices,
-            metavar="{true,false}" if kind is bool else "NAME" if choices else kind.__name__.upper(),
-            default=None,
-            help=f"{text} ({_default_help(f.name, base)})",
-        )
+        if table in ("method", "coder"):
+            registry = METHODS if table == "method" else CODERS
+            group.add_argument(
+                f"--{table}.name",
+                dest=f"{table}.name",
+                choices=list(registry),
+                metavar="NAME",
+                default=argparse.SUPPRESS,
+                help=f"the {table}: {', '.join(registry)}",
+            )
+        for name, owners in _owners_of(table).items():
+            kinds = [field_type(cls, name) for cls in owners.values()]
+            bases, choices = {b for b, _ in kinds}, {cls.choices(name) for cls in owners.values()}
+            assert len(bases) == 1 and len(choices) == 1, f"{table}.{name} differs between its owners"
+            (base,), (choice,), optional = bases, choices, any(o for _, o in kinds)
+            owner_names = {k: v for k, v in owners.items() if k} or owners
+            text = docs[f"{table}.{name}"]
+            if choice and not all(c in text for c in choice):
+                text = f"{text.rstrip('.')}: {', '.join(choice)}"
+            group.add_argument(
+                f"--{table}.{name}",
+                dest=f"{table}.{name}",
+                type=str.lower if choice else _value_parser(base, optional),
+                choices=choice,
+                metavar="{true,false}" if base is bool else "NAME" if choice else base.__name__.upper(),
+                default=argparse.SUPPRESS,
+                help=_flag_help(table, name, owner_names, text)
+                if table in ("method", "coder")
+                else (f"{text.rstrip('.')} (default {_fmt(next(iter(owners.values())).defaults()[name])})"),
+            )
     return p
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--table.field`` flags given, as dotted keys; ``ALGORITHM`` as ``method.name``/``coder.name``."""
+    given = {k: v for k, v in vars(args).items() if "." in k}
+    if args.algorithm:
+        method, coder = SHORTCUTS[args.algorithm]
+        if given.get("method.name", method) != method:
+            raise ValueError(
+                f"ALGORITHM {args.algorithm} is method {method!r}, but --method.name {given['method.name']} "
+                f"was given: give one"
+            )
+        given["method.name"] = method
+        given.setdefault("coder.name", coder)
+    return given
+
+
+def _check_flags(base: ExperimentConfig, given: dict[str, Any]) -> None:
+    """Raises :class:`FlagError` for a ``--method.*`` / ``--coder.*`` flag the chosen method or coder (as
+    ``base.override(given)`` picks them) does not have, naming the flag and the ones that have it."""
+    method, coder = base.names_after(given, source="command line")
+    for table, name, registry in (("method", method, METHODS), ("coder", coder, CODERS)):
+        fields = registry[name].field_names()
+        for key in given:
+            t, _, f = key.partition(".")
+            if t == table and f != "name" and f not in fields:
+                have = [n for n, cls in registry.items() if f in cls.field_names()]
+                raise FlagError(
+                    f"--{key}: {table} {name!r} has no field {f!r} ({table}s with it: {', '.join(have)}); "
+                    f"its fields: {', '.join(fields) or 'none'}"
+                )
 
 
 def resolve(args: argparse.Namespace) -> tuple[ExperimentConfig, Path]:
     """The run's configuration and results folder from parsed arguments (see the module docstring).
 
     Raises:
+      FlagError: a flag for a field the chosen method or coder does not have.
       ValueError: bad or missing values.
       FileNotFoundError: ``--resume`` without a run in the results folder.
     """
-    explicit = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(ExperimentConfig)
-        if f.name != "algorithm" and getattr(args, f.name, None) is not None
-    }
-    if args.algorithm:
-        explicit["algorithm"] = args.algorithm
+    given = _given(args)
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in --output, --overwrite replaces it: give one")
-    if not args.preset and not args.algorithm and not (args.resume and args.output):
-        raise ValueError("give an ALGORITHM or a --preset (see --help, --list-presets)")
-    preset = load_preset(args.preset).to_dict() if args.preset else {}
-    if args.preset:
-        values = {**preset, **explicit}
-        name = args.preset
-    else:
-        values = default_config(**explicit).to_dict() if args.algorithm else dict(explicit)
-        if args.algorithm:
-            name = f"{values['algorithm']}_{values['dataset']}_{values['model']}_s{values['seed']}"
+    if not args.preset and "method.name" not in given and not (args.resume and args.output):
+        raise ValueError("give an ALGORITHM, --method.name or a --preset (see --help, --list-presets)")
+    preset = load_preset(args.preset) if args.preset else None
+    base = preset
+    if base is None and "method.name" in given:
+        base = default_config(**{k: given[k] for k in ("method.name", "coder.name") if k in given})
+    name = args.preset
+    if base is not None:
+        _check_flags(base, given)
+        config = base.override(given, source="command line")
+        if not name:
+            name = f"{config.algorithm}_{config.data.dataset}_{config.data.model}_s{config.run.seed}"
     out = args.output or Path("results") / name
     if args.resume:
-        # continue the saved run: its config.json is the base, the preset and the flags given must agree
-        # with it (the driver checks), and the target rounds is --rounds if given, else the last target
-        # recorded in the checkpoint
+        # continue the saved run: its config.json is the base (or the preset, which must agree with it, as
+        # must the flags given: the driver checks), and the target rounds is --run.rounds if given, else the
+        # last target recorded in the checkpoint
         check_resumable_folder(out)
-        saved = run_config(json.loads((out / "config.json").read_text())).to_dict()
-        values = {**saved, **preset, **explicit}
-        if "rounds" not in explicit:
-            values["rounds"] = read_checkpoint_meta(out / "checkpoint").get("rounds_target", saved["rounds"])
-    return config_from_dict(values, source="command line"), out
+        saved = run_config(json.loads((out / "config.json").read_text()), source=str(out / "config.json"))
+        base = preset or saved
+        if "run.rounds" not in given:
+            target = read_checkpoint_meta(out / "checkpoint").get("rounds_target", saved.run.rounds)
+            given = {**given, "run.rounds": target}
+        _check_flags(base, given)
+        config = base.override(given, source="command line")
+    return config, out
 
 
 def _resume_command(out: Path, rounds: int) -> str:
@@ -246,7 +316,7 @@ def _resume_command(out: Path, rounds: int) -> str:
     except ValueError:
         pass
     return shlex.join(
-        [str(exe), "-m", "experiments.run", "--output", str(out), "--resume", "--rounds", str(rounds)]
+        [str(exe), "-m", "experiments.run", "--output", str(out), "--resume", "--run.rounds", str(rounds)]
     )
 
 
@@ -272,8 +342,9 @@ def _interrupted(out: Path, rounds: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a bad flag (argparse has printed the usage and the error)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     if args.list_presets:
@@ -284,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config, out = resolve(args)
+    except FlagError as e:
+        try:
+            parser.error(str(e))  # the usage and the error, exit status 2
+        except SystemExit as exit_:
+            return int(exit_.code)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -297,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             verbose=not args.quiet,
         )
     except KeyboardInterrupt:
-        return _interrupted(out, config.rounds)
+        return _interrupted(out, config.run.rounds)
     except (NonFiniteError, InvalidStreamError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3

@@ -35,7 +35,7 @@ from typing import Any
 from experiments.algorithms import KLMS_HOSTS
 from experiments.driver import plot_runs, read_jsonl, tail_accuracy
 
-__all__ = ["collect_runs", "results_table", "comparison_plots", "main"]
+__all__ = ["collect_runs", "run_identity", "results_table", "comparison_plots", "main"]
 
 COLUMNS = (
     "run",
@@ -80,24 +80,31 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def run_identity(config: dict[str, Any]) -> tuple[str, str, str]:
+    """``(algorithm, dataset, model)`` of a run folder's ``config.json``: the sectioned one (``algorithm``
+    and the ``data`` table), or a flat one written by an older version (read-only here: tables of old
+    results keep working)."""
+    data = config.get("data", config)
+    return config["algorithm"], data["dataset"], data["model"]
+
+
 def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """One row per run, as strings, in :data:`COLUMNS` order."""
     host_bpp = {}
     for r in runs:
-        c = r["config"]
-        host_bpp[(c["algorithm"], c["dataset"], c["model"])] = r["summary"]["mean_uplink_bpp"]
+        host_bpp[run_identity(r["config"])] = r["summary"]["mean_uplink_bpp"]
     rows = []
     for r in runs:
-        c, s = r["config"], r["summary"]
+        (algorithm, dataset, model), s = run_identity(r["config"]), r["summary"]
         bpp = s["mean_uplink_bpp"]
-        host = KLMS_HOSTS.get(c["algorithm"])
-        hb = host_bpp.get((host, c["dataset"], c["model"])) if host else None
+        host = KLMS_HOSTS.get(algorithm)
+        hb = host_bpp.get((host, dataset, model)) if host else None
         rows.append(
             {
                 "run": r["name"],
-                "algorithm": c["algorithm"],
-                "dataset": c["dataset"],
-                "model": c["model"],
+                "algorithm": algorithm,
+                "dataset": dataset,
+                "model": model,
                 "rounds": str(s["rounds_run"]),
                 "final acc (%)": _fmt(100 * s["final_accuracy"], ".2f"),
                 "best acc (%)": _fmt(100 * s["best_accuracy"], ".2f"),
@@ -105,7 +112,7 @@ def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "uplink bpp": _fmt(bpp, ".4f"),
                 "x vs 32-bit": _fmt(32 / bpp if bpp else None, ".0f"),
                 "x vs host": _fmt(hb / bpp if (hb and bpp) else None, ".1f"),
-                "ideal bpp": _fmt(s.get("mean_ideal_bpp"), ".4f"),
+                "KL bpp (ideal)": _fmt(s.get("mean_ideal_bpp"), ".4f"),
             }
         )
     return rows
@@ -118,7 +125,8 @@ def comparison_plots(directory: Path, runs: list[dict[str, Any]]) -> list[Path]:
     for r in runs:
         rows = read_jsonl(directory / r["name"] / "metrics.jsonl")
         if rows:
-            groups.setdefault((r["config"]["dataset"], r["config"]["model"]), {})[r["name"]] = rows
+            _, dataset, model = run_identity(r["config"])
+            groups.setdefault((dataset, model), {})[r["name"]] = rows
     paths = []
     for (dataset, model), group in groups.items():
         out = directory / "plots" / f"{dataset}_{model}"
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         for preset in args.run:
             config = load_preset(preset)
             if args.rounds:
-                config = config.replace(rounds=args.rounds)
+                config = config.override({"run.rounds": args.rounds}, source="--rounds")
             out = args.directory / preset
             if (out / "summary.json").is_file() and not args.force:
                 print(f"{preset}: finished run found in {out}, skipped (use --force to re-run)")

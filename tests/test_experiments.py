@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.algorithms import ALGORITHM_DEFAULTS, ALGORITHMS, build_algorithm, default_config
+from experiments.algorithms import ALGORITHMS, build_algorithm, client_map, default_config, klms_config
 from experiments.checkpoint import (
     CheckpointError,
     checkpoint_exists,
@@ -19,32 +19,44 @@ from experiments.checkpoint import (
     read_checkpoint_meta,
     save_checkpoint,
 )
+from experiments.coders import CODERS
 from experiments.config import (
+    PRESET_DIR,
+    DataConfig,
     ExperimentConfig,
+    RunConfig,
     config_from_dict,
     field_docs,
     list_presets,
     load_preset,
     preset_description,
+    preset_toml,
 )
 from experiments.driver import PLOT_FILES, NonFiniteError, accuracy_figures, run_experiment
 from experiments.mask_eval import evaluate_final_mask
+from experiments.methods import METHODS
 from experiments.run import build_parser, resolve
 from experiments.run import main as cli_main
 from experiments.table import main as table_main
 from sidejax.data import load_dataset, partition
 from sidejax.models import get_model
 
-SMALL = dict(
-    dataset="digits",
-    model="mlp_32_16",
-    num_clients=4,
-    rounds=4,
-    batch_size=32,
-    client_lr=0.1,
-    train_subset=400,
-    eval_every=2,
-)
+SMALL = {
+    "data.dataset": "digits",
+    "data.model": "mlp_32_16",
+    "data.num_clients": 4,
+    "data.train_subset": 400,
+    "run.rounds": 4,
+    "run.eval_every": 2,
+    "method.batch_size": 32,
+    "method.client_optimizer": "sgd",
+    "method.client_lr": 0.1,
+}
+
+
+def small(algorithm: str = "fedavg", **changes) -> ExperimentConfig:
+    """The small test federation (``changes``: dotted keys)."""
+    return default_config(algorithm, **{**SMALL, **changes})
 
 
 def _rows(path):
@@ -57,24 +69,7 @@ def full_run(tmp_path_factory):
     code = cli_main(
         [
             "fedavg",
-            "--dataset",
-            "digits",
-            "--model",
-            "mlp_32_16",
-            "--clients",
-            "4",
-            "--rounds",
-            "4",
-            "--batch-size",
-            "32",
-            "--client-optimizer",
-            "sgd",
-            "--client-lr",
-            "0.1",
-            "--train-subset",
-            "400",
-            "--eval-every",
-            "2",
+            *(f"--{k}={v}" for k, v in SMALL.items()),
             "--output",
             str(out),
             "--no-progress",
@@ -133,8 +128,8 @@ def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
 
 
 def test_resume_continues_exactly(full_run, tmp_path):
-    config = ExperimentConfig(**SMALL)
-    run_experiment(config.replace(rounds=2), tmp_path, progress=False, verbose=False)
+    config = small()
+    run_experiment(config.override({"run.rounds": 2}), tmp_path, progress=False, verbose=False)
     run_experiment(config, tmp_path, resume=True, progress=False, verbose=False)
     a, b = _rows(full_run), _rows(tmp_path)
     keys = ("round", "test_accuracy", "test_loss", "train_loss", "uplink_bits", "cumulative_bits")
@@ -144,7 +139,7 @@ def test_resume_continues_exactly(full_run, tmp_path):
 def test_resume_refuses_a_different_config(full_run):
     with pytest.raises(ValueError, match="client_lr"):
         run_experiment(
-            ExperimentConfig(**{**SMALL, "client_lr": 0.2}),
+            small(**{"method.client_lr": 0.2}),
             full_run,
             resume=True,
             progress=False,
@@ -153,7 +148,7 @@ def test_resume_refuses_a_different_config(full_run):
 
 
 def test_nan_stops_with_round_and_client_after_last_good_checkpoint(tmp_path):
-    config = ExperimentConfig(**{**SMALL, "client_lr": 1e30, "eval_every": 1})
+    config = small(**{"method.client_lr": 1e30, "run.eval_every": 1})
     with pytest.raises(NonFiniteError, match=r"round \d+, in client\(s\) \[") as err:
         run_experiment(config, tmp_path, progress=False, verbose=False)
     assert "checkpoint" in str(err.value)
@@ -166,13 +161,14 @@ def test_nan_stops_with_round_and_client_after_last_good_checkpoint(tmp_path):
 def test_cli_client_strategy_auto_resolves_by_backend():
     from sidejax.fl import default_client_strategy
 
-    loss = lambda params, batch, key: 0.0  # noqa: E731 (the builders only store it)
-    assert default_config("fedavg").client_strategy == "auto"
+    assert default_config("fedavg").run.client_strategy == "auto"
     for algorithm in ("fedavg", "fedpm_klms"):
-        built = build_algorithm(default_config(algorithm), loss)
-        assert built.round_step.client_strategy == default_client_strategy()
-    forced = build_algorithm(default_config("fedavg", client_strategy="vmap"), loss)
-    assert forced.round_step.client_strategy == "vmap"
+        assert client_map(default_config(algorithm)).strategy == default_client_strategy()
+    forced = default_config("fedpm_klms", **{"run.client_strategy": "vmap"})
+    assert client_map(forced).strategy == "vmap"
+    # KLMS buckets each client's update rounds only when the clients run one after another
+    assert not klms_config(forced).bucket_update_rounds
+    assert klms_config(forced.override({"run.client_strategy": "map"})).bucket_update_rounds
 
 
 def test_presets_load_and_are_typed():
@@ -180,18 +176,19 @@ def test_presets_load_and_are_typed():
     assert {"demo_digits_fedavg", "demo_digits_fedavg_noniid", "fedavg_fmnist_lenet5_iid"} <= set(names)
     for name in names:
         cfg = load_preset(name)
-        get_model(cfg.model)  # the model name is valid
+        get_model(cfg.data.model)  # the model name is valid
         # the client strategy is the library's backend default unless a user forces one (issue 12: presets
         # pinned "vmap", 2.2x slower than "map" on CPU)
-        assert cfg.client_strategy == "auto", name
+        assert cfg.run.client_strategy == "auto", name
     with pytest.raises(ValueError, match="unknown preset"):
         load_preset("nope")
-    with pytest.raises(ValueError, match="'rounds' must be int"):
-        config_from_dict({"rounds": "ten"})
-    with pytest.raises(ValueError, match="unknown key 'round'"):
-        config_from_dict({"round": 3})
-    with pytest.raises(ValueError, match="participation"):
-        ExperimentConfig(participation=1.5)
+    method = {"method": {"name": "fedavg"}}
+    with pytest.raises(ValueError, match=r"\[run\] key 'rounds' must be int, got 'ten'"):
+        config_from_dict({"run": {"rounds": "ten"}, **method})
+    with pytest.raises(ValueError, match=r"\[run\] unknown key 'round'; valid keys: seed, rounds"):
+        config_from_dict({"run": {"round": 3}, **method})
+    with pytest.raises(ValueError, match="participation must be in"):
+        default_config("fedavg", **{"data.participation": 1.5})
 
 
 @pytest.mark.parametrize(
@@ -200,9 +197,7 @@ def test_presets_load_and_are_typed():
         (lambda: load_dataset("mnits"), "fashion_mnist"),
         (lambda: get_model("lenet"), "lenet5"),
         (
-            lambda: run_experiment(
-                ExperimentConfig(**{**SMALL, "algorithm": "fedsgd"}), "/tmp/x", verbose=False, progress=False
-            ),
+            lambda: small("fedsgd"),
             "fedavg",
         ),
         (lambda: partition("shards", np.arange(100) % 10, 5, seed=0, c_max=11), "c_max"),
@@ -216,13 +211,13 @@ def test_bad_names_and_impossible_partitions_say_what_is_valid(call, match):
 
 
 def test_cli_reports_bad_input_without_traceback(capsys, tmp_path):
-    assert cli_main(["fedavg", "--dataset", "nope", "--output", str(tmp_path), "--no-progress"]) == 2
+    assert cli_main(["fedavg", "--data.dataset", "nope", "--output", str(tmp_path), "--no-progress"]) == 2
     assert "fashion_mnist" in capsys.readouterr().err  # the valid names are listed
     assert cli_main([]) == 2
 
 
 def test_mask_eval_reports_sampled_and_threshold_accuracy(tmp_path):
-    config = ExperimentConfig(**{**SMALL, "algorithm": "fedpm", "rounds": 2, "client_optimizer": "adam"})
+    config = small("fedpm", **{"run.rounds": 2, "method.client_optimizer": "adam"})
     run_experiment(config, tmp_path, progress=False, verbose=False)
     result = evaluate_final_mask(tmp_path, num_samples=3)
     assert result["round"] == 2 and result["num_samples"] == 3
@@ -231,9 +226,7 @@ def test_mask_eval_reports_sampled_and_threshold_accuracy(tmp_path):
     assert json.loads((tmp_path / "mask_eval.json").read_text()) == result
     with pytest.raises(ValueError, match="no probability mask"):
         (tmp_path / "fedavg").mkdir()
-        (tmp_path / "fedavg" / "config.json").write_text(
-            json.dumps({**config.to_dict(), "algorithm": "fedavg"})
-        )
+        (tmp_path / "fedavg" / "config.json").write_text(json.dumps(small().to_dict()))
         evaluate_final_mask(tmp_path / "fedavg")
 
 
@@ -274,13 +267,13 @@ def test_interrupt_while_checkpointing_then_resume_loses_nothing(full_run, tmp_p
 
     Before the fix (two files: state.msgpack then state.json), an interrupt between them resumed from the new
     state with the old round index: rounds 3-4 vanished from metrics.jsonl and total bits fell by half."""
-    config = ExperimentConfig(**SMALL)
+    config = small()
     keys = ("round", "test_accuracy", "train_loss", "uplink_bits", "cumulative_bits")
     want = [[r[k] for k in keys] for r in _rows(full_run)]
     want_total = json.loads((full_run / "summary.json").read_text())["total_bits"]
     for k in range(1, 10):
         out = tmp_path / f"cut{k}"
-        if not _interrupted_at_write(monkeypatch, out, config, config.rounds, k):
+        if not _interrupted_at_write(monkeypatch, out, config, config.run.rounds, k):
             break
         summary = run_experiment(config, out, resume=True, progress=False, verbose=False)
         assert [[r[key] for key in keys] for r in _rows(out)] == want, f"interrupted at write {k}"
@@ -352,15 +345,15 @@ def test_resume_from_a_damaged_checkpoint_fails_without_resuming(full_run, tmp_p
     path.write_bytes(bytes(data))
     before = (run / "metrics.jsonl").read_text()
     with pytest.raises(CheckpointError, match="checksum") as err:
-        run_experiment(ExperimentConfig(**SMALL), run, resume=True, progress=False, verbose=False)
+        run_experiment(small(), run, resume=True, progress=False, verbose=False)
     assert str(path) in str(err.value)
     assert (run / "metrics.jsonl").read_text() == before
 
 
-FLAGS = [  # the full_run's configuration as CLI flags
-    *("--dataset digits --model mlp_32_16 --clients 4 --batch-size 32 --client-optimizer sgd").split(),
-    *("--client-lr 0.1").split(),
-    *("--train-subset 400 --eval-every 2 --no-progress --quiet").split(),
+FLAGS = [  # the full_run's configuration as CLI flags (rounds aside)
+    *(f"--{k}={v}" for k, v in SMALL.items() if k != "run.rounds"),
+    "--no-progress",
+    "--quiet",
 ]
 
 
@@ -375,15 +368,18 @@ def test_output_on_an_existing_run_is_refused_unless_resume_or_overwrite(full_ru
     run = tmp_path / "run"
     shutil.copytree(full_run, run)
     before = _snapshot(run)
-    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run)]) == 2
+    assert cli_main(["fedavg", *FLAGS, "--run.rounds", "2", "--output", str(run)]) == 2
     err = capsys.readouterr().err
     assert str(run) in err and "--resume" in err and "--overwrite" in err
     assert _snapshot(run) == before
-    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run), "--resume", "--overwrite"]) == 2
+    assert (
+        cli_main(["fedavg", *FLAGS, "--run.rounds", "2", "--output", str(run), "--resume", "--overwrite"])
+        == 2
+    )
     assert _snapshot(run) == before
-    assert cli_main(["fedavg", *FLAGS, "--rounds", "2", "--output", str(run), "--overwrite"]) == 0
+    assert cli_main(["fedavg", *FLAGS, "--run.rounds", "2", "--output", str(run), "--overwrite"]) == 0
     assert [r["round"] for r in _rows(run)] == [1, 2]
-    assert json.loads((run / "config.json").read_text())["rounds"] == 2
+    assert json.loads((run / "config.json").read_text())["run"]["rounds"] == 2
 
 
 def test_resume_with_more_rounds_keeps_the_saved_config(full_run, tmp_path):
@@ -391,7 +387,7 @@ def test_resume_with_more_rounds_keeps_the_saved_config(full_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(full_run, run)
     saved = (run / "config.json").read_bytes()
-    assert cli_main(["--output", str(run), "--resume", "--rounds", "6", "--no-progress", "--quiet"]) == 0
+    assert cli_main(["--output", str(run), "--resume", "--run.rounds", "6", "--no-progress", "--quiet"]) == 0
     assert (run / "config.json").read_bytes() == saved
     assert [r["round"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
     log = [json.loads(line) for line in (run / "resume_log.jsonl").read_text().splitlines()]
@@ -401,7 +397,7 @@ def test_resume_with_more_rounds_keeps_the_saved_config(full_run, tmp_path):
     # a plain --resume keeps the extended target (nothing to do); fewer rounds than done is refused
     assert cli_main(["--output", str(run), "--resume", "--no-progress", "--quiet"]) == 0
     assert len(_rows(run)) == 6
-    assert cli_main(["--output", str(run), "--resume", "--rounds", "5", "--no-progress", "--quiet"]) == 2
+    assert cli_main(["--output", str(run), "--resume", "--run.rounds", "5", "--no-progress", "--quiet"]) == 2
     assert len(_rows(run)) == 6 and (run / "config.json").read_bytes() == saved
 
 
@@ -417,7 +413,7 @@ def test_resume_of_a_missing_run_fails_before_any_work(tmp_path, monkeypatch, ca
     assert cli_main(["fedavg", *FLAGS, "--output", str(missing), "--resume"]) == 2
     assert "--resume" in capsys.readouterr().err and not missing.exists()
     with pytest.raises(FileNotFoundError, match="no run to resume"):
-        run_experiment(ExperimentConfig(**SMALL), missing, resume=True, progress=False, verbose=False)
+        run_experiment(small(), missing, resume=True, progress=False, verbose=False)
     assert not missing.exists()
     (tmp_path / "empty").mkdir()
     assert cli_main(["fedavg", *FLAGS, "--output", str(tmp_path / "empty"), "--resume"]) == 2
@@ -441,7 +437,7 @@ def test_ctrl_c_prints_the_resume_command_and_exits_130(full_run, tmp_path, monk
     run = tmp_path / "run"
     with monkeypatch.context() as m:
         m.setattr(driver, "run_rounds", interrupted)
-        assert cli_main(["fedavg", *FLAGS, "--rounds", "4", "--output", str(run)]) == 130
+        assert cli_main(["fedavg", *FLAGS, "--run.rounds", "4", "--output", str(run)]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "round 2" in err
     command = shlex.split(next(line for line in err.splitlines() if "--resume" in line).strip())
@@ -459,26 +455,61 @@ def test_model_that_does_not_fit_the_input_is_refused_up_front(tmp_path, capsys)
     assert "mlp_100" in fits and "conv4" in fits and "cepam_cnn" not in fits and "klms_lenet" not in fits
     assert get_model("conv4", input_shape=(8, 8, 1)).input_shape == (8, 8, 1)  # a model that fits passes
     out = tmp_path / "run"
-    assert cli_main(["fedavg", "--model", "lenet5", "--output", str(out), "--no-progress"]) == 2
+    assert cli_main(["fedavg", "--data.model", "lenet5", "--output", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "lenet5" in err and "(8, 8, 1)" in err and "mlp_100" in err
     assert not out.exists()
 
 
+# The command line's tuned defaults as the flat config's ALGORITHM_DEFAULTS held them (commit 6219271), in
+# dotted keys: the method and coder defaults must keep them.
+_KLMS_TUNED = {
+    "coder.log2_num_candidates": 8,
+    "coder.overhead_bits": 3.0,
+    "coder.max_block_size": 1024,
+    "coder.dbar_min": 3.33,
+    "coder.dbar_max": 10.0,
+}
+_DENSE = {"method.client_optimizer": "momentum", "method.client_lr": 0.05}
+_MASK = {"method.client_optimizer": "adam", "method.client_lr": 0.1}
+_LANGEVIN = {
+    "method.batch_size": 64,
+    "method.step_size": 1e-5,
+    "method.weight_decay": 5.0,
+    "run.rounds": 200,
+    "run.eval_every": 20,
+}
+TUNED_DEFAULTS = {
+    "fedavg": _DENSE,
+    "fedpm": _MASK,
+    "fedpm_klms": {**_MASK, **_KLMS_TUNED},
+    "qsgd": {**_DENSE, "method.server_lr": 1.0},
+    "qsgd_klms": {**_DENSE, "method.server_lr": 1.0, **_KLMS_TUNED},
+    "signsgd": {**_DENSE, "method.server_lr": 0.02},
+    "signsgd_klms": {**_DENSE, "method.server_lr": 0.02, **_KLMS_TUNED},
+    "qlsd": {**_LANGEVIN, "method.levels": 5},
+    "sgld_klms": {**_LANGEVIN, "coder.max_block_size": 16, "coder.log2_num_candidates": 2},
+}
+
+
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_algorithm_has_cli_defaults_and_a_digits_preset(algorithm, small_model):
     """The command line without a preset applies the algorithm's tuned defaults; flags override them."""
-    defaults = ALGORITHM_DEFAULTS[algorithm]
     config, out = resolve(build_parser().parse_args([algorithm]))
-    assert config == default_config(algorithm)
-    assert {k: getattr(config, k) for k in defaults} == defaults
+    assert config == default_config(algorithm) and config.algorithm == algorithm
+    assert {k: config.flat()[k] for k in TUNED_DEFAULTS[algorithm]} == TUNED_DEFAULTS[algorithm]
     assert out.name == f"{algorithm}_digits_mlp_100_s0"
     build_algorithm(config, small_model[2])  # the defaults build the algorithm
-    config, _ = resolve(build_parser().parse_args([algorithm, "--client-lr", "0.003", "--rounds", "7"]))
-    assert config.client_lr == 0.003 and config.rounds == 7
+    argv = [algorithm, "--method.batch_size", "7", "--run.rounds", "7"]
+    config, _ = resolve(build_parser().parse_args(argv))
+    assert config.method.batch_size == 7 and config.run.rounds == 7
+    # the shortcut is a method and coder pair: the same config from --method.name and --coder.name
+    method, coder = ALGORITHMS[algorithm]
+    argv = ["--method.name", method, "--coder.name", coder, "--method.batch_size", "7", "--run.rounds", "7"]
+    assert resolve(build_parser().parse_args(argv))[0] == config
     # each method has a small digits preset, which sets its fields itself
     preset = load_preset(f"demo_digits_{algorithm}")
-    assert preset.algorithm == algorithm and preset.dataset == "digits"
+    assert preset.algorithm == algorithm and preset.data.dataset == "digits"
     config, _ = resolve(build_parser().parse_args(["--preset", f"demo_digits_{algorithm}"]))
     assert config == preset
 
@@ -486,7 +517,7 @@ def test_every_algorithm_has_cli_defaults_and_a_digits_preset(algorithm, small_m
 def test_signsgd_learns_with_the_cli_defaults(tmp_path):
     """Before (ExperimentConfig's defaults: plain SGD, server lr 1): 7.78% after 5 rounds on digits."""
     out = tmp_path / "run"
-    assert cli_main(["signsgd", "--rounds", "5", "--output", str(out), "--no-progress", "--quiet"]) == 0
+    assert cli_main(["signsgd", "--run.rounds", "5", "--output", str(out), "--no-progress", "--quiet"]) == 0
     assert json.loads((out / "summary.json").read_text())["final_accuracy"] > 0.6
 
 
@@ -502,14 +533,26 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
     assert cli_main(["--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # undo the line wrapping
     docs = field_docs()
-    assert set(docs) == {f for f in ExperimentConfig().to_dict()}
+    fields = {
+        f"{table}.{name}"
+        for table, classes in (("run", [RunConfig]), ("data", [DataConfig]), ("method", METHODS.values()))
+        for cls in classes
+        for name in cls.field_names()
+    } | {f"coder.{name}" for cls in CODERS.values() for name in cls.field_names()}
+    assert set(docs) == fields
     for field, doc in docs.items():
-        if field != "algorithm":
-            assert " ".join(doc.rstrip(".").split()) in text, field
-    for name in ("fashion_mnist", "lenet5", "dirichlet", "adam", "vmap", "rho", "ste", *ALGORITHMS):
+        assert f"--{field} " in text and " ".join(doc.rstrip(".").split()) in text, field
+    for name in ("fashion_mnist", "lenet5", "dirichlet", "adam", "vmap", "rho", "ste", *ALGORITHMS, *METHODS):
         assert name in text, name
-    assert "--resume" in text and "--overwrite" in text and "0.02 for signsgd, signsgd_klms" in text
-    assert cli_main(["fedavg", "--model", "nope"]) == 2  # not a choice: argparse's error, no traceback
+    assert "--method.name NAME" in text and "--coder.name NAME" in text and "float32, signs, elias" in text
+    assert "--resume" in text and "--overwrite" in text
+    # method and coder flags say who has them and the defaults, per method
+    assert "(methods fedavg, qsgd, signsgd; default unset for fedavg; 1.0 for qsgd; 0.02 for signsgd)" in text
+    assert (
+        "(coders klms; default 2; without a preset, as tuned for the method: 8 for fedpm, qsgd, signsgd"
+        in text
+    )
+    assert cli_main(["fedavg", "--data.model", "nope"]) == 2  # not a choice: argparse's error, no traceback
 
 
 def test_plots_have_titles_integer_rounds_an_uplink_plot_and_legends_off_the_data(full_run):
@@ -569,39 +612,44 @@ def test_table_run_ctrl_c_says_how_to_resume(tmp_path, monkeypatch, capsys):
 def test_a_run_interrupted_before_its_first_checkpoint_says_to_overwrite(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps(ExperimentConfig(**SMALL).to_dict()))  # no checkpoint yet
+    (run / "config.json").write_text(json.dumps(small().to_dict()))  # no checkpoint yet
     assert cli_main(["fedavg", *FLAGS, "--output", str(run), "--resume"]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert cli_main(["fedavg", *FLAGS, "--rounds", "1", "--output", str(run)]) == 2
+    assert cli_main(["fedavg", *FLAGS, "--run.rounds", "1", "--output", str(run)]) == 2
     err = capsys.readouterr().err
     assert "--overwrite" in err and "--resume" not in err
 
 
 def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monkeypatch):
-    """Fault injection on the wire: one participant's message loses its last word in round 0. The real
-    decoder flags the stream invalid; the driver must stop (like NaN) naming the round and the client, and
-    keep nothing from that round. Before the driver checked ``streams_valid`` the run finished silently."""
-    import importlib
+    """Fault injection on the wire: client 0's message loses its last word in round 0 (garbage there, and a
+    length that no longer covers it). The real decoder flags the stream invalid; the driver must stop (like
+    NaN) naming the round and the client, and keep nothing from that round. Before the driver checked the
+    streams the run finished silently."""
+    import jax
 
-    fedpm_module = importlib.import_module("sidejax.algorithms.fedpm")  # the package attribute is the builder
+    import experiments.coders as coders
     from experiments.driver import InvalidStreamError
+    from sidejax.keys import client_keys, round_key, run_keys
 
-    real = fedpm_module.klms_decode_clients
+    config = small("fedpm_klms", **{"run.rounds": 2, "run.eval_every": 1})
+    target = jax.random.key_data(client_keys(round_key(run_keys(config.run.seed)[1], 0), 0).shared)
+    real_klms_coder = coders.klms_coder
 
-    def corrupted(round_key, client_ids, p, state, messages, config):
-        words = jnp.ceil(messages.num_bits / 32).astype(jnp.int32)  # [C]
-        col = jnp.arange(messages.payload.shape[-1])
-        drop_last = (jnp.arange(messages.payload.shape[0]) == 0)[:, None] & (
-            col[None, :] == words[:, None] - 1
-        )
-        # garbage in client 0's last word, and a length that no longer covers it
-        payload = jnp.where(drop_last, jnp.uint32(0xFFFFFFFF), messages.payload)
-        corrupt = messages._replace(payload=payload, num_bits=messages.num_bits.at[0].add(-32.0))
-        return real(round_key, client_ids, p, state, corrupt, config)
+    def corrupting_klms_coder(klms_config):
+        coder = real_klms_coder(klms_config)
 
-    monkeypatch.setattr(fedpm_module, "klms_decode_clients", corrupted)
-    config = ExperimentConfig(**{**SMALL, "algorithm": "fedpm_klms", "rounds": 2, "eval_every": 1})
-    with pytest.raises(InvalidStreamError, match=r"round 0 \(client \d+: .*length") as err:
+        def decode(shared_key, p, state, message):
+            hit = jnp.all(jax.random.key_data(shared_key) == target)  # client 0 in round 0 only
+            last = jnp.ceil(message.num_bits / 32).astype(jnp.int32) - 1
+            garbage = hit & (jnp.arange(message.payload.shape[-1]) == last)
+            payload = jnp.where(garbage, jnp.uint32(0xFFFFFFFF), message.payload)
+            corrupt = message._replace(payload=payload, num_bits=message.num_bits - 32.0 * hit)
+            return coder.decode(shared_key, p, state, corrupt)
+
+        return coder._replace(decode=decode)
+
+    monkeypatch.setattr(coders, "klms_coder", corrupting_klms_coder)
+    with pytest.raises(InvalidStreamError, match=r"round 0 \(client 0: [^;]*length[^;]*\)") as err:
         run_experiment(config, tmp_path, progress=False, verbose=False)
     assert "checkpoint" in str(err.value)
     metrics = tmp_path / "metrics.jsonl"
@@ -609,31 +657,274 @@ def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monke
 
 
 def test_client_side_invalid_klms_flag_stops_the_run_naming_the_client(tmp_path):
-    """Inside jit a client given an invalid ``q``/``p`` (probability 1.5, NaN) cannot raise; it flags
-    ``KLMSClientInfo.valid``. The driver's check must stop at the first flagged round and name the client
+    """Inside jit a client given an invalid ``q``/``p`` (probability 1.5, NaN) cannot raise; its coder flags
+    ``ClientInfo.valid``, and the server's decoder flags a malformed stream in ``RoundInfo.uplink_errors``.
+    The driver's check must stop at the first flagged round and name the client and the reasons
     (round-stacked diagnostics as ``run_rounds`` returns them, built by hand)."""
     from types import SimpleNamespace
 
     from experiments.driver import InvalidStreamError, _check_streams
+    from sidejax.coding import ERR_LENGTH
     from sidejax.fl import ClientInfo
-    from sidejax.klms import KLMSClientInfo
 
     z = np.zeros((2, 3), np.float32)
     valid = np.array([[True, True, True], [True, False, True]])
+    errors = np.zeros((2, 3), np.int32)
     infos = SimpleNamespace(
         round_index=np.array([4, 5]),
         client_ids=np.array([[0, 2, 7], [1, 3, 8]]),
-        clients=ClientInfo(
-            loss=z, finite=np.ones_like(valid), extra=KLMSClientInfo(z, z, z, z.astype(bool), z, valid)
-        ),
+        clients=ClientInfo(loss=z, finite=np.ones_like(valid), valid=valid),
+        uplink_errors=errors,
         server=(),
     )
     with pytest.raises(InvalidStreamError, match=r"round 5 \(client 3: invalid q or p") as err:
         _check_streams(infos, tmp_path / "checkpoint", 5)
     assert "round 5)" in str(err.value)  # the last good state
-    all_valid = KLMSClientInfo(z, z, z, z.astype(bool), z, np.ones_like(valid))
-    _check_streams(
-        SimpleNamespace(**{**vars(infos), "clients": ClientInfo(z, np.ones_like(valid), all_valid)}),
-        tmp_path,
-        5,
+    all_valid = ClientInfo(z, np.ones_like(valid), valid=np.ones_like(valid))
+    _check_streams(SimpleNamespace(**{**vars(infos), "clients": all_valid}), tmp_path, 5)
+    errors = errors.copy()
+    errors[0, 2] = ERR_LENGTH
+    with pytest.raises(InvalidStreamError, match=r"round 4 \(client 7: [^;]*length"):
+        _check_streams(
+            SimpleNamespace(**{**vars(infos), "clients": all_valid, "uplink_errors": errors}), tmp_path, 4
+        )
+
+
+def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
+    """What a run of ``config`` is: the sidejax builder the driver calls and every argument it gets (defaults
+    applied; optimizers as (name, lr), coders as their factory and arguments, the KLMSConfig in full), and
+    the data and run values, in the format of ``tests/data/preset_equivalence.json``."""
+    import dataclasses
+    import inspect
+
+    import experiments.algorithms as algorithms
+    import experiments.coders as coders
+    import experiments.methods as methods
+    import sidejax.algorithms
+
+    calls = []
+
+    def recorder(name):
+        signature = inspect.signature(getattr(sidejax.algorithms, name))
+
+        def record(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            calls.append((name, {k: v for k, v in bound.arguments.items() if k != "loss_fn"}))
+
+        return record
+
+    with monkeypatch.context() as m:
+        for name in ("fedavg", "fedpm", "qsgd", "signsgd", "qlsd", "sgld"):
+            m.setattr(methods, name, recorder(name))
+        m.setattr(methods, "make_optimizer", lambda name, lr: {"optimizer": name, "lr": lr})
+        m.setattr(coders, "klms_coder", lambda cfg: {"coder": "klms", "config": dataclasses.asdict(cfg)})
+        m.setattr(coders, "elias_coder", lambda levels: {"coder": "elias", "max_level": levels})
+        m.setattr(coders, "mask_coder", lambda: {"coder": "mask"})
+        m.setattr(coders, "float32_coder", lambda: {"coder": "float32"})
+        m.setattr(
+            coders, "fixed_width_coder", lambda alphabet: {"coder": "fixed_width", "alphabet": alphabet}
+        )
+        m.setattr(algorithms, "default_client_strategy", lambda: "map")  # the fixture's (CPU) resolution
+        build_algorithm(config, "the loss")
+    ((builder, kwargs),) = calls
+    # the fixture was recorded when the builders took these as separate keywords; the builders now take
+    # them as one LocalTraining / LangevinSettings argument, with the same values
+    local = kwargs.pop("local", None)
+    if local is not None:
+        kwargs.update(
+            client_optimizer=local.optimizer,
+            batch_size=local.batch_size,
+            local_epochs=local.num_epochs,
+            local_steps=local.num_steps,
+        )
+    settings = kwargs.pop("settings", None)
+    if settings is not None:
+        kwargs.update(settings._asdict())
+    data = config.data
+    return json.loads(
+        json.dumps(
+            {
+                "algorithm": config.algorithm,
+                "builder": builder,
+                "builder_kwargs": kwargs,
+                "data": {
+                    "dataset": data.dataset,
+                    "model": data.model,
+                    "num_clients": data.num_clients,
+                    "participation": data.participation,
+                    "clients_per_round": config.clients_per_round,
+                    "partition": data.partition,
+                    "partition_kwargs": data.partition_kwargs(),
+                    "train_subset": data.train_subset,
+                },
+                "run": config.run.to_dict(),
+            }
+        )
     )
+
+
+def test_every_preset_builds_the_run_it_built_before_the_sectioned_config(monkeypatch):
+    """``tests/data/preset_equivalence.json`` was recorded once with the flat-config experiments code of
+    commit 6219271 (its ``build_algorithm`` with the same recording builders, its ``_partition_kwargs``,
+    ``train_subset or None`` and ``stop_at_accuracy or None``), before the presets were converted: every
+    preset still calls the same sidejax builder with the same arguments (coder and KLMSConfig included) on
+    the same data, partition and run settings."""
+    from pathlib import Path
+
+    want = json.loads((Path(__file__).parent / "data" / "preset_equivalence.json").read_text())
+    assert sorted(want) == list_presets()
+    for name in list_presets():
+        assert _effective_run(load_preset(name), monkeypatch) == want[name], name
+    # the check sees a change: one KLMS field
+    changed = load_preset("demo_digits_fedpm_klms").override({"coder.overhead_bits": 1.0})
+    assert _effective_run(changed, monkeypatch) != want["demo_digits_fedpm_klms"]
+
+
+def test_presets_are_written_out_in_full_and_round_trip():
+    """Each shipped preset is exactly the canonical TOML of its config (every field it sets, in order), so
+    no preset leans on a default that might change; and that TOML loads back to the same config."""
+    import tomllib
+
+    for name in list_presets():
+        config = load_preset(name)
+        text = preset_toml(config, preset_description(name))
+        assert (PRESET_DIR / f"{name}.toml").read_text() == text, name
+        values = tomllib.loads(text)
+        values.pop("description")
+        assert config_from_dict(values) == config, name
+
+
+def _write_preset(directory, name, text):
+    (directory / f"{name}.toml").write_text('description = "test"\n' + text)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[run]\nrounds = 3\n", r"\[method\] needs a name; valid names: fedavg, fedpm"),
+        ("[method]\nname = 'fedsgd'\n", r"\[method\] unknown name 'fedsgd'; valid names: fedavg"),
+        ("[runs]\n[method]\nname = 'fedavg'\n", r"unknown key\(s\) 'runs'; valid tables: run, data"),
+        (
+            "[method]\nname = 'fedpm'\nserver_lr = 0.1\n",
+            r"\[method\] key 'server_lr' is not a field of method 'fedpm' \(methods with it: fedavg, qsgd, "
+            r"signsgd\); valid keys: name, local_epochs, local_steps, batch_size, client_optimizer, "
+            r"client_lr, estimator$",
+        ),
+        ("[method]\nname = 'fedpm'\nclient_lrr = 0.1\n", r"\[method\] unknown key 'client_lrr' for method"),
+        ("[method]\nname = 'qsgd'\nlevels = 2.0\n", r"\[method\] key 'levels' must be int, got 2.0"),
+        ("[method]\nname = 'qsgd'\n[coder]\nname = 'mask'\n", r"method 'qsgd' does not take coder 'mask'"),
+        ("[method]\nname = 'qsgd'\nlevels = 2\n[coder]\nname = 'klms'\n", r"needs levels = 1"),
+        (
+            "[method]\nname = 'fedpm'\n[coder]\nname = 'mask'\nblock_size = 4\n",
+            r"\[coder\] key 'block_size' is not a field of coder 'mask' \(coders with it: klms\); "
+            r"valid keys: name$",
+        ),
+        (
+            "[data]\nalpha = 0.5\n[method]\nname = 'fedavg'\n",
+            r"alpha is only used with partition 'dirichlet'",
+        ),
+        (
+            "[data]\npartition = 'fixed'\n[method]\nname = 'fedavg'\n",
+            r"partition 'fixed' needs examples_per_client",
+        ),
+        (
+            "[method]\nname = 'fedavg'\nserver_optimizer = 'adam'\n",
+            r"server_optimizer 'adam' needs server_lr",
+        ),
+        ("[method]\nname = 'fedavg'\nserver_lr = 0.5\n", r"server_lr is only used with server_optimizer"),
+        (
+            "[method]\nname = 'sgld'\n[coder]\nname = 'klms'\ntrigger = 'rho'\ndbar_min = 1.0\n",
+            r"dbar_min is only used with trigger 'thresholds'",
+        ),
+        ("[method]\nname = 'fedavg'\nlocal_epochs = 2\nlocal_steps = 5\n", r"give one of local_epochs and"),
+    ],
+)
+def test_a_bad_preset_names_the_file_table_and_key(tmp_path, monkeypatch, text, match):
+    import experiments.config as config_module
+
+    monkeypatch.setattr(config_module, "PRESET_DIR", tmp_path)
+    _write_preset(tmp_path, "bad", text)
+    with pytest.raises(ValueError, match=match) as err:
+        load_preset("bad")
+    assert str(err.value).startswith(str(tmp_path / "bad.toml"))
+
+
+def test_a_preset_leaves_out_what_it_does_not_set(tmp_path, monkeypatch):
+    """Left-out fields take their class's defaults (the method's tuned ones; sidejax's for the coder, not the
+    method's tuning of it); a missing [coder] is the method's default coder; local_steps replaces epochs."""
+    import experiments.config as config_module
+
+    monkeypatch.setattr(config_module, "PRESET_DIR", tmp_path)
+    _write_preset(tmp_path, "p", "[method]\nname = 'fedpm'\nlocal_steps = 5\n[coder]\nname = 'klms'\n")
+    config = load_preset("p")
+    assert (config.method.local_epochs, config.method.local_steps) == (None, 5)
+    assert (config.method.client_optimizer, config.method.client_lr) == ("adam", 0.1)
+    assert config.coder == CODERS["klms"]() and config.coder.dbar_min is None
+    assert config.run == RunConfig() and config.data == DataConfig()
+    _write_preset(tmp_path, "q", "[method]\nname = 'signsgd'\n")
+    assert load_preset("q").algorithm == "signsgd" and load_preset("q").coder.name == "signs"
+
+
+def test_overrides_follow_the_sections(small_model):
+    config = default_config("fedpm_klms")
+    # a new method keeps a coder it takes, with its fields; else the method's default coder
+    assert config.override({"method.name": "qsgd"}).algorithm == "qsgd_klms"
+    assert config.override({"method.name": "qsgd"}).coder == config.coder
+    assert config.override({"method.name": "fedavg"}).algorithm == "fedavg"
+    # a new coder starts from its defaults as tuned for the method
+    assert default_config("fedpm").override({"coder.name": "klms"}).coder == config.coder
+    # giving local_steps unsets local_epochs (and back); a new partition drops the old one's field
+    steps = config.override({"method.local_steps": 3})
+    assert (steps.method.local_epochs, steps.method.local_steps) == (None, 3)
+    assert steps.override({"method.local_epochs": 2}).method.local_steps is None
+    shards = config.override({"data.partition": "shards", "data.c_max": 3})
+    assert shards.data.partition_kwargs() == {"c_max": 3}
+    assert shards.override({"data.partition": "iid"}).data.c_max is None
+    adam = default_config("fedavg", **{"method.server_optimizer": "adam", "method.server_lr": 0.01})
+    assert adam.override({"method.server_optimizer": "none"}).method.server_lr is None
+    with pytest.raises(ValueError, match=r"'method\.levels' .*|has no key|is not a field of method 'fedpm'"):
+        config.override({"method.levels": 2})
+    with pytest.raises(ValueError, match="not a dotted key"):
+        config.override({"rounds": 2})
+    # a pair without a shortcut is named method+coder, and builds
+    pair = default_config("sgld+float32")
+    assert pair.algorithm == "sgld+float32" and pair.coder.name == "float32"
+    assert default_config(**{"method.name": "sgld", "coder.name": "float32"}) == pair
+    build_algorithm(pair, small_model[2])
+    with pytest.raises(ValueError, match=r"unknown algorithm 'sgld\+elias'.*sgld\+float32"):
+        default_config("sgld+elias")
+
+
+def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
+    """A flag for a field the chosen method or coder does not have is refused (not silently ignored)."""
+    assert cli_main(["fedpm", "--method.server_lr", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
+    assert "(methods with it: fedavg, qsgd, signsgd)" in err
+    assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
+    assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms)" in capsys.readouterr().err
+    # the same flag is fine once the coder is one that has it; "none" unsets an optional field
+    argv = ["--preset", "demo_digits_fedpm", "--coder.name", "klms", "--coder.log2_num_candidates", "4"]
+    assert resolve(build_parser().parse_args(argv))[0].algorithm == "fedpm_klms"
+    argv = ["fedpm_klms", "--coder.dbar_min", "none", "--run.stop_at_accuracy", "0.5"]
+    config = resolve(build_parser().parse_args(argv))[0]
+    assert config.coder.dbar_min is None and config.run.stop_at_accuracy == 0.5
+    assert cli_main(["fedpm", "--method.name", "qsgd"]) == 2  # the positional is method fedpm
+    assert cli_main(["qsgd", "--method.levels", "2.5"]) == 2  # argparse's type error
+
+
+def test_resume_of_a_run_written_by_an_older_version_says_so(full_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    saved = json.loads((run / "config.json").read_text())
+    assert (
+        saved["algorithm"] == "fedavg" and saved["method"]["name"] == "fedavg" and saved["run"]["rounds"] == 4
+    )
+    flat = {"algorithm": "fedavg", "dataset": "digits", "model": "mlp_32_16", "rounds": 4, "client_lr": 0.1}
+    (run / "config.json").write_text(json.dumps(flat))
+    assert cli_main(["--output", str(run), "--resume", "--run.rounds", "6", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "older sidejax version" in err and str(run / "config.json") in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="older sidejax version"):
+        run_experiment(small(), run, resume=True, progress=False, verbose=False)

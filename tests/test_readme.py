@@ -45,3 +45,15 @@ def test_readme_cli_commands_parse():
         assert argv[:3] == [".venv/bin/python", "-m", "experiments.run"], argv
         if "--help" not in argv:
             build_parser().parse_args(argv[3:])  # argparse exits (SystemExit) on a bad flag or choice
+
+
+def test_readme_preset_example_is_the_shipped_preset():
+    """The README's TOML example is ``demo_digits_fedpm_klms`` (its description shortened)."""
+    import tomllib
+
+    from experiments.config import config_from_dict, load_preset
+
+    (block,) = re.findall(r"```toml\n(.*?)```", README, flags=re.S)
+    values = tomllib.loads(block)
+    values.pop("description")
+    assert config_from_dict(values) == load_preset("demo_digits_fedpm_klms")

@@ -15,14 +15,10 @@ from sidejax.data import dataset_available
     reason="Fashion-MNIST files not found (apt-get install dataset-fashion-mnist, or set SIDEJAX_DATA_DIR)",
 )
 def test_fedavg_lenet5_fashion_mnist_reaches_85_percent_within_10_rounds(tmp_path):
-    config = load_preset("fedavg_fmnist_lenet5_iid").replace(stop_at_accuracy=0.85)
-    assert (config.model, config.num_clients, config.partition, config.local_epochs) == (
-        "lenet5",
-        10,
-        "iid",
-        1,
-    )
-    assert config.rounds == 10
+    config = load_preset("fedavg_fmnist_lenet5_iid").override({"run.stop_at_accuracy": 0.85})
+    data, method = config.data, config.method
+    assert (data.model, data.num_clients, data.partition, method.local_epochs) == ("lenet5", 10, "iid", 1)
+    assert config.run.rounds == 10
     summary = run_experiment(config, tmp_path, progress=False, verbose=True)
     accs = [r["test_accuracy"] for r in summary.metrics]
     print("test accuracy per round:", accs)

@@ -60,6 +60,7 @@ def main(argv=None) -> dict:
 
     import jax
     import jax.numpy as jnp
+    from sidejax.klms import klms_decode_clients, klms_encode, klms_server_update
 
     from experiments.algorithms import klms_config, make_optimizer, resolve_client_strategy
     from experiments.config import load_preset
@@ -68,7 +69,6 @@ def main(argv=None) -> dict:
     from sidejax.distributions import Bernoulli
     from sidejax.fl import classification_loss, run_rounds
     from sidejax.keys import client_keys, round_key, run_keys
-    from sidejax.klms import klms_decode_clients, klms_encode, klms_server_update
     from sidejax.models import init_params
 
     config = load_preset(args.preset)
@@ -85,17 +85,18 @@ def main(argv=None) -> dict:
     algos = {
         name: fedpm(
             loss_fn,
-            make_optimizer(config.client_optimizer, config.client_lr),
+            make_optimizer(config.method.client_optimizer, config.method.client_lr),
             klms=cfg,
-            estimator=config.fedpm_estimator,
+            estimator=config.method.estimator,
             clients_per_round=config.clients_per_round,
-            batch_size=config.batch_size,
-            local_epochs=config.local_epochs,
+            batch_size=config.method.batch_size,
+            local_epochs=config.method.local_epochs,
+            local_steps=config.method.local_steps,
             client_strategy=strategy,
         )
         for name, cfg in cfgs.items()
     }
-    init_key, rounds_key = run_keys(config.seed)
+    init_key, rounds_key = run_keys(config.run.seed)
     params = init_params(init_key, spec)
     state = algos["after"].init(init_key, params, int(fed.num_examples.shape[0]))
     t0 = time.perf_counter()

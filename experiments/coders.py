@@ -1,0 +1,159 @@
+"""The ``[coder]`` table: one typed config per coder of :mod:`sidejax.coding` (``name`` picks it).
+
+- ``klms`` (:class:`KLMSCoderConfig`): KLMS channel simulation, :func:`sidejax.coding.klms_coder`;
+- ``float32``: the uncompressed value, 32 bits per coordinate (:func:`sidejax.coding.float32_coder`);
+- ``signs``: one bit per sign (:func:`sidejax.coding.fixed_width_coder` over ``(-1, 1)``);
+- ``elias``: QSGD's Elias code of the levels (:func:`sidejax.coding.elias_coder`, ``s`` from the method);
+- ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`).
+
+Which coders a method accepts is the method's choice (:attr:`experiments.methods.MethodConfig.coders`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from experiments.sections import Section, choice
+from sidejax.coding import (
+    Coder,
+    KLMSConfig,
+    elias_coder,
+    fixed_width_coder,
+    float32_coder,
+    klms_coder,
+    mask_coder,
+)
+from sidejax.coding.klms import TRIGGERS
+
+if TYPE_CHECKING:
+    from experiments.methods import MethodConfig
+
+__all__ = [
+    "CoderConfig",
+    "KLMSCoderConfig",
+    "Float32CoderConfig",
+    "SignsCoderConfig",
+    "EliasCoderConfig",
+    "MaskCoderConfig",
+    "CODERS",
+]
+
+
+@dataclass(frozen=True)
+class CoderConfig(Section):
+    """Base of the coder configs: :attr:`name` is the ``[coder]`` table's ``name``."""
+
+    table: ClassVar[str] = "coder"
+    name: ClassVar[str]
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        """The :class:`sidejax.coding.Coder` for ``method``'s messages; ``client_strategy`` (``map`` or
+        ``vmap``, resolved) is how the engine runs the clients."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class KLMSCoderConfig(CoderConfig):
+    """KLMS (:class:`sidejax.coding.KLMSConfig`'s user-facing fields; the engine-dependent
+    ``bucket_update_rounds`` follows the client strategy).
+
+    Attributes:
+      log2_num_candidates: KLMS log2 K (K candidates per block); in adaptive mode the target KL per block
+        is log2 K - overhead_bits bits.
+      overhead_bits: the overhead r: blocks carry log2_num_candidates - r bits of KL.
+      adaptive: Adaptive-KLMS (KL-sized blocks, the update protocol) if true, Fixed-KLMS if false.
+      block_size: Fixed-KLMS block size, and the initial Adaptive-KLMS partition.
+      max_block_size: Adaptive-KLMS cap on block length (a power of two >= 2).
+      trigger: thresholds (paper) or rho (reference code) re-partition rule.
+      dbar_min: thresholds trigger: re-partition when the mean block KL (bits) falls below this (unset:
+        D_target / 3).
+      dbar_max: re-partition when the mean block KL rises above this (unset: 2 * D_target).
+      rho_threshold: rho trigger: re-partition when the mean rho exceeds this (unset: 3, as the reference
+        code).
+      crc32: append a CRC-32 of (shared key data, stream) to every message (+32 bits), so that flipped
+        bits and a wrong shared key are detected.
+    """
+
+    name: ClassVar[str] = "klms"
+    log2_num_candidates: int = 2
+    overhead_bits: float = 0.0
+    adaptive: bool = True
+    block_size: int = 8
+    max_block_size: int = 256
+    trigger: str = choice("thresholds", TRIGGERS)
+    dbar_min: float | None = None
+    dbar_max: float | None = None
+    rho_threshold: float | None = None
+    crc32: bool = False
+
+    conditional: ClassVar = {
+        "dbar_min": ("trigger", ("thresholds",), False),
+        "dbar_max": ("trigger", ("thresholds",), False),
+        "rho_threshold": ("trigger", ("rho",), False),
+    }
+
+    def check(self) -> None:
+        try:
+            self.klms_config()
+        except ValueError as e:
+            raise ValueError(f"{self.label()}: {e}") from None
+
+    def klms_config(self, **extra) -> KLMSConfig:
+        """The :class:`sidejax.coding.KLMSConfig` of these fields (``extra``: its other fields)."""
+        values = {name: getattr(self, name) for name in self.field_names()}
+        if values["rho_threshold"] is None:
+            del values["rho_threshold"]  # the library's default
+        return KLMSConfig(**values, **extra)
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        # each client's own bucket only pays off when clients run one after another (under vmap every
+        # bucket's branch would run for the batch)
+        return klms_coder(self.klms_config(bucket_update_rounds=client_strategy == "map"))
+
+
+@dataclass(frozen=True)
+class Float32CoderConfig(CoderConfig):
+    """The uncompressed coder: 32 bits per coordinate (no fields)."""
+
+    name: ClassVar[str] = "float32"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return float32_coder()
+
+
+@dataclass(frozen=True)
+class SignsCoderConfig(CoderConfig):
+    """Signs sent as one bit each, ``fixed_width_coder((-1.0, 1.0))`` (no fields)."""
+
+    name: ClassVar[str] = "signs"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return fixed_width_coder((-1.0, 1.0))
+
+
+@dataclass(frozen=True)
+class EliasCoderConfig(CoderConfig):
+    """QSGD's Elias stream of the levels in ``[-s, s]``; ``s`` is the method's ``levels`` (no fields)."""
+
+    name: ClassVar[str] = "elias"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return elias_coder(method.levels)
+
+
+@dataclass(frozen=True)
+class MaskCoderConfig(CoderConfig):
+    """A binary mask sent as Golomb-coded run lengths (no fields)."""
+
+    name: ClassVar[str] = "mask"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return mask_coder()
+
+
+#: the coder configs by ``[coder] name``
+CODERS: dict[str, type[CoderConfig]] = {
+    c.name: c
+    for c in (KLMSCoderConfig, Float32CoderConfig, SignsCoderConfig, EliasCoderConfig, MaskCoderConfig)
+}

@@ -1,0 +1,421 @@
+"""The ``[method]`` table: one typed config per federated method of :mod:`sidejax.algorithms`.
+
+Each config has exactly the fields its method uses (a field another method has is an error, not silently
+ignored), declares the coders it accepts (``[coder] name``, :mod:`experiments.coders`) and its default
+coder, and builds the :class:`sidejax.fl.Algorithm` with :meth:`MethodConfig.build`. The field defaults are
+the tuned values of the reduced-scale Fashion-MNIST presets (``experiments/presets/klms_fmnist_*.toml``):
+with plainer ones some methods barely learn (5 rounds on digits: SignSGD 7.8%, QSGD-KLMS 9.7%).
+
+The nine algorithm names of the tables and plots are shortcuts for (method, coder) pairs
+(:data:`SHORTCUTS`); other pairs are named ``method+coder`` (:func:`algorithm_name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import optax
+
+from experiments.coders import CODERS, CoderConfig
+from experiments.sections import Section, choice
+from sidejax.algorithms import LangevinSettings, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.coding import Coder
+from sidejax.fl import Algorithm, LocalTraining
+
+__all__ = [
+    "OPTIMIZERS",
+    "make_optimizer",
+    "MethodConfig",
+    "LocalTrainingConfig",
+    "FedAvgConfig",
+    "FedPMConfig",
+    "QSGDConfig",
+    "SignSGDConfig",
+    "LangevinConfig",
+    "QLSDConfig",
+    "SGLDConfig",
+    "METHODS",
+    "SHORTCUTS",
+    "algorithm_name",
+    "parse_algorithm",
+]
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    """``sgd``, ``momentum`` (0.9) or ``adam``."""
+    if name == "sgd":
+        return optax.sgd(lr)
+    if name == "momentum":
+        return optax.sgd(lr, momentum=0.9)
+    if name == "adam":
+        return optax.adam(lr)
+    raise ValueError(f"unknown optimizer {name!r}; valid optimizers: {list(OPTIMIZERS)}")
+
+
+# KLMS as tuned for the dense methods on Fashion-MNIST: K = 256 candidates, blocks of 5 bits of KL (r = 3),
+# cap 1024, re-partition outside [3.33, 10] bits
+_KLMS_TUNED = {
+    "log2_num_candidates": 8,
+    "overhead_bits": 3.0,
+    "max_block_size": 1024,
+    "dbar_min": 3.33,
+    "dbar_max": 10.0,
+}
+
+
+@dataclass(frozen=True)
+class MethodConfig(Section):
+    """Base of the method configs.
+
+    Class attributes: :attr:`name` (the ``[method]`` table's ``name``), :attr:`coders` (the ``[coder]``
+    names it accepts), :attr:`default_coder`, :attr:`coder_defaults` (a coder's fields as tuned for this
+    method: a coder section the user starts for this method starts from them) and :attr:`run_defaults`
+    (``[run]`` values of a configuration made from defaults, :func:`experiments.config.default_config`).
+    """
+
+    table: ClassVar[str] = "method"
+    name: ClassVar[str]
+    coders: ClassVar[tuple[str, ...]]
+    default_coder: ClassVar[str]
+    coder_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+    run_defaults: ClassVar[Mapping[str, Any]] = {}
+
+    def check_coder(self, coder: CoderConfig) -> None:
+        """Raises ``ValueError`` if this method cannot send its messages with ``coder``."""
+        if coder.name not in self.coders:
+            raise ValueError(
+                f"{self.label()} does not take coder {coder.name!r}; its coders: {', '.join(self.coders)}"
+            )
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        """The :class:`sidejax.fl.Algorithm` of this method with ``coder`` (built by
+        :meth:`experiments.coders.CoderConfig.build`) for ``num_clients`` clients, ``clients_per_round`` of
+        them per round."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LocalTrainingConfig(MethodConfig):
+    """Base of the methods whose clients train locally for some epochs or steps.
+
+    Attributes:
+      local_epochs: local epochs per round (give this or local_steps: giving one in a preset or on the command
+        line unsets the other).
+      local_steps: local optimizer steps per round, instead of epochs.
+      batch_size: local minibatch size.
+      client_optimizer: sgd, momentum (SGD with momentum 0.9) or adam.
+      client_lr: local learning rate.
+    """
+
+    local_epochs: int | None = 1
+    local_steps: int | None = None
+    batch_size: int = 32
+    client_optimizer: str = choice("momentum", OPTIMIZERS)
+    client_lr: float = 0.05
+
+    def check(self) -> None:
+        if (self.local_epochs is None) == (self.local_steps is None):
+            raise ValueError(
+                f"{self.label()}: give one of local_epochs and local_steps (the other unset); got "
+                f"local_epochs={self.local_epochs!r}, local_steps={self.local_steps!r}"
+            )
+        for name in ("local_epochs", "local_steps"):
+            value = getattr(self, name)
+            self.require(value is None or value >= 1, name, "must be >= 1")
+        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self.require(self.client_lr > 0, "client_lr", "must be > 0")
+
+    @classmethod
+    def merge(cls, base: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+        merged = super().merge(base, given)
+        for name, other in (("local_epochs", "local_steps"), ("local_steps", "local_epochs")):
+            if given.get(name) is not None and other not in given:
+                merged[other] = None
+        return merged
+
+    def _local(self, clients_per_round: int) -> dict[str, Any]:
+        local = LocalTraining(
+            make_optimizer(self.client_optimizer, self.client_lr),
+            batch_size=self.batch_size,
+            num_epochs=self.local_epochs,
+            num_steps=self.local_steps,
+        )
+        return dict(local=local, clients_per_round=clients_per_round)
+
+
+@dataclass(frozen=True)
+class FedAvgConfig(LocalTrainingConfig):
+    """FedAvg / FedOpt (:func:`sidejax.algorithms.fedavg`): the updates sent uncompressed.
+
+    Attributes:
+      server_optimizer: none (plain averaging), sgd, momentum or adam (FedOpt).
+      server_lr: server learning rate (fedavg: only with a server_optimizer, which then needs it).
+    """
+
+    name: ClassVar[str] = "fedavg"
+    coders: ClassVar[tuple[str, ...]] = ("float32",)
+    default_coder: ClassVar[str] = "float32"
+    conditional: ClassVar = {"server_lr": ("server_optimizer", OPTIMIZERS, True)}
+
+    server_optimizer: str = choice("none", ("none", *OPTIMIZERS))
+    server_lr: float | None = None
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.server_lr is None or self.server_lr > 0, "server_lr", "must be > 0")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        server = None
+        if self.server_optimizer != "none":
+            server = make_optimizer(self.server_optimizer, self.server_lr)
+        return fedavg(
+            loss_fn,
+            server_optimizer=server,
+            coder=coder,
+            **self._local(clients_per_round),
+        )
+
+
+@dataclass(frozen=True)
+class FedPMConfig(LocalTrainingConfig):
+    """FedPM (:func:`sidejax.algorithms.fedpm`): clients train the scores of a probability mask over frozen
+    random weights and send one mask sample (``mask``: Golomb-coded; ``klms``: FedPM-KLMS). Adam 0.1 on the
+    mask scores by default.
+
+    Attributes:
+      estimator: FedPM's gradient estimator through the mask sample, fedpm or ste.
+    """
+
+    name: ClassVar[str] = "fedpm"
+    coders: ClassVar[tuple[str, ...]] = ("mask", "klms")
+    default_coder: ClassVar[str] = "mask"
+    coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
+
+    client_optimizer: str = choice("adam", OPTIMIZERS)
+    client_lr: float = 0.1
+    estimator: str = choice("fedpm", ("fedpm", "ste"))
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return fedpm(
+            loss_fn,
+            coder=coder,
+            estimator=self.estimator,
+            **self._local(clients_per_round),
+        )
+
+
+@dataclass(frozen=True)
+class QSGDConfig(LocalTrainingConfig):
+    """QSGD (:func:`sidejax.algorithms.qsgd`): the local change quantised to ``levels`` levels per sign
+    (``elias``: Elias stream; ``klms``: QSGD-KLMS against a symbol prior, which needs levels = 1).
+
+    Attributes:
+      server_lr: server learning rate (the server steps by it along the mean decoded change).
+      levels: QSGD quantisation levels s.
+      prior_smoothing: weight in (0, 1] of the tensor-level symbol frequencies in QSGD-KLMS's prior.
+    """
+
+    name: ClassVar[str] = "qsgd"
+    coders: ClassVar[tuple[str, ...]] = ("elias", "klms")
+    default_coder: ClassVar[str] = "elias"
+    coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
+
+    server_lr: float = 1.0
+    levels: int = 1
+    prior_smoothing: float = 1.0
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.server_lr > 0, "server_lr", "must be > 0")
+        self.require(self.levels >= 1, "levels", "must be >= 1")
+        self.require(0 < self.prior_smoothing <= 1, "prior_smoothing", "must be in (0, 1]")
+
+    def check_coder(self, coder: CoderConfig) -> None:
+        super().check_coder(coder)
+        if coder.name == "klms" and self.levels != 1:
+            raise ValueError(
+                f"{self.label()} with coder 'klms' samples against a symbol prior, which needs levels = 1 "
+                f"(eq. 5); got levels={self.levels}"
+            )
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return qsgd(
+            loss_fn,
+            server_lr=self.server_lr,
+            levels=self.levels,
+            coder=coder,
+            prior_smoothing=self.prior_smoothing,
+            **self._local(clients_per_round),
+        )
+
+
+@dataclass(frozen=True)
+class SignSGDConfig(LocalTrainingConfig):
+    """(Stochastic) SignSGD (:func:`sidejax.algorithms.signsgd`): the signs of the local change (``signs``:
+    one bit each; ``klms``: SignSGD-KLMS against the uniform sign prior).
+
+    Attributes:
+      server_lr: server learning rate (the server steps by it along the mean sign).
+      temperature: stochastic signs use P(+1) = sigmoid(temperature * v / max|v|) per tensor.
+      stochastic: stochastic signs (eq. 6) if true, deterministic sign(v) if false.
+    """
+
+    name: ClassVar[str] = "signsgd"
+    coders: ClassVar[tuple[str, ...]] = ("signs", "klms")
+    default_coder: ClassVar[str] = "signs"
+    coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
+
+    server_lr: float = 0.02
+    temperature: float = 20.0
+    stochastic: bool = True
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.server_lr > 0, "server_lr", "must be > 0")
+        self.require(self.temperature > 0, "temperature", "must be > 0")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return signsgd(
+            loss_fn,
+            server_lr=self.server_lr,
+            stochastic=self.stochastic,
+            temperature=self.temperature,
+            coder=coder,
+            **self._local(clients_per_round),
+        )
+
+
+@dataclass(frozen=True)
+class LangevinConfig(MethodConfig):
+    """Base of the Langevin methods: one minibatch gradient of the potential per client and round (the
+    reference code's MNIST values: batch 64, gamma 1e-5, weight decay 5, 200 rounds evaluated every 20).
+    The potential sums over the client's data, so the effective step grows with the dataset: on the
+    1,437-example digits gamma 1e-5 is slow (60-66% after 200 rounds); demo_digits_{qlsd,sgld_klms} use 1e-4.
+
+    Attributes:
+      batch_size: the minibatch of the one local gradient.
+      step_size: Langevin step size gamma.
+      weight_decay: Gaussian-prior weight decay lambda of the Langevin potential.
+    """
+
+    run_defaults: ClassVar = {"rounds": 200, "eval_every": 20}
+
+    batch_size: int = 64
+    step_size: float = 1e-5
+    weight_decay: float = 5.0
+
+    def check(self) -> None:
+        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self.require(self.step_size > 0, "step_size", "must be > 0")
+        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+
+    def _langevin(self, num_clients: int, clients_per_round: int) -> dict[str, Any]:
+        return dict(
+            num_clients=num_clients,
+            clients_per_round=clients_per_round,
+            settings=LangevinSettings(self.batch_size, self.step_size, self.weight_decay),
+        )
+
+
+@dataclass(frozen=True)
+class QLSDConfig(LangevinConfig):
+    """QLSD (:func:`sidejax.algorithms.qlsd`): QSGD-quantised potential gradients (Elias stream), Langevin
+    noise added by the server.
+
+    Attributes:
+      levels: QSGD quantisation levels s of the gradients.
+    """
+
+    name: ClassVar[str] = "qlsd"
+    coders: ClassVar[tuple[str, ...]] = ("elias",)
+    default_coder: ClassVar[str] = "elias"
+
+    levels: int = 5
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.levels >= 1, "levels", "must be >= 1")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return qlsd(
+            loss_fn, levels=self.levels, coder=coder, **self._langevin(num_clients, clients_per_round)
+        )
+
+
+@dataclass(frozen=True)
+class SGLDConfig(LangevinConfig):
+    """Federated SGLD (:func:`sidejax.algorithms.sgld`): each client sends one sample of a Gaussian around
+    its potential gradient (``klms``: SGLD-KLMS, with K = 4 and MAX_BLOCK_SIZE 16 as the reference code;
+    ``float32``: the sample uncompressed)."""
+
+    name: ClassVar[str] = "sgld"
+    coders: ClassVar[tuple[str, ...]] = ("klms", "float32")
+    default_coder: ClassVar[str] = "klms"
+    coder_defaults: ClassVar = {"klms": {"log2_num_candidates": 2, "max_block_size": 16}}
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return sgld(loss_fn, coder=coder, **self._langevin(num_clients, clients_per_round))
+
+
+#: the method configs by ``[method] name``
+METHODS: dict[str, type[MethodConfig]] = {
+    m.name: m for m in (FedAvgConfig, FedPMConfig, QSGDConfig, SignSGDConfig, QLSDConfig, SGLDConfig)
+}
+
+#: the algorithm names of the results tables and plots: (method, coder) pairs
+SHORTCUTS: dict[str, tuple[str, str]] = {
+    "fedavg": ("fedavg", "float32"),
+    "fedpm": ("fedpm", "mask"),
+    "fedpm_klms": ("fedpm", "klms"),
+    "qsgd": ("qsgd", "elias"),
+    "qsgd_klms": ("qsgd", "klms"),
+    "signsgd": ("signsgd", "signs"),
+    "signsgd_klms": ("signsgd", "klms"),
+    "qlsd": ("qlsd", "elias"),
+    "sgld_klms": ("sgld", "klms"),
+}
+
+for _method, _coder in SHORTCUTS.values():
+    assert _coder in METHODS[_method].coders and _coder in CODERS
+
+
+def algorithm_name(method: str, coder: str) -> str:
+    """The shortcut of a (method, coder) pair (``fedpm_klms``), or ``method+coder`` (``sgld+float32``)."""
+    for name, pair in SHORTCUTS.items():
+        if pair == (method, coder):
+            return name
+    return f"{method}+{coder}"
+
+
+def parse_algorithm(name: str) -> tuple[str, str]:
+    """The (method, coder) pair of a shortcut or of ``method+coder``; ``ValueError`` for anything else."""
+    if name in SHORTCUTS:
+        return SHORTCUTS[name]
+    method, plus, coder = name.partition("+")
+    if plus and method in METHODS and coder in METHODS[method].coders:
+        return method, coder
+    pairs = [
+        f"{m}+{c}" for m, cls in METHODS.items() for c in cls.coders if algorithm_name(m, c) == f"{m}+{c}"
+    ]
+    raise ValueError(
+        f"unknown algorithm {name!r}; valid algorithms: {', '.join(sorted(SHORTCUTS))} (or method+coder: "
+        f"{', '.join(pairs)})"
+    )
