@@ -7,11 +7,11 @@ that state, in one process and interleaved (A, B, A, B, ...; best of ``--repeats
 
 - ``round``: one jitted ``round_step`` (local training of every client, KLMS encode, decode, BayesAgg);
 - ``coder``: the KLMS part alone, jitted like the round: ``klms_encode`` for every client under
-  ``lax.map`` (the preset's client strategy), ``klms_decode_clients`` and ``klms_server_update``.
+  ``lax.map`` (the preset's client strategy), ``klms_decode`` (vmapped) and ``klms_server_update``.
 
 "before" is ``KLMSConfig(bucketed=False)``: the encoder's ``[blocks, K]`` log-weights and Gumbel noise are
 sized to ``max_blocks = dim``; "after" is the default: the smallest static bucket
-(:meth:`sidejax.klms.KLMSConfig.work_buckets`) holding the broadcast partition's block count. Both are timed
+(:meth:`sidejax.coding.KLMSConfig.work_buckets`) holding the broadcast partition's block count. Both are timed
 in a round that uses the broadcast partition (``update = False``, the usual round) and in an update round
 (clients re-partition; "after" buckets each client's own count there too when the preset runs clients
 under ``lax.map``, ``KLMSConfig(bucket_update_rounds=True)``). The run also checks that before and after
@@ -60,14 +60,15 @@ def main(argv=None) -> dict:
 
     import jax
     import jax.numpy as jnp
-    from sidejax.klms import klms_decode_clients, klms_encode, klms_server_update
 
-    from experiments.algorithms import klms_config, make_optimizer, resolve_client_strategy
+    from experiments.algorithms import klms_config, resolve_client_strategy
     from experiments.config import load_preset
     from experiments.driver import prepare
+    from experiments.methods import make_optimizer
     from sidejax.algorithms import fedpm
+    from sidejax.coding import klms_coder, klms_decode, klms_encode, klms_server_update
     from sidejax.distributions import Bernoulli
-    from sidejax.fl import classification_loss, run_rounds
+    from sidejax.fl import LocalTraining, build_round_step, classification_loss, run_rounds
     from sidejax.keys import client_keys, round_key, run_keys
     from sidejax.models import init_params
 
@@ -85,14 +86,15 @@ def main(argv=None) -> dict:
     algos = {
         name: fedpm(
             loss_fn,
-            make_optimizer(config.method.client_optimizer, config.method.client_lr),
-            klms=cfg,
+            LocalTraining(
+                make_optimizer(config.method.client_optimizer, config.method.client_lr),
+                batch_size=config.method.batch_size,
+                num_epochs=config.method.local_epochs,
+                num_steps=config.method.local_steps,
+            ),
+            coder=klms_coder(cfg),
             estimator=config.method.estimator,
             clients_per_round=config.clients_per_round,
-            batch_size=config.method.batch_size,
-            local_epochs=config.method.local_epochs,
-            local_steps=config.method.local_steps,
-            client_strategy=strategy,
         )
         for name, cfg in cfgs.items()
     }
@@ -100,12 +102,12 @@ def main(argv=None) -> dict:
     params = init_params(init_key, spec)
     state = algos["after"].init(init_key, params, int(fed.num_examples.shape[0]))
     t0 = time.perf_counter()
-    state, infos = run_rounds(algos["after"], rounds_key, state, fed, args.warmup_rounds)
+    state, infos = run_rounds(algos["after"], rounds_key, state, fed, args.warmup_rounds, client_map=strategy)
     jax.block_until_ready(state)
     warmup_s = time.perf_counter() - t0
-    updates = [bool(u) for u in infos.server.klms.updated]
+    updates = [bool(u) for u in infos.server.coder.updated]
     dim = int(state.server.theta.shape[0])
-    num_blocks = int(state.server.klms.blocks.num_blocks)
+    num_blocks = int(state.server.coder.blocks.num_blocks)
     rkey = round_key(rounds_key, state.round_index)
     C = config.clients_per_round
     ids = jnp.arange(C, dtype=jnp.int32)
@@ -123,18 +125,20 @@ def main(argv=None) -> dict:
                 return klms_encode(client_keys(rkey, cid), Bernoulli(q), p, kstate, cfg)[0]
 
             messages = jax.lax.map(one, (ids, qs))
-            _, decoded = klms_decode_clients(rkey, ids, p, kstate, messages, cfg)
+            shared = jax.vmap(lambda cid: client_keys(rkey, cid).shared)(ids)
+            decode = lambda key, msg: klms_decode(key, p, kstate, msg, cfg)  # noqa: E731
+            _, decoded = jax.vmap(decode)(shared, messages)
             new, info = klms_server_update(kstate, decoded, cfg)
             return messages, new, info
 
         return jax.jit(coder)
 
-    rounds = {name: jax.jit(algo.round_step) for name, algo in algos.items()}
+    rounds = {name: jax.jit(build_round_step(algo, client_map=strategy)) for name, algo in algos.items()}
     coders = {name: coder_fn(cfg) for name, cfg in cfgs.items()}
     cases = {}
     for update in (False, True):
-        kstate = state.server.klms._replace(update=jnp.asarray(update))
-        rstate = state._replace(server=state.server._replace(klms=kstate))
+        kstate = state.server.coder._replace(update=jnp.asarray(update))
+        rstate = state._replace(server=state.server._replace(coder=kstate))
         kind = "update_round" if update else "broadcast_partition_round"
         compile_s = {}
         outputs = {}

@@ -33,8 +33,9 @@ import jax
 import numpy as np
 import optax
 
+from sidejax.algorithms import fedavg
 from sidejax.data import dataset_available, iid_partition, load_dataset, make_federated_data
-from sidejax.fl import classification_loss, fedavg, run_rounds
+from sidejax.fl import LocalTraining, classification_loss, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import get_model, init_params
 from sidejax.models.conv import lax_input_gradient, no_banded_matmul, plain_lax_convolution
@@ -85,25 +86,19 @@ def main(argv: list[str] | None = None) -> dict:
     for strategy in args.strategies.split(","):
         for conv in args.convs.split(","):
             name = f"{strategy}/{conv}"
-            algo = fedavg(
-                loss,
-                optax.sgd(0.05, momentum=0.9),
-                clients_per_round=args.clients,
-                batch_size=args.batch_size,
-                local_epochs=1,
-                client_strategy=strategy,
-            )
+            local = LocalTraining(optax.sgd(0.05, momentum=0.9), batch_size=args.batch_size, num_epochs=1)
+            algo = fedavg(loss, local, clients_per_round=args.clients)
             state = algo.init(init_key, params, args.clients)
             trace_ctx = _CONVS[conv]()
             t0 = time.perf_counter()
             with trace_ctx:  # tracing and compilation happen in this first call
-                warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
+                warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
                 jax.block_until_ready(warm)
             compile_and_first = time.perf_counter() - t0
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds)
+                out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
                 jax.block_until_ready(out)
                 times.append(time.perf_counter() - t0)
             best = min(times)
