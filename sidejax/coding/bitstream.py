@@ -38,8 +38,6 @@ __all__ = [
     "golomb_length",
     "golomb_codeword",
     "golomb_decode",
-    "cumsum",
-    "cummax",
     "walk_codewords",
     "jump_codewords",
     "codeword_starts",
@@ -294,18 +292,6 @@ def _shl(x, s):
     return jnp.where(s >= 32, jnp.uint32(0), x << jnp.minimum(s, jnp.uint32(31)))
 
 
-def cumsum(x: jax.Array) -> jax.Array:
-    """Inclusive prefix sum of a 1-D array, as ``jax.lax.associative_scan`` (2-3x faster than
-    ``jnp.cumsum`` on CPU: 0.19 vs 0.50 ms at 61,706 int32, 3.2 vs 7.3 ms at 10^6; same result)."""
-    return jax.lax.associative_scan(jnp.add, x)
-
-
-def cummax(x: jax.Array) -> jax.Array:
-    """Inclusive running maximum of a 1-D array, as ``jax.lax.associative_scan`` (6x faster than
-    ``jax.lax.cummax`` on CPU)."""
-    return jax.lax.associative_scan(jnp.maximum, x)
-
-
 def _low_mask(length):
     """uint32 with the ``length`` (0..32) low bits set."""
     return _shr(jnp.uint32(0xFFFFFFFF), 32 - jnp.asarray(length, jnp.int32))
@@ -363,9 +349,9 @@ def write_codewords(
     lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
     offset = jnp.asarray(bit_offset, jnp.int32)
     if lengths.ndim == 1:
-        ends = offset + cumsum(lengths)
+        ends = offset + jnp.cumsum(lengths)
     else:  # one prefix sum over the rows' totals, then within each (short) row
-        rows = cumsum(jnp.sum(lengths, axis=1))
+        rows = jnp.cumsum(jnp.sum(lengths, axis=1))
         ends = (
             offset + (rows[:, None] - jnp.sum(lengths, axis=1, keepdims=True)) + jnp.cumsum(lengths, axis=1)
         )
@@ -406,7 +392,7 @@ def _first_nonzero_word(msb: jax.Array) -> jax.Array:
     """``[n + 1]``: for every word index ``w`` the first ``w' >= w`` with a nonzero word (``n`` if none)."""
     n = msb.shape[0]
     idx = jnp.where(msb != 0, jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
-    idx = jax.lax.associative_scan(jnp.minimum, idx, reverse=True)
+    idx = jax.lax.cummin(idx, reverse=True)
     return jnp.concatenate([idx, jnp.array([n], jnp.int32)])
 
 
@@ -680,13 +666,17 @@ def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0
     jump = jnp.where(node < end, jnp.where(target <= end, target, fail), node)
     jump = jnp.where(node == fail, fail, jump)
     marked = (node == start) & (start <= cap)
-    for _ in range(max(1, int(np.ceil(np.log2(max_symbols + 2))))):
-        marked = marked.at[jump].max(marked)
-        jump = jump[jump]
+
+    def double(_, state):
+        marked, jump = state
+        return marked.at[jump].max(marked), jump[jump]
+
+    rounds = max(1, int(np.ceil(np.log2(max_symbols + 2))))
+    marked, jump = jax.lax.fori_loop(0, rounds, double, (marked, jump))
     below = marked & (node < end)
     count = jnp.sum(below, dtype=jnp.int32)
     ok = marked[jnp.clip(end, 0, cap)] & (end >= 0) & (end <= cap) & ~marked[fail] & (count <= max_symbols)
-    slot = jnp.where(below, cumsum(below.astype(jnp.int32)) - 1, max_symbols)
+    slot = jnp.where(below, jnp.cumsum(below, dtype=jnp.int32) - 1, max_symbols)
     starts = jnp.zeros(max(max_symbols, 1), jnp.int32).at[slot].set(node, mode="drop")
     return starts, jnp.minimum(count, max_symbols), ok
 

@@ -56,8 +56,6 @@ import numpy as np
 from sidejax.coding.bitstream import (
     INVALID_LENGTH,
     codeword_starts,
-    cummax,
-    cumsum,
     elias_gamma_decode,
     elias_gamma_length,
     golomb_codeword,
@@ -124,11 +122,15 @@ def _check_capacity(bits: int, what: str) -> int:
     return max(1, -(-bits // 32))
 
 
-def _previous_marked(marked: jax.Array) -> jax.Array:
-    """For every coordinate, the largest marked index strictly before it (-1 if none)."""
-    idx = jnp.arange(marked.shape[0], dtype=jnp.int32)
-    running = cummax(jnp.where(marked, idx, -1))
-    return jnp.concatenate([jnp.array([-1], jnp.int32), running[:-1]])
+def _gaps(marked: jax.Array) -> jax.Array:
+    """For every marked coordinate ``i``: ``i`` minus the previous marked coordinate (-1 if none); 0 at
+    unmarked coordinates. By ranks (one prefix sum, one scatter of the marked coordinates by rank, one
+    gather), which is cheaper than a running maximum on CPU."""
+    d = marked.shape[0]
+    idx = jnp.arange(d, dtype=jnp.int32)
+    rank = jnp.cumsum(marked, dtype=jnp.int32)  # 1-based rank of each marked coordinate
+    by_rank = jnp.full(d + 1, -1, jnp.int32).at[jnp.where(marked, rank, d + 1)].set(idx, mode="drop")
+    return jnp.where(marked, idx - by_rank[jnp.maximum(rank - 1, 0)], 0)
 
 
 def _positions_from_gaps(gaps: jax.Array, live: jax.Array, dim: int):
@@ -138,7 +140,7 @@ def _positions_from_gaps(gaps: jax.Array, live: jax.Array, dim: int):
     overflow (``dim < 2**30``), so a later wrap-around cannot hide it.
     """
     g = jnp.where(live, jnp.clip(gaps, 0, dim + 1), 0)
-    pos = cumsum(g) - 1
+    pos = jnp.cumsum(g) - 1
     return pos, ~jnp.any(live & (pos >= dim))
 
 
@@ -188,8 +190,7 @@ def _check_levels(levels, max_level: int) -> jax.Array:
 
 def _elias_symbols(levels: jax.Array):
     nz = levels != 0
-    gap = jnp.arange(levels.shape[0], dtype=jnp.int32) - _previous_marked(nz)
-    return nz, gap, levels < 0, jnp.abs(levels)
+    return nz, _gaps(nz), levels < 0, jnp.abs(levels)
 
 
 def elias_levels_length(levels: jax.Array) -> jax.Array:
@@ -366,8 +367,7 @@ def _mask_symbols(mask: jax.Array):
     coded = mask ^ flag
     k = jnp.where(flag, d - ones, ones)
     m = optimal_golomb_parameter(k, d)
-    run = jnp.arange(d, dtype=jnp.int32) - _previous_marked(coded) - 1
-    return flag, coded, m, run
+    return flag, coded, m, jnp.maximum(_gaps(coded) - 1, 0)
 
 
 def mask_code_length(mask: jax.Array) -> jax.Array:
