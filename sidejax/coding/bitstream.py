@@ -641,7 +641,8 @@ def walk_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0
 
 
 def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0):
-    """Same result as :func:`walk_codewords`, by pointer doubling instead of a sequential loop.
+    """The chain of :func:`walk_codewords` by pointer doubling instead of a sequential loop (same ``ok``;
+    same starts and count when ``ok``).
 
     Nodes are the positions ``0..C`` plus a failure node ``F``; a position :math:`p` below the end
     :math:`E` (``num_bits``) points to :math:`p + \\ell_p` if that is at most :math:`E` and to ``F``
@@ -684,7 +685,8 @@ def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0
 def codeword_starts(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0, method: str | None = None):
     """The chain of codeword starts by :func:`walk_codewords` (``method="walk"``) or
     :func:`jump_codewords` (``"jump"``); ``None`` picks ``"walk"`` on CPU and ``"jump"`` on accelerators
-    (the default backend at trace time). Both give identical results (tested)."""
+    (the default backend at trace time). Both give the same ``ok`` always, and the same starts and count
+    whenever ``ok`` (tested)."""
     if resolve_chain_method(method) == "walk":
         return walk_codewords(lengths_at, num_bits, max_symbols=max_symbols, start=start)
     return jump_codewords(lengths_at, num_bits, max_symbols=max_symbols, start=start)
