@@ -1,9 +1,13 @@
-"""Packing fixed-width integer fields into a ``uint32`` bitstream, inside jit.
+"""Packing fixed-width fields and variable-length codewords into a ``uint32`` bitstream, inside jit.
 
 A packed message is a static-capacity word buffer plus a bit length: the first ``num_bits`` bits are the
-message, and the tail of the buffer (capacity for the static maximum number of fields) is not sent. Field
-``i`` occupies bits ``[i w, (i + 1) w)``, least-significant bit first within little-endian words. Widths
-are 1..32 bits. Unpacking is the exact inverse (tested bit for bit).
+message, and the tail of the buffer (capacity for the static maximum number of fields) is not sent. Stream
+bit ``p`` is bit ``p mod 32`` of word ``p // 32`` (little-endian words). Fixed-width field ``i`` occupies
+bits ``[i w, (i + 1) w)``, least-significant bit first; widths are 1..32 bits. Variable-length codewords
+(:func:`write_codewords`; Elias-gamma and Golomb codes) are written most-significant bit first, so that a
+reader meets a prefix code's leading bits first, and decoded at every position at once followed by a walk
+along the chain of codeword starts (:func:`codeword_starts`). Reading is the exact inverse of writing
+(tested bit for bit).
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ __all__ = [
     "mask_to_length",
     "trim_payload",
     "crc32_words",
+    "INVALID_LENGTH",
+    "reverse_bits32",
+    "write_codewords",
+    "read_bits",
+    "next_one_bit",
+    "elias_gamma_length",
+    "elias_gamma_codeword",
+    "elias_gamma_decode",
+    "golomb_length",
+    "golomb_codeword",
+    "golomb_decode",
+    "walk_codewords",
+    "jump_codewords",
+    "codeword_starts",
+    "resolve_chain_method",
 ]
 
 
@@ -225,3 +244,459 @@ def crc32_words(words: jax.Array, num_words=None) -> jax.Array:
     acc = jax.lax.reduce(terms, np.uint32(0), jax.lax.bitwise_xor, (0,))
     acc = acc ^ _mulmod(jnp.uint32(0xFFFFFFFF), table[jnp.clip(n, 0, cap)])
     return acc ^ jnp.uint32(0xFFFFFFFF)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Variable-length codewords
+#
+# Stream bit ``p`` is bit ``p mod 32`` of word ``p // 32`` (the LSB-first convention of ``pack_fixed``, so
+# ``mask_to_length``, ``trim_payload`` and ``crc32_words`` apply unchanged). A codeword of length ``L`` with
+# value ``v`` is written MOST-significant bit first: bit ``L - 1 - j`` of ``v`` lands on stream bit
+# ``offset + j``. Reading the stream in order therefore meets a codeword's leading bits first, which is what
+# prefix codes need (Elias-gamma: leading zeros, then the binary of ``n`` from its top 1-bit; Golomb: unary
+# quotient first). Values are uint32; a codeword longer than 32 bits is its value zero-extended, i.e.
+# ``L - 32`` zero bits followed by the 32 bits of ``v``. Both codes used here have that form (an
+# Elias-gamma codeword of ``n`` is the binary of ``n`` after ``floor(log2 n)`` zeros; a Golomb codeword is
+# ``q`` zeros, a 1 and the remainder), so every codeword is one (value, length) pair and its nonzero part
+# touches at most two words.
+
+INVALID_LENGTH = 1 << 30
+"""Length reported for a position where no valid codeword starts; larger than any stream capacity, so a
+chain walk that meets it overruns ``num_bits`` and reports ``ok=False``."""
+
+_MAX_STREAM_BITS = 1 << 29
+
+
+def _u32(x):
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def reverse_bits32(x: jax.Array) -> jax.Array:
+    """Reverses the bit order of each uint32 (bit ``i`` goes to bit ``31 - i``), elementwise."""
+    x = _u32(x)
+    for shift, mask in ((1, 0x55555555), (2, 0x33333333), (4, 0x0F0F0F0F), (8, 0x00FF00FF)):
+        m = jnp.uint32(mask)
+        x = ((x >> jnp.uint32(shift)) & m) | ((x & m) << jnp.uint32(shift))
+    return (x >> jnp.uint32(16)) | (x << jnp.uint32(16))
+
+
+def _shr(x, s):
+    """``x >> s`` for uint32 ``x`` and shift ``s`` in ``0..32`` (32 gives 0)."""
+    s = _u32(s)
+    return jnp.where(s >= 32, jnp.uint32(0), x >> jnp.minimum(s, jnp.uint32(31)))
+
+
+def _shl(x, s):
+    """``x << s`` for uint32 ``x`` and shift ``s`` in ``0..32`` (32 gives 0)."""
+    s = _u32(s)
+    return jnp.where(s >= 32, jnp.uint32(0), x << jnp.minimum(s, jnp.uint32(31)))
+
+
+def _low_mask(length):
+    """uint32 with the ``length`` (0..32) low bits set."""
+    return _shr(jnp.uint32(0xFFFFFFFF), 32 - jnp.asarray(length, jnp.int32))
+
+
+def write_codewords(
+    values: jax.Array,
+    lengths: jax.Array,
+    *,
+    capacity_words: int,
+    bit_offset=0,
+    out: jax.Array | None = None,
+):
+    """Writes variable-length codewords one after the other into a static-capacity word buffer.
+
+    Codeword ``i`` has length :math:`L_i` (``lengths[i] >= 0``) and starts at bit
+    :math:`o_i = \\text{bit\\_offset} + \\sum_{j<i} L_j`; it is written most-significant bit first (bit
+    :math:`L_i - 1 - t` of ``values[i]`` on stream bit :math:`o_i + t`). For :math:`L_i \\le 32` bits of
+    ``values[i]`` above :math:`L_i` are ignored; for :math:`L_i > 32` the codeword is the uint32 value
+    zero-extended (:math:`L_i - 32` zeros, then its 32 bits). Length 0 writes nothing.
+
+    Vectorised: offsets by a cumulative sum, each codeword's (at most 32) nonzero bits split over at most
+    two words and added with one scatter-add per word (codewords occupy disjoint bits, so adding is
+    OR-ing). The words are assembled most-significant-bit-first and bit-reversed once at the end into the
+    stream's LSB-first layout.
+
+    Args:
+      values: uint32-compatible ``[n]`` codeword values, or ``[n, k]``: ``k`` codewords per row, written
+        row by row (the prefix sum then runs over the ``n`` row totals).
+      lengths: int codeword lengths ``>= 0``, shape of ``values`` (total below ``2**29``).
+      capacity_words: static size of the word buffer.
+      bit_offset: where the first codeword starts (may be traced).
+      out: optional ``[capacity_words]`` buffer to add into (its target bits must be zero), e.g. a header
+        written before.
+
+    Returns:
+      ``(words, end_bit)``: uint32 ``[capacity_words]`` and the int32 position after the last codeword.
+      Bits past ``32 * capacity_words`` are dropped; callers size the buffer so that ``end_bit`` fits.
+    """
+    capacity_words = int(capacity_words)
+    if capacity_words < 1:
+        raise ValueError(f"capacity_words must be >= 1, got {capacity_words}")
+    values = jnp.asarray(values)
+    lengths = jnp.asarray(lengths)
+    if values.ndim not in (1, 2) or lengths.shape != values.shape:
+        raise ValueError(
+            f"values and lengths must be 1-D or 2-D of equal shape, got {values.shape} and {lengths.shape}"
+        )
+    if out is None:
+        msb = jnp.zeros(capacity_words, jnp.uint32)
+    elif out.shape != (capacity_words,):
+        raise ValueError(f"out must have shape ({capacity_words},), got {out.shape}")
+    else:
+        msb = reverse_bits32(out)
+    lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
+    offset = jnp.asarray(bit_offset, jnp.int32)
+    if lengths.ndim == 1:
+        ends = offset + jnp.cumsum(lengths)
+    else:  # one prefix sum over the rows' totals, then within each (short) row
+        rows = jnp.cumsum(jnp.sum(lengths, axis=1))
+        ends = (
+            offset + (rows[:, None] - jnp.sum(lengths, axis=1, keepdims=True)) + jnp.cumsum(lengths, axis=1)
+        )
+    low_len = jnp.minimum(lengths, 32)
+    start = ends - low_len  # first stream bit of the value's (up to) 32 written bits
+    v = _u32(values) & _low_mask(low_len)
+    word = start >> 5
+    total = (start & 31) + low_len  # the value ends this many bits after the start of its first word
+    first = jnp.where(total <= 32, _shl(v, 32 - total), v >> jnp.clip(total - 32, 0, 31).astype(jnp.uint32))
+    spill = jnp.where(total > 32, v << jnp.clip(64 - total, 0, 31).astype(jnp.uint32), jnp.uint32(0))
+    msb = msb.at[word].add(first, mode="drop").at[word + 1].add(spill, mode="drop")
+    return reverse_bits32(msb), offset + jnp.sum(lengths)
+
+
+def _window(msb: jax.Array, pos: jax.Array) -> jax.Array:
+    """The 32 stream bits from ``pos`` as a uint32, first bit most significant, from bit-reversed words
+    ``msb`` (0 past the end; ``pos >= 0``)."""
+    n = msb.shape[0]
+    w = pos >> 5
+    shift = (pos & 31).astype(jnp.uint32)
+    hi = jnp.where(w < n, msb[jnp.clip(w, 0, n - 1)], jnp.uint32(0))
+    lo = jnp.where(w + 1 < n, msb[jnp.clip(w + 1, 0, n - 1)], jnp.uint32(0))
+    return (hi << shift) | _shr(lo, 32 - shift)
+
+
+def read_bits(words: jax.Array, bit_positions: jax.Array, widths) -> jax.Array:
+    """Reads ``widths[i]`` (``0..32``) bits starting at stream bit ``bit_positions[i]``, most-significant bit
+    first (the inverse of :func:`write_codewords` for codewords of at most 32 bits).
+
+    Vectorised over positions (broadcast with ``widths``); bits past the end of ``words`` read as 0, and
+    negative positions are treated as 0. Returns uint32.
+    """
+    pos = jnp.maximum(jnp.asarray(bit_positions, jnp.int32), 0)
+    return _shr(_window(reverse_bits32(words), pos), 32 - jnp.asarray(widths, jnp.int32))
+
+
+def _first_nonzero_word(msb: jax.Array) -> jax.Array:
+    """``[n + 1]``: for every word index ``w`` the first ``w' >= w`` with a nonzero word (``n`` if none)."""
+    n = msb.shape[0]
+    idx = jnp.where(msb != 0, jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
+    idx = jax.lax.cummin(idx, reverse=True)
+    return jnp.concatenate([idx, jnp.array([n], jnp.int32)])
+
+
+def _next_one(msb, first_nz, pos, window):
+    """Position of the first 1-bit at or after ``pos`` (``32 n`` if none): inside the 32-bit ``window`` at
+    ``pos`` by count-leading-zeros, otherwise the first set bit of the first nonzero word after it."""
+    n = msb.shape[0]
+    w = jnp.clip((pos >> 5) + 1, 0, n)
+    nxt = first_nz[w]
+    far = 32 * nxt + jax.lax.clz(msb[jnp.clip(nxt, 0, n - 1)]).astype(jnp.int32)
+    far = jnp.where(nxt < n, far, 32 * n)
+    return jnp.where(window != 0, pos + jax.lax.clz(window).astype(jnp.int32), far)
+
+
+def next_one_bit(words: jax.Array, bit_positions: jax.Array) -> jax.Array:
+    """For each of ``bit_positions``: the position of the first 1-bit at or after it, or
+    ``32 * len(words)`` if there is none.
+
+    O(1) per position after an O(len(words)) table: count-leading-zeros of the 32-bit window at the position,
+    and, when the window is all zero, the first nonzero word after it (a reverse cumulative minimum over
+    words). int32.
+    """
+    msb = reverse_bits32(words)
+    pos = jnp.maximum(jnp.asarray(bit_positions, jnp.int32), 0)
+    return _next_one(msb, _first_nonzero_word(msb), pos, _window(msb, pos))
+
+
+def _floor_log2(n):
+    return 31 - jax.lax.clz(_u32(n)).astype(jnp.int32)
+
+
+def elias_gamma_length(n: jax.Array) -> jax.Array:
+    """Length of the Elias-gamma codeword of ``n >= 1``: :math:`2 \\lfloor \\log_2 n \\rfloor + 1` bits.
+
+    ``n`` is taken as uint32 (values below 1 are treated as 1). int32 result, at most 63.
+    """
+    return 2 * _floor_log2(jnp.maximum(_u32(n), 1)) + 1
+
+
+def elias_gamma_codeword(n: jax.Array):
+    """Elias-gamma codeword of ``n >= 1`` as a ``(value, length)`` pair for :func:`write_codewords`.
+
+    With :math:`N = \\lfloor \\log_2 n \\rfloor` the codeword is :math:`N` zeros followed by the
+    :math:`N + 1`-bit binary of ``n`` (top bit 1), i.e. ``n`` zero-extended to :math:`2N + 1` bits: the
+    value is ``n`` itself.
+    """
+    n = jnp.maximum(_u32(n), 1)
+    return n, elias_gamma_length(n)
+
+
+def _positions(words, bit_positions):
+    if bit_positions is None:
+        return jnp.arange(32 * words.shape[0], dtype=jnp.int32)
+    return jnp.maximum(jnp.asarray(bit_positions, jnp.int32), 0)
+
+
+def elias_gamma_decode(words: jax.Array, bit_positions: jax.Array | None = None):
+    """Decodes the Elias-gamma codeword starting at each of ``bit_positions`` (vectorised, O(1) each).
+
+    The number of leading zeros :math:`N` is the count of leading zeros of the 32-bit window at the
+    position; the value is the :math:`N + 1` bits after them.
+
+    Args:
+      words: uint32 stream buffer.
+      bit_positions: int positions, or ``None`` for every position ``0..32 len(words) - 1``.
+
+    Returns:
+      ``(n, length, valid)``: uint32 values, int32 lengths :math:`2N + 1`, and False where no codeword of a
+      uint32 fits (32 or more leading zeros, e.g. the zero tail of the buffer); there ``length`` is
+      :data:`INVALID_LENGTH` and ``n`` is 0.
+    """
+    msb = reverse_bits32(words)
+    pos = _positions(words, bit_positions)
+    zeros = jax.lax.clz(_window(msb, pos)).astype(jnp.int32)
+    valid = zeros < 32
+    z = jnp.minimum(zeros, 31)
+    n = _window(msb, pos + z) >> (31 - z).astype(jnp.uint32)
+    return (
+        jnp.where(valid, n, jnp.uint32(0)),
+        jnp.where(valid, 2 * z + 1, INVALID_LENGTH),
+        valid,
+    )
+
+
+def _golomb_params(m):
+    """``b = ceil(log2 m)`` and the truncated-binary cutoff ``u = 2^b - m`` (uint32) for ``m >= 1``."""
+    m = jnp.maximum(_u32(m), 1)
+    b = 32 - jax.lax.clz(m - jnp.uint32(1)).astype(jnp.int32)  # ceil(log2 m); 0 for m = 1
+    u = _shl(jnp.uint32(1), b) - m
+    return m, b, u
+
+
+def golomb_length(n: jax.Array, m) -> jax.Array:
+    """Length of the Golomb codeword of ``n >= 0`` with parameter ``m >= 1`` (``m < 2**31``).
+
+    With :math:`q = \\lfloor n/m \\rfloor`, :math:`r = n \\bmod m`, :math:`b = \\lceil\\log_2 m\\rceil`,
+    :math:`u = 2^b - m`: :math:`q + 1` bits of unary quotient, then the truncated-binary remainder of
+    :math:`b - 1` bits if :math:`r < u`, else :math:`b` bits. Rice codes are the case :math:`m = 2^b`
+    (:math:`u = 0`, always :math:`b` bits). int32 result.
+    """
+    m, b, u = _golomb_params(m)
+    n = _u32(n)
+    q = (n // m).astype(jnp.int32)
+    r = n % m
+    return q + 1 + jnp.where(r < u, b - 1, b)
+
+
+def golomb_codeword(n: jax.Array, m):
+    """Golomb codeword of ``n >= 0`` with parameter ``m >= 1`` as a ``(value, length)`` pair.
+
+    Layout (most-significant first): the quotient :math:`q` in unary as :math:`q` zeros and a terminating 1,
+    then the truncated-binary remainder (:math:`r` in :math:`b - 1` bits if :math:`r < u`, else
+    :math:`r + u` in :math:`b` bits). Zeros-then-one unary makes the codeword a zero-extended value
+    ``(1 << rem_len) | rem`` whatever the quotient, so one (value, length) pair covers any ``n``.
+    """
+    m, b, u = _golomb_params(m)
+    n = _u32(n)
+    q = (n // m).astype(jnp.int32)
+    r = n % m
+    short = r < u
+    rem_len = jnp.where(short, b - 1, b)
+    rem = jnp.where(short, r, r + u)
+    return _shl(jnp.uint32(1), rem_len) | rem, q + 1 + rem_len
+
+
+def golomb_decode(words: jax.Array, bit_positions: jax.Array | None, m):
+    """Decodes the Golomb codeword (parameter ``m``) starting at each of ``bit_positions``.
+
+    The quotient is the distance to the next 1-bit (:func:`next_one_bit`); then :math:`b - 1` bits ``x``
+    and, if :math:`x \\ge u`, :math:`b` bits ``y`` with :math:`r = y - u`. O(1) per position after an
+    O(len(words)) table.
+
+    Args:
+      words: uint32 stream buffer.
+      bit_positions: int positions, or ``None`` for every position ``0..32 len(words) - 1``.
+      m: Golomb parameter ``>= 1`` (``< 2**31``; may be traced).
+
+    Returns:
+      ``(n, length, valid)``: int32 values :math:`q m + r` (saturated at ``2**31 - 1`` when they do not fit
+      in int32), int32 lengths, and False where the unary part has no terminating 1 inside the buffer
+      (there ``length`` is :data:`INVALID_LENGTH` and ``n`` is 0).
+    """
+    msb = reverse_bits32(words)
+    cap = 32 * words.shape[0]
+    pos = _positions(words, bit_positions)
+    one = _next_one(msb, _first_nonzero_word(msb), pos, _window(msb, pos))
+    valid = one < cap
+    m, b, u = _golomb_params(m)
+    q = jnp.where(valid, one - pos, 0)
+    after = _window(msb, jnp.minimum(one + 1, cap))  # the remainder bits, most significant first
+    x = _shr(after, 32 - jnp.maximum(b - 1, 0))
+    long = x >= u
+    y = _shr(after, 32 - b)
+    r = jnp.where(long, y - u, x).astype(jnp.int32)
+    rem_len = jnp.where(long, b, jnp.maximum(b - 1, 0))
+    mi = m.astype(jnp.int32)
+    limit = jnp.int32(np.iinfo(np.int32).max)
+    n = jnp.where(q <= (limit - r) // mi, q * mi + r, limit)
+    return (
+        jnp.where(valid, n, 0),
+        jnp.where(valid, q + 1 + rem_len, INVALID_LENGTH),
+        valid,
+    )
+
+
+def _check_chain_args(lengths_at, max_symbols):
+    max_symbols = int(max_symbols)
+    if max_symbols < 0:
+        raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
+    if lengths_at.ndim != 1 or lengths_at.shape[0] < 1:
+        raise ValueError(f"lengths_at must be a non-empty 1-D array, got shape {lengths_at.shape}")
+    if lengths_at.shape[0] >= _MAX_STREAM_BITS:
+        raise ValueError(
+            f"lengths_at covers {lengths_at.shape[0]} bits; streams are limited to {_MAX_STREAM_BITS} bits"
+        )
+    return max_symbols
+
+
+def _walk_impl(lengths_at, end, start, max_symbols: int):
+    cap = lengths_at.shape[0]
+
+    def cond(state):
+        pos, count, _ = state
+        return (pos < end) & (count < max_symbols)
+
+    def body(state):
+        pos, count, starts = state
+        starts = jax.lax.dynamic_update_slice(starts, pos[None], (count,))
+        step = jnp.where(pos < cap, lengths_at[jnp.clip(pos, 0, cap - 1)], INVALID_LENGTH)
+        return pos + step, count + 1, starts
+
+    init = (start, jnp.int32(0), jnp.zeros(max(max_symbols, 1), jnp.int32))
+    pos, count, starts = jax.lax.while_loop(cond, body, init)
+    return starts, count, pos == end
+
+
+@functools.lru_cache(maxsize=64)
+def _walk_fn(max_symbols: int):
+    """The while-loop walk for a static ``max_symbols``, with a vmap rule that runs the unbatched loop once
+    per stream (``lax.map``). A batched ``while_loop`` would carry a scatter into every stream's buffer
+    through every iteration (measured on CPU: 9.4 s instead of 2.2 ms for 10 streams of 30,000 codewords).
+    """
+
+    @jax.custom_batching.custom_vmap
+    def walk(lengths_at, end, start):
+        return _walk_impl(lengths_at, end, start, max_symbols)
+
+    @walk.def_vmap
+    def walk_batched(axis_size, in_batched, lengths_at, end, start):
+        args = [
+            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip((lengths_at, end, start), in_batched, strict=True)
+        ]
+        out = jax.lax.map(lambda a: walk(*a), tuple(args))
+        return out, (True, True, True)
+
+    return walk
+
+
+def walk_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0):
+    """Follows the chain of codeword starts ``p_0 = start``, ``p_{i+1} = p_i + lengths_at[p_i]`` up to
+    ``num_bits``, sequentially.
+
+    ``lengths_at[p]`` is the length of the codeword (or symbol) that would start at stream bit ``p``,
+    computed for every position beforehand (vectorised); :data:`INVALID_LENGTH` where none is valid. The walk
+    is a ``lax.while_loop`` with an O(1) body (one gather, one ``dynamic_update_slice``) and at most
+    ``max_symbols`` iterations, so malformed input cannot make it loop forever. Under ``vmap`` the streams
+    are walked one after the other (``lax.map``), each loop stopping at its own end. Fast on CPU (a few ns
+    per codeword); on accelerators every iteration is a device round trip, see :func:`jump_codewords`.
+
+    Args:
+      lengths_at: int32 ``[C]`` per-position lengths (positions ``>= C`` count as invalid).
+      num_bits: stream length (int or float scalar, may be traced).
+      max_symbols: static bound on the number of codewords.
+      start: first codeword's position (may be traced).
+
+    Returns:
+      ``(starts, count, ok)``: int32 ``[max(max_symbols, 1)]`` start positions (the first ``count`` are
+      meaningful, the rest 0), the number of codewords, and ``ok``: True iff the chain lands exactly on
+      ``num_bits`` (False when a codeword overruns ``num_bits``, an invalid codeword is met, or more than
+      ``max_symbols`` codewords would be needed).
+    """
+    max_symbols = _check_chain_args(lengths_at, max_symbols)
+    end = jnp.asarray(num_bits, jnp.int32)
+    return _walk_fn(max_symbols)(lengths_at.astype(jnp.int32), end, jnp.asarray(start, jnp.int32))
+
+
+def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0):
+    """The chain of :func:`walk_codewords` by pointer doubling instead of a sequential loop (same ``ok``;
+    same starts and count when ``ok``).
+
+    Nodes are the positions ``0..C`` plus a failure node ``F``; a position :math:`p` below the end
+    :math:`E` (``num_bits``) points to :math:`p + \\ell_p` if that is at most :math:`E` and to ``F``
+    otherwise, positions at or past :math:`E` and ``F`` point to themselves. With :math:`J_0` = next and
+    :math:`S_0 = \\{\\text{start}\\}`, each of :math:`R = \\lceil\\log_2(\\text{max\\_symbols} + 2)\\rceil`
+    rounds does :math:`S \\leftarrow S \\cup J(S)`, :math:`J \\leftarrow J \\circ J`, after which
+    :math:`S` holds the first :math:`2^R` nodes of the chain. The chain is valid iff :math:`E \\in S`,
+    ``F`` is not, and at most ``max_symbols`` marked positions lie below :math:`E`; the starts are compacted
+    by a prefix sum. O(C log max_symbols) work with no data-dependent loop: the method for accelerators,
+    where a ``while_loop`` pays a device round trip per codeword.
+
+    Args and returns as :func:`walk_codewords`.
+    """
+    max_symbols = _check_chain_args(lengths_at, max_symbols)
+    cap = lengths_at.shape[0]
+    end = jnp.asarray(num_bits, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    fail = cap + 1
+    node = jnp.arange(cap + 2, dtype=jnp.int32)
+    length = jnp.concatenate([lengths_at.astype(jnp.int32), jnp.full(2, INVALID_LENGTH, jnp.int32)])
+    target = node + length
+    jump = jnp.where(node < end, jnp.where(target <= end, target, fail), node)
+    jump = jnp.where(node == fail, fail, jump)
+    marked = (node == start) & (start <= cap)
+
+    def double(_, state):
+        marked, jump = state
+        return marked.at[jump].max(marked), jump[jump]
+
+    rounds = max(1, int(np.ceil(np.log2(max_symbols + 2))))
+    marked, jump = jax.lax.fori_loop(0, rounds, double, (marked, jump))
+    below = marked & (node < end)
+    count = jnp.sum(below, dtype=jnp.int32)
+    ok = marked[jnp.clip(end, 0, cap)] & (end >= 0) & (end <= cap) & ~marked[fail] & (count <= max_symbols)
+    slot = jnp.where(below, jnp.cumsum(below, dtype=jnp.int32) - 1, max_symbols)
+    starts = jnp.zeros(max(max_symbols, 1), jnp.int32).at[slot].set(node, mode="drop")
+    return starts, jnp.minimum(count, max_symbols), ok
+
+
+def codeword_starts(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0, method: str | None = None):
+    """The chain of codeword starts by :func:`walk_codewords` (``method="walk"``) or
+    :func:`jump_codewords` (``"jump"``); ``None`` picks ``"walk"`` on CPU and ``"jump"`` on accelerators
+    (the default backend at trace time). Both give the same ``ok`` always, and the same starts and count
+    whenever ``ok`` (tested)."""
+    if resolve_chain_method(method) == "walk":
+        return walk_codewords(lengths_at, num_bits, max_symbols=max_symbols, start=start)
+    return jump_codewords(lengths_at, num_bits, max_symbols=max_symbols, start=start)
+
+
+def resolve_chain_method(method: str | None) -> str:
+    """``method`` checked (``"walk"``, ``"jump"`` or ``None``), with ``None`` resolved to ``"walk"`` on the
+    CPU backend and ``"jump"`` otherwise."""
+    if method is None:
+        return "walk" if jax.default_backend() == "cpu" else "jump"
+    if method not in ("walk", "jump"):
+        raise ValueError(f"method must be 'walk', 'jump' or None, got {method!r}")
+    return method
