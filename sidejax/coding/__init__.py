@@ -30,12 +30,18 @@ from sidejax.coding.base import (
 from sidejax.coding.bitstream import (
     check_stream,
     crc32_words,
+    elias_gamma_codeword,
+    elias_gamma_length,
+    golomb_codeword,
+    golomb_length,
     mask_to_length,
     num_words,
     pack_fixed,
+    read_bits,
     sent_words,
     trim_payload,
     unpack_fixed,
+    write_codewords,
 )
 from sidejax.coding.importance import (
     ImportanceInfo,
@@ -62,6 +68,14 @@ from sidejax.coding.klms import (
     klms_receive,
     klms_server_update,
 )
+from sidejax.coding.lossless import (
+    elias_levels_decode,
+    elias_levels_encode,
+    elias_levels_length,
+    mask_code_length,
+    mask_decode,
+    mask_encode,
+)
 from sidejax.coding.sample import SampleInfo, elias_coder, fixed_width_coder, mask_coder
 
 __all__ = [
@@ -84,6 +98,18 @@ __all__ = [
     "stateless_coder",
     "stream_errors",
     "with_side_info",
+    "elias_gamma_codeword",
+    "elias_gamma_length",
+    "golomb_codeword",
+    "golomb_length",
+    "read_bits",
+    "write_codewords",
+    "elias_levels_decode",
+    "elias_levels_encode",
+    "elias_levels_length",
+    "mask_code_length",
+    "mask_decode",
+    "mask_encode",
     "check_stream",
     "crc32_words",
     "mask_to_length",
