@@ -44,6 +44,8 @@ __all__ = [
     "DenseClientExtra",
     "DenseServerInfo",
     "DenseMethod",
+    "vector_downlink",
+    "receive_vector",
     "dense_broadcast",
     "dense_receive",
     "dense_client_update",
@@ -119,27 +121,36 @@ def _coder(method: DenseMethod, coder: Coder, params: Params) -> tuple[Coder, Fl
     return method.wrap_coder(coder, layout), layout
 
 
+def vector_downlink(flat: jax.Array, coder: Coder, coder_state, *middle: Message) -> Message:
+    """The downlink of a method that broadcasts one float vector (the model, FedPM's mask probabilities):
+    the vector as float32 words, then ``middle`` (e.g. a prior's side information), then the coder's
+    protocol stream, in one message."""
+    return concat_messages(encode_float32(flat), *middle, coder.downlink(coder_state))
+
+
+def receive_vector(message: Message, dim: int, coder: Coder, coder_state, middle_bits: tuple[int, ...] = ()):
+    """The receivers' side of :func:`vector_downlink`: ``(vector, middle_messages, coder_state)``; the middle
+    parts have the static lengths ``middle_bits``."""
+    parts = split_message(message, (32 * dim, *middle_bits))
+    return decode_float32(parts[0]), parts[1:-1], coder.receive(coder_state, parts[-1])
+
+
 def dense_broadcast(method: DenseMethod, coder: Coder, server: DenseState) -> Message:
     """The downlink: float32 parameters, the prior side information (if the coder uses ``p``), the coder's
     protocol stream."""
     coder, _ = _coder(method, coder, server.params)
-    parts = [encode_float32(ravel_pytree(server.params)[0])]
-    if coder.uses_prior:
-        parts.append(method.prior_downlink(server.prior))
-    parts.append(coder.downlink(server.coder))
-    return concat_messages(*parts)
+    middle = (method.prior_downlink(server.prior),) if coder.uses_prior else ()
+    return vector_downlink(ravel_pytree(server.params)[0], coder, server.coder, *middle)
 
 
 def dense_receive(method: DenseMethod, coder: Coder, server: DenseState, message: Message) -> DenseState:
     """The clients' decoding of :func:`dense_broadcast` (the server state stands for what a client already
     knows: the shapes, and the protocol state of earlier rounds)."""
     coder, layout = _coder(method, coder, server.params)
-    dim = layout.dim
-    lengths = (32 * dim, method.prior_bits(server.prior)) if coder.uses_prior else (32 * dim,)
-    parts = split_message(message, lengths)
-    params = ravel_pytree(server.params)[1](decode_float32(parts[0]))
-    prior = method.prior_receive(server.prior, parts[1]) if coder.uses_prior else server.prior
-    return DenseState(params, prior, coder.receive(server.coder, parts[-1]))
+    middle = (method.prior_bits(server.prior),) if coder.uses_prior else ()
+    flat, parts, cstate = receive_vector(message, layout.dim, coder, server.coder, middle)
+    prior = method.prior_receive(server.prior, parts[0]) if coder.uses_prior else server.prior
+    return DenseState(ravel_pytree(server.params)[1](flat), prior, cstate)
 
 
 def dense_client_update(method: DenseMethod, coder: Coder, keys: ClientKeys, server: DenseState, state, data):

@@ -18,6 +18,7 @@ the *decoded* downlink message, and the server averages the *decoded* uplink mes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,14 +27,12 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
+from sidejax.algorithms.dense import receive_vector, vector_downlink
 from sidejax.coding.base import (
     Coder,
     EmptyState,
-    concat_messages,
-    decode_float32,
-    encode_float32,
+    Message,
     float32_coder,
-    split_message,
 )
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
@@ -41,7 +40,17 @@ from sidejax.fl.local import LocalTraining
 from sidejax.keys import ClientKeys, client_streams
 from sidejax.types import Params
 
-__all__ = ["FedAvgState", "FedAvgServerInfo", "weighted_mean", "fedavg"]
+__all__ = [
+    "FedAvgState",
+    "FedAvgServerInfo",
+    "weighted_mean",
+    "fedavg_init",
+    "fedavg_broadcast",
+    "fedavg_receive",
+    "fedavg_client_update",
+    "fedavg_server_update",
+    "fedavg",
+]
 
 
 class FedAvgState(NamedTuple):
@@ -63,6 +72,61 @@ def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
     """Mean of ``values[clients, ...]`` with weights normalised to sum to 1 (exact for a single client)."""
     w = weights / jnp.sum(weights)
     return jnp.tensordot(w, values, axes=1)
+
+
+def fedavg_init(server_optimizer, coder: Coder, key, params: Params, num_clients: int) -> RoundState:
+    """The initial state: the global model, the server optimizer's state, the coder's state."""
+    del key  # FedAvg clients hold no state
+    flat = ravel_pytree(params)[0]
+    opt_state = server_optimizer.init(flat) if server_optimizer is not None else EmptyState()
+    state = FedAvgState(params, opt_state, coder.init(flat.shape[0]))
+    return initial_round_state(state, EmptyState(), num_clients)
+
+
+def fedavg_broadcast(coder: Coder, key, server: FedAvgState, client_ids) -> Message:
+    """The downlink: the global model as float32, then the coder's protocol stream."""
+    del key, client_ids
+    return vector_downlink(ravel_pytree(server.params)[0], coder, server.coder)
+
+
+def fedavg_receive(coder: Coder, dkey, keys, server: FedAvgState, message: Message) -> FedAvgState:
+    """The clients' decoding of :func:`fedavg_broadcast`."""
+    del dkey, keys
+    flat, unravel = ravel_pytree(server.params)
+    received, _, cstate = receive_vector(message, flat.shape[0], coder, server.coder)
+    return server._replace(params=unravel(received), coder=cstate)
+
+
+def fedavg_client_update(local_train, coder: Coder, keys: ClientKeys, server: FedAvgState, state, data):
+    """One client: local training from the received model, then its point mass through ``coder``."""
+    params, info = local_train(client_streams(keys.private).train, server.params, data)
+    p = PointMass(ravel_pytree(server.params)[0])
+    sample_keys = ClientKeys(keys.shared, client_streams(keys.private).sample)
+    message, cinfo = coder.encode(sample_keys, PointMass(ravel_pytree(params)[0]), p, server.coder)
+    return (
+        state,
+        message,
+        ClientInfo(loss=info.loss, finite=info.finite, extra=info.num_steps, valid=cinfo.valid),
+    )
+
+
+def fedavg_server_update(
+    server_optimizer, coder: Coder, rkey, server: FedAvgState, client_ids, shared_keys, messages, weights
+):
+    """The server: decode, example-weighted mean, then plain averaging or a FedOpt step."""
+    del rkey, client_ids
+    flat, unravel = ravel_pytree(server.params)
+    p = PointMass(flat)
+    decoded, checks = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, p, server.coder, messages)
+    cstate, _ = coder.update(server.coder, checks)
+    mean = weighted_mean(decoded, weights)
+    if server_optimizer is None:
+        new_flat, opt_state = mean, server.opt_state
+    else:
+        updates, opt_state = server_optimizer.update(flat - mean, server.opt_state, flat)
+        new_flat = optax.apply_updates(flat, updates)
+    info = FedAvgServerInfo(update_norm=jnp.linalg.norm(new_flat - flat))
+    return FedAvgState(unravel(new_flat), opt_state, cstate), info, checks.errors
 
 
 def fedavg(
@@ -98,60 +162,12 @@ def fedavg(
       0
     """
     coder = float32_coder() if coder is None else coder
-    local_train = local.trainer(loss_fn)
-
-    def init(key, params: Params, num_clients: int) -> RoundState:
-        del key  # FedAvg clients hold no state
-        flat = ravel_pytree(params)[0]
-        opt_state = server_optimizer.init(flat) if server_optimizer is not None else EmptyState()
-        state = FedAvgState(params, opt_state, coder.init(flat.shape[0]))
-        return initial_round_state(state, EmptyState(), num_clients)
-
-    def broadcast(key, server: FedAvgState, client_ids):
-        del key, client_ids
-        return concat_messages(encode_float32(ravel_pytree(server.params)[0]), coder.downlink(server.coder))
-
-    def receive(dkey, keys, server: FedAvgState, message):
-        del dkey, keys
-        flat, unravel = ravel_pytree(server.params)
-        params_msg, coder_msg = split_message(message, (32 * flat.shape[0],))
-        return server._replace(
-            params=unravel(decode_float32(params_msg)), coder=coder.receive(server.coder, coder_msg)
-        )
-
-    def client_update(keys: ClientKeys, server: FedAvgState, state, data):
-        params, info = local_train(client_streams(keys.private).train, server.params, data)
-        flat = ravel_pytree(params)[0]
-        p = PointMass(ravel_pytree(server.params)[0])
-        sample_keys = ClientKeys(keys.shared, client_streams(keys.private).sample)
-        message, cinfo = coder.encode(sample_keys, PointMass(flat), p, server.coder)
-        return (
-            state,
-            message,
-            ClientInfo(loss=info.loss, finite=info.finite, extra=info.num_steps, valid=cinfo.valid),
-        )
-
-    def server_update(rkey, server: FedAvgState, client_ids, shared_keys, messages, weights):
-        del rkey, client_ids
-        flat, unravel = ravel_pytree(server.params)
-        p = PointMass(flat)
-        decoded, checks = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, p, server.coder, messages)
-        cstate, _ = coder.update(server.coder, checks)
-        mean = weighted_mean(decoded, weights)
-        if server_optimizer is None:
-            new_flat, opt_state = mean, server.opt_state
-        else:
-            updates, opt_state = server_optimizer.update(flat - mean, server.opt_state, flat)
-            new_flat = optax.apply_updates(flat, updates)
-        info = FedAvgServerInfo(update_norm=jnp.linalg.norm(new_flat - flat))
-        return FedAvgState(unravel(new_flat), opt_state, cstate), info, checks.errors
-
     return Algorithm(
-        init=init,
-        broadcast=broadcast,
-        receive=receive,
-        client_update=client_update,
-        server_update=server_update,
+        init=functools.partial(fedavg_init, server_optimizer, coder),
+        broadcast=functools.partial(fedavg_broadcast, coder),
+        receive=functools.partial(fedavg_receive, coder),
+        client_update=functools.partial(fedavg_client_update, local.trainer(loss_fn), coder),
+        server_update=functools.partial(fedavg_server_update, server_optimizer, coder),
         eval_params=lambda state: state.server.params,
         clients_per_round=clients_per_round,
     )

@@ -47,15 +47,12 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from sidejax.algorithms.dense import coder_metrics
+from sidejax.algorithms.dense import coder_metrics, receive_vector, vector_downlink
 from sidejax.bits import binary_entropy_bits
 from sidejax.coding.base import (
     Coder,
     EmptyState,
-    concat_messages,
-    decode_float32,
-    encode_float32,
-    split_message,
+    Message,
 )
 from sidejax.coding.sample import mask_coder
 from sidejax.distributions import Bernoulli
@@ -75,6 +72,13 @@ __all__ = [
     "bernoulli_mask",
     "bayes_agg",
     "masked_network",
+    "fedpm_init",
+    "fedpm_broadcast",
+    "fedpm_receive",
+    "fedpm_client_update",
+    "fedpm_server_update",
+    "fedpm_eval_params",
+    "fedpm_metrics",
     "fedpm",
 ]
 
@@ -188,6 +192,102 @@ def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.
     return alpha, beta, theta
 
 
+def fedpm_init(coder: Coder, key, params: Params, num_clients: int) -> RoundState:
+    """The initial state: the frozen signed-constant network, mask scores :math:`s \\sim N(0, 1)` [C] with
+    :math:`\\theta = \\sigma(s)` clipped like every later :math:`\\theta`, the evaluation uniforms and the
+    coder's state."""
+    weights = signed_constant_init(key, params)
+    layout = flat_layout(params)
+    scores = jax.random.normal(stream_key(key, SCORES), (layout.dim,))
+    theta = jnp.clip(jax.nn.sigmoid(scores), MASK_CLIP, 1 - MASK_CLIP)
+    u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
+    ones = jnp.ones(layout.dim, jnp.float32)
+    state = FedPMState(weights, theta, ones, ones, u, coder.init(layout.dim))
+    return initial_round_state(state, EmptyState(), num_clients)
+
+
+def fedpm_broadcast(coder: Coder, key, server: FedPMState, client_ids) -> Message:
+    """The downlink: :math:`\\theta` as float32, then the coder's protocol stream (the weights are a seed)."""
+    del key, client_ids
+    return vector_downlink(server.theta, coder, server.coder)
+
+
+def fedpm_receive(coder: Coder, dkey, keys, server: FedPMState, message: Message) -> FedPMState:
+    """The clients' decoding of :func:`fedpm_broadcast`."""
+    del dkey, keys
+    theta, _, cstate = receive_vector(message, server.theta.shape[0], coder, server.coder)
+    return server._replace(theta=theta, coder=cstate)
+
+
+def fedpm_client_update(
+    loss_fn: Callable,
+    local: LocalTraining,
+    coder: Coder,
+    estimator: str,
+    keys: ClientKeys,
+    server,
+    state,
+    data,
+):
+    """One client (Alg. 1, steps 1-2): train the mask scores from :math:`\\mathrm{logit}(\\theta)`, then send
+    one sample of :math:`q = \\mathrm{Bern}(\\phi)` against :math:`p = \\mathrm{Bern}(\\theta)` with
+    ``coder``."""
+    _, unravel = ravel_pytree(server.weights)
+    theta = server.theta
+    scores0 = unravel(jnp.log(theta) - jnp.log1p(-theta))
+
+    def score_loss(scores, batch, key):
+        u = unravel(jax.random.uniform(stream_key(key, MASK), theta.shape))
+        net = jax.tree.map(
+            lambda w, s, v: w * bernoulli_mask(jax.nn.sigmoid(s), v, estimator), server.weights, scores, u
+        )
+        return loss_fn(net, batch, stream_key(key, LOSS))
+
+    train_key, sample_key = client_streams(keys.private)
+    scores, linfo = local.trainer(score_loss)(train_key, scores0, data)
+    phi = jax.nn.sigmoid(ravel_pytree(scores)[0])
+    q, p = Bernoulli(phi), Bernoulli(theta)
+    message, cinfo = coder.encode(ClientKeys(keys.shared, sample_key), q, p, server.coder)
+    finite = linfo.finite & jnp.all(jnp.isfinite(phi))
+    extra = FedPMClientExtra(
+        kl_bits=jnp.sum(q.kl_bits(p)), ideal_bits=jnp.asarray(cinfo.ideal_bits, jnp.float32), coder=cinfo
+    )
+    return state, message, ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=cinfo.valid)
+
+
+def fedpm_server_update(
+    coder: Coder, reset_priors: bool, rkey, server: FedPMState, client_ids, shared_keys, messages, weights
+):
+    """The server (Alg. 1, step 3): decode every mask with the participant's shared key, clip to
+    {0.01, 0.99}, BayesAgg; the coder's protocol step."""
+    del rkey, client_ids, weights  # unweighted 1/C aggregation [P]
+    prior = Bernoulli(server.theta)
+    masks, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, prior, server.coder, messages)
+    cstate, cinfo = coder.update(server.coder, decoded)
+    clipped = jnp.where(masks > 0.5, 1.0 - MASK_CLIP, MASK_CLIP)
+    alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors)
+    new = server._replace(theta=theta, alpha=alpha, beta=beta, coder=cstate)
+    d = masks.shape[1]
+    paper = d * binary_entropy_bits(jnp.sum(masks > 0.5, axis=1) / d) + math.log2(d)
+    info = FedPMServerInfo(theta_mean=jnp.mean(theta), paper_bits=paper.astype(jnp.float32), coder=cinfo)
+    return new, info, decoded.errors
+
+
+def fedpm_eval_params(eval_mask: str, state: RoundState) -> Params:
+    """The evaluated network: one mask with the fixed uniforms (``"sample"``) or :math:`\\theta > 1/2`."""
+    server = state.server
+    if eval_mask == "threshold":
+        m = (server.theta > 0.5).astype(jnp.float32)
+    else:
+        m = (server.eval_uniforms < server.theta).astype(jnp.float32)
+    return masked_network(server.weights, m)
+
+
+def fedpm_metrics(info) -> dict:
+    """The coder's ideal rate and the KL(q||p) in bits, mean per participant."""
+    return {**coder_metrics(info), "kl_bits": jnp.mean(info.clients.extra.kl_bits, axis=-1)}
+
+
 def fedpm(
     loss_fn: Callable,
     local: LocalTraining,
@@ -199,7 +299,7 @@ def fedpm(
     eval_mask: str = "sample",
 ) -> Algorithm:
     """Builds FedPM (``coder=None``: :func:`sidejax.coding.mask_coder`) or FedPM-KLMS
-    (``coder=klms_coder(config)``).
+    (``coder=klms_coder(config)``) from the module's kernels.
 
     Args:
       loss_fn: the model's ``loss_fn(params, batch, key)``; it is applied to :math:`m \\odot w`.
@@ -222,90 +322,13 @@ def fedpm(
     coder = mask_coder() if coder is None else coder
     if not isinstance(coder, Coder):
         raise TypeError(f"coder must be a sidejax.coding.Coder, got {type(coder).__name__}")
-
-    def masked(weights, scores, uniforms_tree):
-        def leaf(w, s, u):
-            return w * bernoulli_mask(jax.nn.sigmoid(s), u, estimator)
-
-        return jax.tree.map(leaf, weights, scores, uniforms_tree)
-
-    def init(key, params: Params, num_clients: int) -> RoundState:
-        weights = signed_constant_init(key, params)
-        layout = flat_layout(params)
-        # mask scores s ~ N(0, 1) [C]; theta = sigmoid(s), clipped like every later theta
-        scores = jax.random.normal(stream_key(key, SCORES), (layout.dim,))
-        theta = jnp.clip(jax.nn.sigmoid(scores), MASK_CLIP, 1 - MASK_CLIP)
-        u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
-        ones = jnp.ones(layout.dim, jnp.float32)
-        state = FedPMState(weights, theta, ones, ones, u, coder.init(layout.dim))
-        return initial_round_state(state, EmptyState(), num_clients)
-
-    def broadcast(key, server: FedPMState, client_ids):
-        del key, client_ids
-        return concat_messages(encode_float32(server.theta), coder.downlink(server.coder))
-
-    def receive(dkey, keys, server: FedPMState, message):
-        del dkey, keys
-        theta_msg, coder_msg = split_message(message, (32 * server.theta.shape[0],))
-        return server._replace(theta=decode_float32(theta_msg), coder=coder.receive(server.coder, coder_msg))
-
-    def client_update(keys: ClientKeys, server: FedPMState, state, data):
-        _, unravel = ravel_pytree(server.weights)
-        theta = server.theta
-        scores0 = unravel(jnp.log(theta) - jnp.log1p(-theta))
-
-        def score_loss(scores, batch, key):
-            u = jax.random.uniform(stream_key(key, MASK), theta.shape)
-            net = masked(server.weights, scores, unravel(u))
-            return loss_fn(net, batch, stream_key(key, LOSS))
-
-        trainer = local.trainer(score_loss)
-        train_key, sample_key = client_streams(keys.private)
-        scores, linfo = trainer(train_key, scores0, data)
-        phi = jax.nn.sigmoid(ravel_pytree(scores)[0])
-        q, p = Bernoulli(phi), Bernoulli(theta)
-        message, cinfo = coder.encode(ClientKeys(keys.shared, sample_key), q, p, server.coder)
-        finite = linfo.finite & jnp.all(jnp.isfinite(phi))
-        extra = FedPMClientExtra(
-            kl_bits=jnp.sum(q.kl_bits(p)), ideal_bits=jnp.asarray(cinfo.ideal_bits, jnp.float32), coder=cinfo
-        )
-        return state, message, ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=cinfo.valid)
-
-    def server_update(rkey, server: FedPMState, client_ids, shared_keys, messages, weights):
-        del rkey, client_ids, weights  # unweighted 1/C aggregation [P]
-        prior = Bernoulli(server.theta)
-        masks, decoded = jax.vmap(coder.decode, (0, None, None, 0))(
-            shared_keys, prior, server.coder, messages
-        )
-        cstate, cinfo = coder.update(server.coder, decoded)
-        clipped = jnp.where(masks > 0.5, 1.0 - MASK_CLIP, MASK_CLIP)
-        alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors)
-        new = server._replace(theta=theta, alpha=alpha, beta=beta, coder=cstate)
-        d = masks.shape[1]
-        paper = d * binary_entropy_bits(jnp.sum(masks > 0.5, axis=1) / d) + math.log2(d)
-        info = FedPMServerInfo(theta_mean=jnp.mean(theta), paper_bits=paper.astype(jnp.float32), coder=cinfo)
-        return new, info, decoded.errors
-
-    def eval_params(state: RoundState) -> Params:
-        server = state.server
-        if eval_mask == "threshold":
-            m = (server.theta > 0.5).astype(jnp.float32)
-        else:
-            m = (server.eval_uniforms < server.theta).astype(jnp.float32)
-        return masked_network(server.weights, m)
-
-    def metrics(info):
-        out = coder_metrics(info)
-        out["kl_bits"] = jnp.mean(info.clients.extra.kl_bits, axis=-1)
-        return out
-
     return Algorithm(
-        init=init,
-        broadcast=broadcast,
-        receive=receive,
-        client_update=client_update,
-        server_update=server_update,
-        eval_params=eval_params,
+        init=functools.partial(fedpm_init, coder),
+        broadcast=functools.partial(fedpm_broadcast, coder),
+        receive=functools.partial(fedpm_receive, coder),
+        client_update=functools.partial(fedpm_client_update, loss_fn, local, coder, estimator),
+        server_update=functools.partial(fedpm_server_update, coder, reset_priors),
+        eval_params=functools.partial(fedpm_eval_params, eval_mask),
         clients_per_round=clients_per_round,
-        metrics=metrics,
+        metrics=fedpm_metrics,
     )
