@@ -18,8 +18,9 @@ directory and printed, and the runs of each dataset and model are plotted togeth
 - ``x vs 32-bit``: ``32 / uplink bpp``;
 - ``x vs host``: the host method's uplink bpp / this run's, for a KLMS run whose host (e.g. ``fedpm`` for
   ``fedpm_klms``) is in the same table with the same dataset and model;
-- ``KL bpp (ideal)``: the mean ideal rate :math:`\\sum_j D_{KL}(q_j\\|p_j)` / parameters, a bound, not a
-  code length (FedPM logs the KL against the global mask even without KLMS).
+- ``ideal bpp``: the coder's mean ideal rate / parameters (``info.ideal_bits``), a bound, not a code length:
+  :math:`\\sum_j D_{KL}(q_j\\|p_j)` for KLMS, the two-part enumerative length for FedPM's Golomb-coded
+  masks, none for the other baselines.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ COLUMNS = (
     "uplink bpp",
     "x vs 32-bit",
     "x vs host",
-    "KL bpp (ideal)",
+    "ideal bpp",
 )
 
 
@@ -112,7 +113,7 @@ def results_table(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
                 "uplink bpp": _fmt(bpp, ".4f"),
                 "x vs 32-bit": _fmt(32 / bpp if bpp else None, ".0f"),
                 "x vs host": _fmt(hb / bpp if (hb and bpp) else None, ".1f"),
-                "KL bpp (ideal)": _fmt(s.get("mean_ideal_bpp"), ".4f"),
+                "ideal bpp": _fmt(s.get("mean_ideal_bpp"), ".4f"),
             }
         )
     return rows
