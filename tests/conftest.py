@@ -1,4 +1,7 @@
-"""Shared fixtures: small federations and models, built once per session so tests share compilations."""
+"""Shared fixtures: small federations and models, built once per session so tests share compilations.
+
+Helpers shared by test modules live in ``tests/helpers.py`` (``from helpers import tree_equal``); ``tree_equal``
+is re-exported here for test modules that still import it from ``conftest``."""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tree_equal  # noqa: F401  (re-exported)
 
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.fl import classification_loss
@@ -48,11 +51,3 @@ def small_model():
     params = init_params(jax.random.key(0), spec)
     return spec, params, classification_loss(spec.module.apply)
 
-
-def tree_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-        for x, y in zip(la, lb, strict=True)
-        if not jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key)
-    )
