@@ -1,7 +1,7 @@
 """Shared fixtures: small federations and models, built once per session so tests share compilations.
 
-Helpers shared by test modules live in ``tests/helpers.py`` (``from helpers import tree_equal``); ``tree_equal``
-is re-exported here for test modules that still import it from ``conftest``."""
+Helpers shared by test modules live in ``tests/helpers.py`` (``from helpers import tree_equal``);
+``tree_equal`` is re-exported here for test modules that still import it from ``conftest``."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax
 import numpy as np
+import optax
 import pytest
-from helpers import tree_equal  # noqa: F401  (re-exported)
+from helpers import BASE, tree_equal  # noqa: F401  (tree_equal re-exported)
 
+from sidejax.algorithms import fedavg
 from sidejax.data import load_dataset, make_federated_data, partition
-from sidejax.fl import classification_loss
+from sidejax.fl import classification_loss, run_rounds
 from sidejax.models import get_model, init_params
 
 
@@ -51,3 +53,18 @@ def small_model():
     params = init_params(jax.random.key(0), spec)
     return spec, params, classification_loss(spec.module.apply)
 
+
+@pytest.fixture(scope="session")
+def fedavg_map(small_model):
+    """FedAvg on ``small_model``: 4 of 10 clients per round, one local epoch of batches of 16."""
+    _, _, loss = small_model
+    return fedavg(loss, optax.sgd(0.1), clients_per_round=4, batch_size=16, local_epochs=1)
+
+
+@pytest.fixture(scope="session")
+def fedavg_ten_rounds(fedavg_map, small_model, digits_fed):
+    """``(state0, (final, infos))``: 10 rounds of ``fedavg_map`` on ``digits_fed`` from ``helpers.BASE``
+    with ``client_map="map"`` (one compiled program, shared by the engine's and FedAvg's tests)."""
+    _, params, _ = small_model
+    state = fedavg_map.init(BASE, params, 10)
+    return state, run_rounds(fedavg_map, BASE, state, digits_fed, 10, client_map="map")

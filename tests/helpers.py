@@ -6,7 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["tree_equal", "assert_trees_close_across_programs"]
+__all__ = ["BASE", "tree_equal", "assert_trees_close_across_programs"]
+
+#: The base key of the shared FedAvg run (conftest ``fedavg_ten_rounds``) and of the engine tests.
+BASE = jax.random.key(42)
 
 
 def tree_equal(a, b) -> bool:
