@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import BASE, tree_equal  # noqa: F401  (tree_equal re-exported)
+from helpers import BASE, small_algorithm, tree_equal  # noqa: F401  (tree_equal re-exported)
 
 from sidejax.algorithms import fedavg
 from sidejax.data import load_dataset, make_federated_data, partition
@@ -68,3 +68,22 @@ def fedavg_ten_rounds(fedavg_map, small_model, digits_fed):
     _, params, _ = small_model
     state = fedavg_map.init(BASE, params, 10)
     return state, run_rounds(fedavg_map, BASE, state, digits_fed, 10, client_map="map")
+
+
+@pytest.fixture(scope="session")
+def algorithm_run(small_model, digits_fed):
+    """``algorithm_run(name) -> (algo, state0, final, infos)``: 3 rounds of ``helpers.small_algorithm(name)``
+    (5 of 10 clients per round, ``client_map="map"``, init key 0, base key 1) on ``digits_fed``, run once per
+    session and shared by the algorithms' test modules."""
+    _, params, loss = small_model
+    runs = {}
+
+    def run(name: str):
+        if name not in runs:
+            algo = small_algorithm(name, loss, 5)
+            state = algo.init(jax.random.key(0), params, 10)
+            final, infos = run_rounds(algo, jax.random.key(1), state, digits_fed, 3, client_map="map")
+            runs[name] = (algo, state, final, infos)
+        return runs[name]
+
+    return run

@@ -5,8 +5,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-__all__ = ["BASE", "tree_equal", "assert_trees_close_across_programs"]
+from sidejax.algorithms import fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.coding.klms import KLMSConfig, klms_coder
+
+__all__ = [
+    "BASE",
+    "SMALL_KLMS",
+    "small_algorithm",
+    "SMALL_ALGORITHMS",
+    "tree_equal",
+    "assert_trees_close_across_programs",
+    "assert_clean_run",
+]
 
 #: The base key of the shared FedAvg run (conftest ``fedavg_ten_rounds``) and of the engine tests.
 BASE = jax.random.key(42)
@@ -44,3 +56,50 @@ def assert_trees_close_across_programs(a, b, ulps: int) -> None:
             np.testing.assert_allclose(x, y, rtol=0, atol=ulps * float(scale))
         else:
             np.testing.assert_array_equal(x, y)
+
+
+#: The KLMS configuration of the algorithms' integration runs (small blocks: a 25,818-parameter MLP).
+SMALL_KLMS = KLMSConfig(log2_num_candidates=2, max_block_size=64)
+SMALL_ALGORITHMS = (
+    "fedpm",
+    "fedpm_klms",
+    "qsgd",
+    "qsgd_klms",
+    "signsgd",
+    "signsgd_klms",
+    "qlsd",
+    "sgld_klms",
+)
+
+
+def small_algorithm(name: str, loss, clients: int):
+    """One of :data:`SMALL_ALGORITHMS` on ``loss`` with ``clients`` participants per round (10 clients in
+    all), its KLMS variant with :data:`SMALL_KLMS`."""
+    common = dict(clients_per_round=clients, batch_size=32)
+    lang = dict(num_clients=10, clients_per_round=clients, batch_size=32)
+    klms = klms_coder(SMALL_KLMS)
+    builders = {
+        "fedpm": lambda: fedpm(loss, optax.adam(0.1), **common),
+        "fedpm_klms": lambda: fedpm(loss, optax.adam(0.1), coder=klms, **common),
+        "qsgd": lambda: qsgd(loss, optax.sgd(0.1), server_lr=1.0, **common),
+        "qsgd_klms": lambda: qsgd(loss, optax.sgd(0.1), server_lr=1.0, coder=klms, **common),
+        "signsgd": lambda: signsgd(loss, optax.sgd(0.1), server_lr=0.01, **common),
+        "signsgd_klms": lambda: signsgd(loss, optax.sgd(0.1), server_lr=0.01, coder=klms, **common),
+        "qlsd": lambda: qlsd(loss, **lang),
+        "sgld_klms": lambda: sgld(loss, coder=klms, **lang),
+    }
+    return builders[name]()
+
+
+def assert_clean_run(name: str, infos) -> None:
+    """Every round of an integration run (stacked :class:`sidejax.fl.RoundInfo`) is finite, every stream
+    real and well formed; a KLMS run starts with an update round and its server saw every stream valid."""
+    assert bool(np.all(np.asarray(infos.clients.finite))), name
+    assert bool(np.all(np.asarray(infos.server_finite))), name
+    assert bool(np.all(np.asarray(infos.clients.valid))), name
+    np.testing.assert_array_equal(infos.uplink_errors, 0, err_msg=name)
+    assert np.all(np.asarray(infos.uplink_bits) > 0), name
+    if name.endswith("_klms"):
+        kinfo = infos.server.coder
+        assert bool(np.all(np.asarray(kinfo.streams_valid))), name
+        assert bool(np.asarray(kinfo.updated)[0]), name  # adaptive mode starts with an update round
