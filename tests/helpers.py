@@ -9,6 +9,7 @@ import optax
 
 from sidejax.algorithms import fedpm, qlsd, qsgd, sgld, signsgd
 from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.models import ModelSpec, count_params, init_params
 
 __all__ = [
     "BASE",
@@ -18,6 +19,8 @@ __all__ = [
     "tree_equal",
     "assert_trees_close_across_programs",
     "assert_clean_run",
+    "abstract_params",
+    "abstract_count",
 ]
 
 #: The base key of the shared FedAvg run (conftest ``fedavg_ten_rounds``) and of the engine tests.
@@ -103,3 +106,12 @@ def assert_clean_run(name: str, infos) -> None:
         kinfo = infos.server.coder
         assert bool(np.all(np.asarray(kinfo.streams_valid))), name
         assert bool(np.asarray(kinfo.updated)[0]), name  # adaptive mode starts with an update round
+
+
+def abstract_params(spec: ModelSpec):
+    """A model's parameter shapes without allocating or compiling anything (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda k: init_params(k, spec), jax.random.key(0))
+
+
+def abstract_count(spec: ModelSpec) -> int:
+    return count_params(abstract_params(spec))
