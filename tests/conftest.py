@@ -27,7 +27,9 @@ import pytest
 from helpers import BASE, small_algorithm, tree_equal  # noqa: F401  (tree_equal re-exported)
 
 from sidejax.algorithms import fedavg
+from sidejax.data import datasets as datasets_module
 from sidejax.data import load_dataset, make_federated_data, partition
+from sidejax.data import tfds as tfds_module
 from sidejax.fl import classification_loss, run_rounds
 from sidejax.models import get_model, init_params
 
@@ -87,3 +89,17 @@ def algorithm_run(small_model, digits_fed):
         return runs[name]
 
     return run
+
+
+@pytest.fixture
+def no_local_data(tmp_path, monkeypatch):
+    """Makes sure no real dataset can be found: empty env dir, fake HOME and Debian root, no TFDS."""
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("SIDEJAX_DATA_DIR", str(env_dir))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(datasets_module, "DEBIAN_DATA_ROOT", str(tmp_path / "debian"))
+    monkeypatch.setattr(tfds_module, "tfds_installed", lambda: False)
+    return tmp_path

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +24,11 @@ __all__ = [
     "assert_clean_run",
     "abstract_params",
     "abstract_count",
+    "IDX_CODES",
+    "idx_bytes",
+    "write_idx",
+    "fake_mnist",
+    "fake_cifar_batch",
 ]
 
 #: The base key of the shared FedAvg run (conftest ``fedavg_ten_rounds``) and of the engine tests.
@@ -115,3 +123,49 @@ def abstract_params(spec: ModelSpec):
 
 def abstract_count(spec: ModelSpec) -> int:
     return count_params(abstract_params(spec))
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny fake data files (the file formats of sidejax.data.idx and sidejax.data.cifar)
+
+IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int16): 0x0B, np.dtype(np.int32): 0x0C}
+
+
+def idx_bytes(arr: np.ndarray) -> bytes:
+    """The IDX file holding ``arr`` (uint8, int16 or int32), uncompressed."""
+    code = IDX_CODES[arr.dtype]
+    header = bytes([0, 0, code, arr.ndim]) + np.asarray(arr.shape, dtype=">u4").tobytes()
+    return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+
+
+def write_idx(path, arr: np.ndarray, *, gz: bool) -> None:
+    """Writes ``arr`` as an IDX file at ``path`` (a ``pathlib.Path``), gzip-compressed if ``gz``."""
+    data = idx_bytes(arr)
+    if gz:
+        with gzip.open(path, "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def fake_mnist(directory, prefix_img, prefix_lbl, n, num_classes, *, gz, label_offset=0):
+    """``n`` random 28x28 uint8 images and labels ``i % num_classes + label_offset`` as two IDX files in
+    ``directory``; returns ``(images, labels)``."""
+    rng = np.random.default_rng(n)
+    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    labels = (np.arange(n) % num_classes + label_offset).astype(np.uint8)
+    suffix = ".gz" if gz else ""
+    write_idx(directory / f"{prefix_img}{suffix}", images, gz=gz)
+    write_idx(directory / f"{prefix_lbl}{suffix}", labels, gz=gz)
+    return images, labels
+
+
+def fake_cifar_batch(path, n, label_key, seed):
+    """A CIFAR python batch of ``n`` random images with labels under ``label_key``; returns
+    ``(data, labels)``."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+    labels = list(rng.integers(0, 10, size=n))
+    with open(path, "wb") as f:
+        pickle.dump({b"data": data, label_key: labels}, f)
+    return data, labels
