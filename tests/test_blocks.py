@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidejax.blocks import (
-    aggregate_block_locations,
-    block_sizes,
-    block_sums,
-    fixed_blocks,
-    kl_blocks,
-)
+from sidejax.blocks import aggregate_block_locations, block_sizes, block_sums, fixed_blocks, kl_blocks
+
+# The partitions run as jitted programs shared by the tests (one compile per static bound and shape), not op
+# by op; kl_blocks is called eagerly only where its host-side check is the subject.
+partition = jax.jit(kl_blocks, static_argnames=("target_bits", "max_block_size", "max_blocks"))
+aggregate = jax.jit(aggregate_block_locations, static_argnames=("dim", "max_block_size", "max_blocks"))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -27,9 +26,7 @@ def test_kl_partition_invariants(seed):
     d, target, cap = 3000, 2.0, 64
     kl = rng.exponential(0.05, d) * (rng.random(d) < 0.7)
     kl[rng.integers(0, d, 5)] = 3.5  # single coordinates above target: overflow singletons
-    b = jax.jit(lambda k: kl_blocks(k, target, max_block_size=cap, max_blocks=d))(
-        jnp.asarray(kl, jnp.float32)
-    )
+    b = partition(jnp.asarray(kl, jnp.float32), target, max_block_size=cap, max_blocks=d)
     m = int(b.num_blocks)
     starts = np.asarray(b.starts)[: m + 1]
     sizes = np.diff(starts)
@@ -80,15 +77,17 @@ def test_kl_partition_matches_chain_oracle_and_vmap():
 
 
 def test_kl_partition_edge_cases():
-    b = kl_blocks(jnp.zeros(1000), 2.0, max_block_size=256, max_blocks=1000)
+    b = partition(jnp.zeros(1000), 2.0, max_block_size=256, max_blocks=1000)
     assert np.asarray(block_sizes(b))[: int(b.num_blocks)].tolist() == [256, 256, 256, 232]
     eps = 0.03
-    b = kl_blocks(jnp.full(1000, eps), 2.0, max_block_size=256, max_blocks=1000)
+    b = partition(jnp.full(1000, eps), 2.0, max_block_size=256, max_blocks=1000)
     assert int(block_sizes(b)[0]) == min(256, math.floor(2.0 / eps))
-    b = kl_blocks(jnp.full(100, 1.0), 2.0, max_block_size=256, max_blocks=10)
+    b = partition(jnp.full(100, 1.0), 2.0, max_block_size=256, max_blocks=10)
     assert bool(b.overflow)  # needs 50 blocks, bound is 10: flagged, not silent
     with pytest.raises(ValueError, match="target_bits"):
         kl_blocks(jnp.zeros(4), 0.0, max_block_size=2, max_blocks=4)
+    with pytest.raises(ValueError, match="target_bits"):
+        partition(jnp.zeros(4), 0.0, max_block_size=2, max_blocks=4)
 
 
 def test_kl_partition_rejects_non_finite_kl_and_isolates_it_in_jit():
@@ -97,7 +96,7 @@ def test_kl_partition_rejects_non_finite_kl_and_isolates_it_in_jit():
     (like a KL above the target) and the rest of the partition is unchanged."""
     d, cap = 400, 64
     kl = np.full(d, 0.25, np.float32)
-    part = jax.jit(lambda k: kl_blocks(k, 2.0, max_block_size=cap, max_blocks=d))
+    part = lambda k: partition(k, 2.0, max_block_size=cap, max_blocks=d)
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="kl_bits has 1 non-finite entries .*coordinate 100"):
             kl_blocks(jnp.asarray(kl).at[100].set(bad), 2.0, max_block_size=cap, max_blocks=d)
@@ -118,20 +117,18 @@ def test_fixed_blocks():
 def test_aggregate_block_locations():
     d, cap = 500, 32
     kl = jnp.asarray(np.random.default_rng(3).exponential(0.1, d), jnp.float32)
-    b = kl_blocks(kl, 2.0, max_block_size=cap, max_blocks=d)
+    b = partition(kl, 2.0, max_block_size=cap, max_blocks=d)
     st = jnp.stack([b.starts] * 3)
-    agg = aggregate_block_locations(
-        st, jnp.stack([b.num_blocks] * 3), dim=d, max_block_size=cap, max_blocks=d
-    )
+    agg = aggregate(st, jnp.stack([b.num_blocks] * 3), dim=d, max_block_size=cap, max_blocks=d)
     assert np.array_equal(agg.starts, b.starts) and int(agg.num_blocks) == int(b.num_blocks)  # idempotent
     # hand-computed Alg. 7: client A starts [0, 3, 10], client B [0, 5] -> [0, ceil(8/2)=4, 10]; cap 4 splits
-    hand = aggregate_block_locations(
+    hand = aggregate(
         jnp.array([[0, 3, 10], [0, 5, 13]]), jnp.array([3, 2]), dim=13, max_block_size=4, max_blocks=13
     )
     assert np.asarray(hand.starts)[: int(hand.num_blocks) + 1].tolist() == [0, 4, 8, 10, 13]
     # exact integer ceil-mean past float32's 2**24: float32 reads 2**24 + 1 as 2**24 and would give 2**24 + 1
     big = 2**24 + 8
-    exact = aggregate_block_locations(
+    exact = aggregate(
         jnp.array([[0, 2**24 + 1], [0, 2**24 + 2]]),
         jnp.array([2, 2]),
         dim=big,
@@ -142,10 +139,10 @@ def test_aggregate_block_locations():
     # random clients: strictly increasing, within [0, d], no block over the cap
     rng = np.random.default_rng(4)
     parts = [
-        kl_blocks(jnp.asarray(rng.exponential(s, d), jnp.float32), 2.0, max_block_size=cap, max_blocks=d)
+        partition(jnp.asarray(rng.exponential(s, d), jnp.float32), 2.0, max_block_size=cap, max_blocks=d)
         for s in (0.01, 0.1, 0.5)
     ]
-    out = aggregate_block_locations(
+    out = aggregate(
         jnp.stack([p.starts for p in parts]),
         jnp.stack([p.num_blocks for p in parts]),
         dim=d,

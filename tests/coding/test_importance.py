@@ -7,6 +7,7 @@ few standard errors of n draws; closed forms or float64 numpy are the references
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,10 +16,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from sidejax.blocks import (
-    fixed_blocks,
-    kl_blocks,
-)
+from sidejax.blocks import fixed_blocks, kl_blocks
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import check_stream
 from sidejax.coding.importance import (
@@ -42,7 +40,17 @@ def _encode_decode(q, p, blocks, log2k, shared=SK, private=PK, chunk_size=None):
     return idx, info, importance_decode(shared, p, blocks, idx)
 
 
+# Compiling is most of this module's time: the tests share jitted programs (one compile per static
+# argument and shape) instead of running the coder's helpers op by op.
 encode_decode = jax.jit(_encode_decode, static_argnames=("log2k", "chunk_size"))
+decode = jax.jit(importance_decode)
+
+
+@functools.partial(jax.jit, static_argnames=("target_bits", "max_block_size"))
+def kl_partition(q, p, *, target_bits, max_block_size):
+    """The KL-driven partition of ``q`` against ``p``, bounded by ``dim`` blocks."""
+    kl = q.kl_bits(p)
+    return kl_blocks(kl, target_bits, max_block_size=max_block_size, max_blocks=kl.shape[0])
 
 
 def singletons(n):
@@ -60,22 +68,34 @@ def test_wrong_dimension_is_a_clear_error():
         importance_decode(SK, p, b, jnp.zeros(10, jnp.int32))
 
 
+WINDOWS = ((0, 2), (100, 100), (700, 76))
+
+
+@jax.jit
+def _candidate_tables(p):
+    """The K = 8 candidates of every coordinate of ``p``, their uniforms, and the encoder's chunk windows of
+    those uniforms (:data:`WINDOWS`)."""
+    d = p.probs.shape[0]
+    u_all = candidate_uniforms(SK, jnp.arange(8)[:, None], jnp.arange(d)[None, :])
+    return candidates(SK, p, 3), u_all, [_pair_uniforms(SK, 8, start, length) for start, length in WINDOWS]
+
+
 def test_decoder_reproduces_encoder_choice_for_any_partition_and_chunking():
     d = 777
     q = Bernoulli(jax.random.uniform(jax.random.key(1), (d,), minval=0.02, maxval=0.98))
     p = Bernoulli(jnp.full((d,), 0.4))
-    y_all = candidates(SK, p, 3)
+    y_all, u_all, windows = (np.asarray(a) if not isinstance(a, list) else a for a in _candidate_tables(p))
     # the encoder's chunk windows hash exactly the candidates' uniforms (integer hashing: exact in any
     # program), so the candidates do not depend on chunking
-    u_all = candidate_uniforms(SK, jnp.arange(8)[:, None], jnp.arange(d)[None, :])
-    for start, length in ((0, 2), (100, 100), (700, 76)):
-        assert np.array_equal(_pair_uniforms(SK, 8, start, length), u_all[:, start : start + length])
-    for blocks in (fixed_blocks(d, 16), kl_blocks(q.kl_bits(p), 3.0, max_block_size=64, max_blocks=d)):
+    for (start, length), window in zip(WINDOWS, windows, strict=True):
+        assert np.array_equal(window, u_all[:, start : start + length])
+    for blocks in (fixed_blocks(d, 16), kl_partition(q, p, target_bits=3.0, max_block_size=64)):
         ref = None
+        block_ids = np.asarray(blocks.block_ids)
         for chunk in (2, 100, None):
             idx, _, y = encode_decode(q, p, blocks, 3, chunk_size=chunk)
             # the decoded sample is the chosen candidate (discrete values: exact across programs)
-            assert np.array_equal(y, y_all[idx[blocks.block_ids], jnp.arange(d)])
+            assert np.array_equal(y, y_all[np.asarray(idx)[block_ids], np.arange(d)])
             ref = idx if ref is None else ref
             # each chunking is another compiled program whose per-block log-weights are summed in another
             # order (last-bit differences), so an index may flip where two candidates' perturbed
@@ -91,12 +111,12 @@ def test_bits_are_the_packed_stream_length_and_round_trip():
     d = 300
     q = Ternary(jax.nn.softmax(jax.random.normal(jax.random.key(2), (d, 3)), axis=-1))
     p = Ternary(jnp.full((d, 3), 1 / 3))
-    blocks = kl_blocks(q.kl_bits(p), 4.0, max_block_size=32, max_blocks=d)
+    blocks = kl_partition(q, p, target_bits=4.0, max_block_size=32)
     idx, _, y = encode_decode(q, p, blocks, 4)
     msg = encode_indices(idx, blocks.num_blocks, 4)
     assert float(msg.num_bits) == int(blocks.num_blocks) * 4
     assert np.array_equal(decode_indices(msg, blocks.max_blocks, 4), idx)
-    assert np.array_equal(importance_decode(SK, p, blocks, decode_indices(msg, blocks.max_blocks, 4)), y)
+    assert np.array_equal(decode(SK, p, blocks, decode_indices(msg, blocks.max_blocks, 4)), y)
     with pytest.raises(ValueError, match="truncated"):
         decode_indices(Message(msg.payload[:3], msg.num_bits), blocks.max_blocks, 4)
     with pytest.raises(ValueError, match="truncated"):
@@ -110,15 +130,15 @@ def test_vmap_over_clients_equals_stack():
     qs = Bernoulli(jax.random.uniform(jax.random.key(3), (3, d), minval=0.05, maxval=0.95))
     p = Bernoulli(jnp.full((d,), 0.5))
     b = fixed_blocks(d, 8)
-    sks = jax.vmap(lambda i: jax.random.fold_in(SK, i))(jnp.arange(3))
-    pks = jax.vmap(lambda i: jax.random.fold_in(PK, i))(jnp.arange(3))
     f = lambda s, r, q: importance_encode(s, r, q, p, b, log2_num_candidates=2, chunk_size=16)[0]
 
     @jax.jit
-    def both(sks, pks, qs):  # one compiled program: batched and per-client encodes must agree bit for bit
+    def both(qs):  # one compiled program: batched and per-client encodes must agree bit for bit
+        sks = jax.vmap(lambda i: jax.random.fold_in(SK, i))(jnp.arange(3))
+        pks = jax.vmap(lambda i: jax.random.fold_in(PK, i))(jnp.arange(3))
         return jax.vmap(f)(sks, pks, qs), [f(sks[i], pks[i], Bernoulli(qs.probs[i])) for i in range(3)]
 
-    batched, single = both(sks, pks, qs)
+    batched, single = both(qs)
     for i in range(3):
         assert np.array_equal(batched[i], single[i])
 

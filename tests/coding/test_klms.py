@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from sidejax.blocks import block_sizes, block_sums, blocks_from_starts, kl_block
 from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PRIOR, Message, stream_errors
 from sidejax.coding.importance import importance_decode, importance_encode
 from sidejax.coding.klms import (
+    KLMSClientInfo,
     KLMSConfig,
     KLMSDecoded,
     klms_decode,
@@ -30,31 +31,48 @@ from sidejax.distributions import Bernoulli, DiagGaussian
 from sidejax.keys import client_keys
 
 D = 1000
-
-
 CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16)
-
-
+FIXED = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+CRC_CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16, crc32=True)
 Q = Bernoulli(jax.random.uniform(jax.random.key(1), (D,), minval=0.01, maxval=0.99))
-
-
 P = Bernoulli(jnp.full((D,), 0.5))
-
-
 KEYS = client_keys(jax.random.key(3), 5)
+
+# Compiling is most of this module's time (the encoder alone takes seconds), so the tests share a few jitted
+# programs, each compiled once per static configuration and per shape, and keep the shapes above.
+encode = jax.jit(klms_encode, static_argnames="config")
+decode = jax.jit(klms_decode, static_argnames="config")
+server_update = jax.jit(klms_server_update, static_argnames="config")
+
+
+class Roundtrip(NamedTuple):
+    msg: Message
+    info: KLMSClientInfo
+    y: jax.Array
+    dec: KLMSDecoded
+    y_ref: jax.Array
 
 
 @jax.jit
-def _roundtrip(state):
+def _roundtrip(state) -> Roundtrip:
+    """One client's CFG stream for ``state`` and its decoding, and, in the same compiled program, the
+    importance coder run on the partition that stream must use (the client's own in update rounds, the
+    broadcast one otherwise): ``y_ref``, the reference for the decoded sample."""
     msg, info = klms_encode(KEYS, Q, P, state, CFG)
     y, dec = klms_decode(KEYS.shared, P, state, msg, CFG)
-    return msg, info, y, dec
+    blocks = jax.lax.cond(
+        state.update,
+        lambda: kl_blocks(Q.kl_bits(P), CFG.target_bits, max_block_size=CFG.max_block_size, max_blocks=D),
+        lambda: blocks_from_starts(state.blocks.starts, state.blocks.num_blocks, D, D),
+    )
+    idx, _ = importance_encode(KEYS.shared, KEYS.private, Q, P, blocks, log2_num_candidates=2)
+    return Roundtrip(msg, info, y, dec, importance_decode(KEYS.shared, P, blocks, idx))
 
 
 @pytest.mark.parametrize("update", [True, False])
 def test_stream_decodes_to_the_encoders_choice_and_has_the_exact_length(update):
     state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
-    msg, info, y, dec = _roundtrip(state)
+    msg, info, y, dec, ref = _roundtrip(state)
     M = int(info.num_blocks)
     # the partition actually used: adaptive in update rounds, the broadcast one otherwise
     if update:
@@ -67,46 +85,29 @@ def test_stream_decodes_to_the_encoders_choice_and_has_the_exact_length(update):
     assert float(dec.statistic) == pytest.approx(float(info.kl_bits) / M, rel=1e-6)
 
     # the decoded sample is the candidate the encoder chose, bit for bit (within one compiled program)
-    @jax.jit
-    def both(state):
-        msg, _ = klms_encode(KEYS, Q, P, state, CFG)
-        y, _ = klms_decode(KEYS.shared, P, state, msg, CFG)
-        blocks = (
-            kl_blocks(Q.kl_bits(P), 2.0, max_block_size=16, max_blocks=D)
-            if update
-            else blocks_from_starts(state.blocks.starts, state.blocks.num_blocks, D, D)
-        )
-        idx, _ = importance_encode(KEYS.shared, KEYS.private, Q, P, blocks, log2_num_candidates=2)
-        return y, importance_decode(KEYS.shared, P, blocks, idx)
-
-    y1, y2 = both(state)
-    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
-    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))  # Bernoulli: exact 0/1 in any program
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
 
 
 def test_corrupted_stream_is_flagged():
     state = klms_init(D, CFG)
-    msg, _, _, _ = _roundtrip(state)
+    msg = _roundtrip(state).msg
     short = Message(msg.payload, msg.num_bits - 1)
-    _, dec = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, CFG))(short)
+    _, dec = decode(KEYS.shared, P, state, short, CFG)
     assert not bool(dec.valid)
     # block lengths that do not sum to dim (an all-zero stream: every length 1, indices 0)
     zeros = Message(jnp.zeros_like(msg.payload), msg.num_bits)
-    _, dec2 = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, CFG))(zeros)
+    _, dec2 = decode(KEYS.shared, P, state, zeros, CFG)
     assert not bool(dec2.valid)
-
-
-FIXED = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
 
 
 def test_a_truncated_payload_is_invalid_in_jit_and_raises_on_the_host():
     """Regression (issue 12): a payload one word shorter than num_bits claims read the missing word as zeros
     and decoded valid=True (here 21 of 1000 coordinates wrong; fixed mode, 300 bits in 10 words)."""
     state = klms_init(D, FIXED)
-    msg, _ = jax.jit(lambda s: klms_encode(KEYS, Q, P, s, FIXED))(state)
+    msg, _ = encode(KEYS, Q, P, state, FIXED)
     assert msg.payload.shape == (10,) and float(msg.num_bits) == 300
     short = Message(msg.payload[:-1], msg.num_bits)
-    dec_jit = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, FIXED))
+    dec_jit = lambda m: decode(KEYS.shared, P, state, m, FIXED)
     y, dec = dec_jit(msg)
     y_short, dec_short = dec_jit(short)
     assert bool(dec.valid) and int(dec.errors) == 0
@@ -127,7 +128,7 @@ def test_the_host_decodes_the_exact_length_message(update):
     'truncated bitstream' on the ceil(num_bits / 32) words actually sent). Outside jit the encoder returns
     exactly the sent words and the decoder takes exactly those; a capacity buffer is a length mismatch."""
     state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
-    msg_jit, _, y_jit, dec_jit = _roundtrip(state)
+    msg_jit, _, y_jit, dec_jit, _ = _roundtrip(state)
     n = -(-int(msg_jit.num_bits) // 32)
     assert msg_jit.payload.shape[0] > n  # the jitted encoder's capacity buffer
     np.testing.assert_array_equal(np.asarray(msg_jit.payload[n:]), 0)
@@ -154,18 +155,15 @@ def test_bad_inputs_in_jit_are_flagged_and_wrong_dimensions_raise():
     for bad in (1.5, -0.2, float("nan")):
         assert not bool(enc(Q.probs.at[7].set(bad), P.probs)), bad
         assert not bool(enc(Q.probs, P.probs.at[7].set(bad))), bad
-    msg, _, _, _ = _roundtrip(state)
-    decode = jax.jit(lambda p, m: klms_decode(KEYS.shared, Bernoulli(p), state, m, CFG))
-    _, dec = decode(P.probs.at[3].set(jnp.nan), msg)
+    msg = _roundtrip(state).msg
+    nan_prior = jax.tree.map(lambda a: a.at[3].set(jnp.nan), P)  # rebuilt from leaves: not checked, as in jit
+    _, dec = decode(KEYS.shared, nan_prior, state, msg, CFG)
     assert not bool(dec.valid) and int(dec.errors) & ERR_PRIOR
     q2, p2 = Bernoulli(jnp.full(D + 1, 0.3)), Bernoulli(jnp.full(D + 1, 0.5))
     with pytest.raises(ValueError, match=f"q has {D + 1} coordinates but the KLMS state's blocks .* dim={D}"):
         klms_encode(KEYS, q2, p2, state, CFG)
     with pytest.raises(ValueError, match=f"p has {D + 1} coordinates .* dim={D}"):
         klms_decode(KEYS.shared, p2, state, msg, CFG)
-
-
-CRC_CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16, crc32=True)
 
 
 def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silently():
@@ -175,16 +173,14 @@ def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silentl
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
     other = client_keys(jax.random.key(3), 6).shared
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(cfg):
-        msg, _ = klms_encode(KEYS, Q, P, state, cfg)
+    def run(msg, cfg):
         flipped = Message(msg.payload.at[0].set(msg.payload[0] ^ jnp.uint32(1 << 5)), msg.num_bits)  # index 2
         pairs = ((KEYS.shared, msg), (KEYS.shared, flipped), (other, msg))
-        outs = [klms_decode(k, P, state, m, cfg) for k, m in pairs]
+        outs = [decode(k, P, state, m, cfg) for k, m in pairs]
         return msg, [(y, d.valid, d.errors) for y, d in outs]
 
-    plain_msg, plain = run(CFG)
-    crc_msg, crc = run(CRC_CFG)
+    plain_msg, plain = run(_roundtrip(state).msg, CFG)
+    crc_msg, crc = run(encode(KEYS, Q, P, state, CRC_CFG)[0], CRC_CFG)
     assert float(crc_msg.num_bits) == float(plain_msg.num_bits) + 32
     (y, ok, _), (y_flip, ok_flip, _), (y_key, ok_key, _) = plain
     assert bool(ok) and bool(ok_flip) and bool(ok_key)  # silent without the checksum
@@ -245,24 +241,22 @@ def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
     assert preset.work_buckets(61706) == (64, 256, 1024, 4096, 16384, 61706)
     assert FIXED.work_buckets(D) == (100,)  # fixed blocks: always max_blocks of them
     full = dataclasses.replace(CFG, bucketed=False)
+    per_client = dataclasses.replace(CFG, bucket_update_rounds=True)
 
     @jax.jit
-    def both(state):
-        return klms_encode(KEYS, Q, P, state, CFG), klms_encode(KEYS, Q, P, state, full)
+    def encoders(state):  # one program: the bucketed encoders and the unbounded one
+        return [klms_encode(KEYS, Q, P, state, cfg) for cfg in (CFG, per_client, full)]
 
     for block_size, bucket in ((16, 64), (8, 256), (3, D)):  # 63, 125 and 334 blocks
         cfg = dataclasses.replace(CFG, block_size=block_size)
         state = klms_init(D, cfg)._replace(update=jnp.asarray(False))
-        (msg, info), (ref, ref_info) = both(state)
+        (msg, info), _, (ref, ref_info) = encoders(state)
         assert int(info.num_blocks) <= bucket and float(msg.num_bits) == float(ref.num_bits)
         np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
         assert float(info.statistic) == float(ref_info.statistic)
     # update rounds (each client's own partition) too, when asked (clients under lax.map)
-    per_client = dataclasses.replace(CFG, bucket_update_rounds=True)
     update = klms_init(D, CFG)
-    (msg, info), (ref, _) = jax.jit(
-        lambda s: (klms_encode(KEYS, Q, P, s, per_client), klms_encode(KEYS, Q, P, s, full))
-    )(update)
+    _, (msg, info), (ref, _) = encoders(update)
     assert int(info.num_blocks) < 256 and float(msg.num_bits) == float(ref.num_bits)
     np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
@@ -272,7 +266,7 @@ def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
 
 
 def test_fixed_mode_sends_indices_only():
-    cfg = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+    cfg = FIXED
     state = klms_init(D, cfg)
     msg, info = klms_encode(KEYS, Q, P, state, cfg)
     assert float(msg.num_bits) == 100 * 3
@@ -294,11 +288,11 @@ def test_server_info_flags_each_clients_stream():
     """Regression (issue 12): streams_valid was one scalar for the round, so a driver could not name the bad
     client. Now it is one flag per participant (with its error bitmask), in the order of the client ids."""
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
-    msg, _, _, _ = _roundtrip(state)
+    msg = _roundtrip(state).msg
     bad = Message(msg.payload, msg.num_bits + 1)  # a field count that does not match the stream
     msgs = jax.tree.map(lambda a, b: jnp.stack([a, b, a]), msg, bad)
     _, decoded = jax.jit(jax.vmap(lambda m: klms_decode(KEYS.shared, P, state, m, CFG)))(msgs)
-    _, sinfo = klms_server_update(state, decoded, CFG)
+    _, sinfo = server_update(state, decoded, CFG)
     assert sinfo.streams_valid.shape == (3,)
     assert np.asarray(sinfo.streams_valid).tolist() == [True, False, True]
     assert np.asarray(sinfo.stream_errors).tolist()[1] != 0
@@ -307,9 +301,9 @@ def test_server_info_flags_each_clients_stream():
 
 def test_update_round_aggregates_partitions_and_triggers_fire():
     state = klms_init(D, CFG)
-    _, info, _, dec = _roundtrip(state)
+    dec = _roundtrip(state).dec
     stacked = jax.tree.map(lambda a: jnp.stack([a, a, a]), dec)
-    new, sinfo = klms_server_update(state, stacked, CFG)
+    new, sinfo = server_update(state, stacked, CFG)
     # identical client partitions aggregate to themselves (Alg. 7 idempotence)
     np.testing.assert_array_equal(np.asarray(new.blocks.starts), np.asarray(dec.starts))
     assert bool(sinfo.updated) and not bool(new.update) and bool(new.changed)
@@ -320,19 +314,17 @@ def test_update_round_aggregates_partitions_and_triggers_fire():
     nums = jnp.stack([new.blocks.num_blocks] * 2)
     # in range: no re-partition; too high or too low: re-partition next round
     for stat, fires in [(1.0, False), (4.5, True), (0.5, True)]:
-        nxt, _ = klms_server_update(
-            new._replace(update=jnp.asarray(False)), _decoded(starts, nums, stat), CFG
-        )
+        nxt, _ = server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, stat), CFG)
         assert bool(nxt.update) == fires, stat
     # cap-bound partition (every block has max_block_size coordinates): the low trigger is suppressed
     capped = klms_init(D, KLMSConfig(log2_num_candidates=2, max_block_size=16, block_size=16))
     c_st = jnp.stack([capped.blocks.starts] * 2)
     c_n = jnp.stack([capped.blocks.num_blocks] * 2)
-    nxt, _ = klms_server_update(capped._replace(update=jnp.asarray(False)), _decoded(c_st, c_n, 0.1), CFG)
+    nxt, _ = server_update(capped._replace(update=jnp.asarray(False)), _decoded(c_st, c_n, 0.1), CFG)
     assert not bool(nxt.update)
     # the reference code's rho rule
     rho_cfg = KLMSConfig(log2_num_candidates=2, max_block_size=16, trigger="rho")
-    nxt, _ = klms_server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, 3.5), rho_cfg)
+    nxt, _ = server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, 3.5), rho_cfg)
     assert bool(nxt.update)
 
 
@@ -348,8 +340,8 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
     server's new state; in the other rounds it is the 1-bit flag and the client keeps its partition. The
     host message is exactly the words sent; the jitted one a capacity buffer that decodes the same."""
     state = klms_init(D, CFG)
-    _, _, _, dec = _roundtrip(state)
-    new, _ = klms_server_update(state, jax.tree.map(lambda a: jnp.stack([a, a]), dec), CFG)
+    dec = _roundtrip(state).dec
+    new, _ = server_update(state, jax.tree.map(lambda a: jnp.stack([a, a]), dec), CFG)
     assert bool(new.changed) and not bool(new.update)
     assert int(new.blocks.num_blocks) != int(state.blocks.num_blocks)  # a new partition to send
     M, L = int(new.blocks.num_blocks), CFG.length_bits
@@ -375,7 +367,7 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
     starts, nums = jnp.stack([new.blocks.starts] * 2), jnp.stack([new.blocks.num_blocks] * 2)
     client = new._replace(changed=new.update)
     for stat, fires in ((1.0, False), (4.5, True)):
-        nxt, _ = klms_server_update(new, _decoded(starts, nums, stat), CFG)
+        nxt, _ = server_update(new, _decoded(starts, nums, stat), CFG)
         assert bool(nxt.update) == fires and not bool(nxt.changed)
         down = klms_downlink(nxt, CFG)
         assert float(down.num_bits) == 1 and down.payload.shape == (1,)
@@ -387,7 +379,7 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
 def test_adaptive_blocks_track_kl():
     """In an update round the blocks' KL is near the target except where the cap binds (spec §7 item 18)."""
     state = klms_init(D, CFG)
-    _, info, _, dec = _roundtrip(state)
+    dec = _roundtrip(state).dec
     blocks = blocks_from_starts(dec.starts, dec.num_blocks, D, D)
     kl = np.asarray(block_sums(Q.kl_bits(P), blocks))[: int(dec.num_blocks)]
     sizes = np.asarray(block_sizes(blocks))[: int(dec.num_blocks)]
