@@ -1,4 +1,7 @@
-"""Shared fixtures: small federations and models, built once per session so tests share compilations."""
+"""Shared fixtures: small federations and models, built once per session so tests share compilations.
+
+Helpers shared by test modules live in ``tests/helpers.py`` (``from helpers import tree_equal``);
+``tree_equal`` is re-exported here for test modules that still import it from ``conftest``."""
 
 from __future__ import annotations
 
@@ -18,12 +21,16 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from helpers import BASE, small_algorithm, tree_equal  # noqa: F401  (tree_equal re-exported)
 
+from sidejax.algorithms import fedavg
+from sidejax.data import datasets as datasets_module
 from sidejax.data import load_dataset, make_federated_data, partition
-from sidejax.fl import classification_loss
+from sidejax.data import tfds as tfds_module
+from sidejax.fl import classification_loss, run_rounds
 from sidejax.models import get_model, init_params
 
 
@@ -49,10 +56,50 @@ def small_model():
     return spec, params, classification_loss(spec.module.apply)
 
 
-def tree_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-        for x, y in zip(la, lb, strict=True)
-        if not jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key)
-    )
+@pytest.fixture(scope="session")
+def fedavg_map(small_model):
+    """FedAvg on ``small_model``: 4 of 10 clients per round, one local epoch of batches of 16."""
+    _, _, loss = small_model
+    return fedavg(loss, optax.sgd(0.1), clients_per_round=4, batch_size=16, local_epochs=1)
+
+
+@pytest.fixture(scope="session")
+def fedavg_ten_rounds(fedavg_map, small_model, digits_fed):
+    """``(state0, (final, infos))``: 10 rounds of ``fedavg_map`` on ``digits_fed`` from ``helpers.BASE``
+    with ``client_map="map"`` (one compiled program, shared by the engine's and FedAvg's tests)."""
+    _, params, _ = small_model
+    state = fedavg_map.init(BASE, params, 10)
+    return state, run_rounds(fedavg_map, BASE, state, digits_fed, 10, client_map="map")
+
+
+@pytest.fixture(scope="session")
+def algorithm_run(small_model, digits_fed):
+    """``algorithm_run(name) -> (algo, state0, final, infos)``: 3 rounds of ``helpers.small_algorithm(name)``
+    (5 of 10 clients per round, ``client_map="map"``, init key 0, base key 1) on ``digits_fed``, run once per
+    session and shared by the algorithms' test modules."""
+    _, params, loss = small_model
+    runs = {}
+
+    def run(name: str):
+        if name not in runs:
+            algo = small_algorithm(name, loss, 5)
+            state = algo.init(jax.random.key(0), params, 10)
+            final, infos = run_rounds(algo, jax.random.key(1), state, digits_fed, 3, client_map="map")
+            runs[name] = (algo, state, final, infos)
+        return runs[name]
+
+    return run
+
+
+@pytest.fixture
+def no_local_data(tmp_path, monkeypatch):
+    """Makes sure no real dataset can be found: empty env dir, fake HOME and Debian root, no TFDS."""
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("SIDEJAX_DATA_DIR", str(env_dir))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(datasets_module, "DEBIAN_DATA_ROOT", str(tmp_path / "debian"))
+    monkeypatch.setattr(tfds_module, "tfds_installed", lambda: False)
+    return tmp_path

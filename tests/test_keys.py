@@ -11,10 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidejax.algorithms import distributed_mean, fedpm, langevin, qsgd, signsgd
-from sidejax.fl import fedavg
-from sidejax.keys import record_keys, round_key, run_keys
-from sidejax.klms import KLMSConfig
+from sidejax.algorithms import fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.coding.toy import distributed_mean
+from sidejax.fl import build_round_step
+from sidejax.keys import (
+    CLIENTS,
+    PRIVATE,
+    SHARED,
+    client_keys,
+    record_keys,
+    round_key,
+    run_keys,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,22 +81,22 @@ def test_fedpm_frozen_signs_scores_and_eval_uniforms_are_independent():
     assert not bad, (bound, bad)
 
 
-SMALL_KLMS = KLMSConfig(log2_num_candidates=2, max_block_size=64)
+SMALL_KLMS = klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=64))
 
 
 def _all_algorithms(loss):
-    common = dict(clients_per_round=3, batch_size=32, local_epochs=2, client_strategy="map")
-    lang = dict(num_clients=10, clients_per_round=3, batch_size=32, client_strategy="map")
+    common = dict(clients_per_round=3, batch_size=32, local_epochs=2)
+    lang = dict(num_clients=10, clients_per_round=3, batch_size=32)
     return {
         "fedavg": fedavg(loss, optax.sgd(0.1), **common),
         "fedpm": fedpm(loss, optax.adam(0.1), **common),
-        "fedpm_klms": fedpm(loss, optax.adam(0.1), klms=SMALL_KLMS, **common),
+        "fedpm_klms": fedpm(loss, optax.adam(0.1), coder=SMALL_KLMS, **common),
         "qsgd": qsgd(loss, optax.sgd(0.1), **common),
-        "qsgd_klms": qsgd(loss, optax.sgd(0.1), klms=SMALL_KLMS, **common),
+        "qsgd_klms": qsgd(loss, optax.sgd(0.1), coder=SMALL_KLMS, **common),
         "signsgd": signsgd(loss, optax.sgd(0.1), **common),
-        "signsgd_klms": signsgd(loss, optax.sgd(0.1), klms=SMALL_KLMS, **common),
-        "qlsd": langevin(loss, **lang),
-        "sgld_klms": langevin(loss, klms=SMALL_KLMS, **lang),
+        "signsgd_klms": signsgd(loss, optax.sgd(0.1), coder=SMALL_KLMS, **common),
+        "qlsd": qlsd(loss, **lang),
+        "sgld_klms": sgld(loss, coder=SMALL_KLMS, **lang),
     }
 
 
@@ -123,7 +132,7 @@ def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digi
     for name, algo in _all_algorithms(loss).items():
         with record_keys() as records:
             state = algo.init(init_key, params, 10)
-            jax.jit(algo.round_step)(round_key(rounds_key, 0), state, digits_fed)
+            jax.jit(build_round_step(algo, client_map="map"))(round_key(rounds_key, 0), state, digits_fed)
         assert records, name
         names_by_algorithm[name] = {r.name for r in records}
         for r in records:
@@ -153,3 +162,20 @@ def test_recording_is_off_by_default_and_costs_nothing_outside_the_context():
     assert [(r.name, r.data) for r in records] == [("ROUND", records[0].data), ("round", 3)]
     outside = jax.make_jaxpr(lambda k: jax.random.key_data(round_key(k, 3)))(jax.random.key(0))
     assert "callback" not in str(outside)
+
+
+def test_client_keys_follow_global_id_and_streams_differ():
+    rk = round_key(jax.random.key(0), 7)
+    k3 = client_keys(rk, 3)
+    batch = jax.vmap(client_keys, (None, 0))(rk, jnp.array([9, 3, 1]))
+    assert np.array_equal(jax.random.key_data(batch.shared[1]), jax.random.key_data(k3.shared))
+    assert not np.array_equal(jax.random.key_data(k3.shared), jax.random.key_data(k3.private))
+    base = jax.random.fold_in(jax.random.fold_in(rk, CLIENTS), 3)  # the documented schedule
+    assert np.array_equal(
+        jax.random.key_data(k3.shared), jax.random.key_data(jax.random.fold_in(base, SHARED))
+    )
+    assert np.array_equal(
+        jax.random.key_data(k3.private), jax.random.key_data(jax.random.fold_in(base, PRIVATE))
+    )
+    init_key, rounds_key = run_keys(0)
+    assert not np.array_equal(jax.random.key_data(init_key), jax.random.key_data(rounds_key))

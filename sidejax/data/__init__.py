@@ -1,6 +1,9 @@
 """Datasets, client partitioning and the device-side federated data container.
 
-* :mod:`sidejax.data.datasets`: :func:`load_dataset` and friends (host numpy arrays).
+* :mod:`sidejax.data.datasets`: :func:`load_dataset` and friends (host numpy arrays): the registry and the
+  search path; the formats are read by :mod:`sidejax.data.idx` (MNIST family), :mod:`sidejax.data.cifar`,
+  :mod:`sidejax.data.builtin` (no files needed) and :mod:`sidejax.data.tfds`, into the common
+  :class:`Dataset` of :mod:`sidejax.data.base`.
 * :mod:`sidejax.data.partition`: deterministic host-side client partitions (index arrays).
 * :mod:`sidejax.data.federated`: :class:`FederatedData`, the data stored once on device with a padded
   per-client index table, ready for ``jax.vmap`` over clients.

@@ -20,18 +20,25 @@ searched for in, in order:
 If none of these holds the files and ``tensorflow_datasets`` is installed, the data is loaded through
 TFDS (``download=True`` lets TFDS fetch it); otherwise a :class:`FileNotFoundError` explains where the
 files were looked for and how to obtain them. Nothing is cached in memory between calls.
+
+This module holds the registry (:data:`DATASETS`, each dataset's keyword arguments), the search path and
+:func:`load_dataset`; the formats are read by :mod:`sidejax.data.idx` (MNIST family),
+:mod:`sidejax.data.cifar` (CIFAR batches), :mod:`sidejax.data.builtin` (datasets that need no files) and
+:mod:`sidejax.data.tfds` (the TFDS fallback), all returning the common :class:`Dataset`
+(:mod:`sidejax.data.base`).
 """
 
 from __future__ import annotations
 
-import gzip
 import os
-import pickle
-import zlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
+from sidejax.data import tfds as tfds_loader
+from sidejax.data.base import SPLITS, Dataset, check_split
+from sidejax.data.builtin import load_digits, load_moons, synthetic_regression
+from sidejax.data.cifar import CIFAR_FOLDERS, cifar_file_names, load_cifar_files
+from sidejax.data.idx import EMNIST_SUBSETS, IDX_DATASETS, idx_file_names, load_idx_pair, mnist_like, read_idx
 
 __all__ = [
     "DATASETS",
@@ -60,20 +67,7 @@ DATASETS: tuple[str, ...] = (
 #: can point it elsewhere.
 DEBIAN_DATA_ROOT = "/usr/share/datasets"
 
-#: EMNIST subsets and their number of classes.
-EMNIST_SUBSETS: dict[str, int] = {
-    "byclass": 62,
-    "bymerge": 47,
-    "balanced": 47,
-    "letters": 26,
-    "digits": 10,
-    "mnist": 10,
-}
-
-_SPLITS = ("train", "test")
 _FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
-_IDX_DATASETS = ("mnist", "fashion_mnist", "emnist")
-_CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 
 # Allowed keyword arguments of ``load_dataset`` per dataset, with defaults.
 _DATASET_KWARGS: dict[str, dict[str, Any]] = {
@@ -88,44 +82,15 @@ _DATASET_KWARGS: dict[str, dict[str, Any]] = {
     "cifar100": {},
 }
 
-# IDX type codes -> big-endian numpy dtypes.
-_IDX_DTYPES: dict[int, np.dtype] = {
-    0x08: np.dtype(">u1"),
-    0x09: np.dtype(">i1"),
-    0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"),
-    0x0D: np.dtype(">f4"),
-    0x0E: np.dtype(">f8"),
-}
-
-
-class Dataset(NamedTuple):
-    """A dataset split held as host numpy arrays.
-
-    Attributes:
-        x: Inputs, ``float32``; images are NHWC in ``[0, 1]``.
-        y: Targets: ``int32`` class labels in ``[0, num_classes)``, or ``float32`` regression targets.
-        num_classes: Number of classes, ``0`` for regression.
-    """
-
-    x: np.ndarray
-    y: np.ndarray
-    num_classes: int
-
 
 # --------------------------------------------------------------------------------------------------
-# Argument validation helpers
+# Argument validation
 # --------------------------------------------------------------------------------------------------
 
 
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or name not in DATASETS:
         raise ValueError(f"name must be one of {', '.join(DATASETS)}; got {name!r}.")
-
-
-def _check_split(split: str) -> None:
-    if split not in _SPLITS:
-        raise ValueError(f"split must be one of {', '.join(_SPLITS)}; got {split!r}.")
 
 
 def _resolve_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -140,24 +105,6 @@ def _resolve_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**allowed, **kwargs}
 
 
-def _check_positive_int(value: Any, arg: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{arg} must be a positive integer; got {value!r}.")
-    return int(value)
-
-
-def _check_nonneg_float(value: Any, arg: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not value >= 0:
-        raise ValueError(f"{arg} must be a non-negative number; got {value!r}.")
-    return float(value)
-
-
-def _check_seed(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"seed must be a non-negative integer; got {value!r}.")
-    return int(value)
-
-
 def _check_subset(subset: Any) -> str:
     if subset not in EMNIST_SUBSETS:
         raise ValueError(f"subset must be one of {', '.join(EMNIST_SUBSETS)}; got {subset!r}.")
@@ -165,173 +112,7 @@ def _check_subset(subset: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Generated / bundled datasets
-# --------------------------------------------------------------------------------------------------
-
-
-def synthetic_regression(
-    num_samples: int,
-    dim: int,
-    *,
-    kind: str = "linear",
-    noise: float = 0.1,
-    seed: int = 0,
-    split: str = "train",
-) -> Dataset:
-    """Draws a synthetic linear- or logistic-regression dataset.
-
-    The true weights ``w ~ N(0, I / dim)`` depend only on ``seed``, so the train and test splits of the
-    same seed share them; the inputs ``x ~ N(0, I)`` are drawn from a separate random stream per split,
-    so the splits are independent samples.
-
-    Args:
-        num_samples: Number of examples ``N`` (positive).
-        dim: Input dimension ``D`` (positive).
-        kind: ``"linear"`` (``y = x @ w + noise * eps``, ``float32``, ``num_classes = 0``) or
-            ``"logistic"`` (``y ~ Bernoulli(sigmoid(x @ w))``, ``int32``, ``num_classes = 2``).
-        noise: Standard deviation of the additive Gaussian noise of the linear model (non-negative;
-            unused for ``"logistic"``).
-        seed: Non-negative integer seed.
-        split: ``"train"`` or ``"test"``; selects the input stream.
-
-    Returns:
-        A :class:`Dataset` with ``x`` ``float32 [N, D]``.
-
-    Raises:
-        ValueError: If an argument is out of range.
-    """
-    num_samples = _check_positive_int(num_samples, "num_samples")
-    dim = _check_positive_int(dim, "dim")
-    if kind not in ("linear", "logistic"):
-        raise ValueError(f"kind must be one of linear, logistic; got {kind!r}.")
-    noise = _check_nonneg_float(noise, "noise")
-    seed = _check_seed(seed)
-    _check_split(split)
-
-    w = np.random.default_rng(seed).normal(0.0, 1.0 / np.sqrt(dim), size=dim)
-    rng = np.random.default_rng([seed, _SPLITS.index(split) + 1])
-    x = rng.standard_normal((num_samples, dim))
-    logits = x @ w
-    if kind == "linear":
-        y = (logits + noise * rng.standard_normal(num_samples)).astype(np.float32)
-        return Dataset(x.astype(np.float32), y, 0)
-    p = 1.0 / (1.0 + np.exp(-logits))
-    y = (rng.random(num_samples) < p).astype(np.int32)
-    return Dataset(x.astype(np.float32), y, 2)
-
-
-def _load_digits(split: str) -> Dataset:
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = (np.asarray(bunch.images, dtype=np.float32) / 16.0)[..., None]
-    y = np.asarray(bunch.target, dtype=np.int32)
-    perm = np.random.default_rng(0).permutation(len(y))
-    num_train = int(0.8 * len(y))
-    idx = perm[:num_train] if split == "train" else perm[num_train:]
-    return Dataset(x[idx], y[idx], 10)
-
-
-def _load_moons(split: str, num_samples: int, noise: float, seed: int) -> Dataset:
-    from sklearn.datasets import make_moons
-
-    num_samples = _check_positive_int(num_samples, "num_samples")
-    noise = _check_nonneg_float(noise, "noise")
-    seed = _check_seed(seed)
-    random_state = seed if split == "train" else seed + 1
-    x, y = make_moons(n_samples=num_samples, noise=noise, random_state=random_state)
-    return Dataset(x.astype(np.float32), y.astype(np.int32), 2)
-
-
-# --------------------------------------------------------------------------------------------------
-# IDX files
-# --------------------------------------------------------------------------------------------------
-
-
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Reads an IDX file (the MNIST file format), optionally gzip-compressed.
-
-    The format is a 4-byte magic number ``0x00 0x00 <type code> <ndim>``, ``ndim`` big-endian ``uint32``
-    dimension sizes, then the big-endian data in C order. A file whose name ends in ``.gz`` is
-    decompressed first.
-
-    Args:
-        path: Path of the ``.gz`` or plain IDX file.
-
-    Returns:
-        The array, with the shape given by the header, in native byte order (a fresh writable copy).
-
-    Raises:
-        FileNotFoundError: If ``path`` does not exist.
-        ValueError: If the file is corrupt: bad magic number, unknown type code, truncated header,
-            a data size that does not match the header, or an invalid gzip stream. The message names
-            the file.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"IDX file {path!r} does not exist.")
-    try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                raw = f.read()
-        else:
-            with open(path, "rb") as f:
-                raw = f.read()
-    except (OSError, EOFError, zlib.error) as e:
-        raise ValueError(f"IDX file {path!r} is not a valid gzip stream (corrupt or truncated): {e}") from e
-
-    if len(raw) < 4:
-        raise ValueError(f"IDX file {path!r} is truncated: {len(raw)} bytes, shorter than the 4-byte magic.")
-    if raw[0] != 0 or raw[1] != 0:
-        raise ValueError(
-            f"IDX file {path!r} has a bad magic number {raw[:4].hex()}: the first two bytes must be zero."
-        )
-    code, ndim = raw[2], raw[3]
-    if code not in _IDX_DTYPES:
-        valid = ", ".join(f"0x{c:02X}" for c in _IDX_DTYPES)
-        raise ValueError(f"IDX file {path!r} has unknown data type code 0x{code:02X}; valid codes: {valid}.")
-    if ndim == 0:
-        raise ValueError(f"IDX file {path!r} declares 0 dimensions; at least one is required.")
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise ValueError(
-            f"IDX file {path!r} is truncated: header needs {header} bytes for {ndim} dimensions, file has "
-            f"{len(raw)}."
-        )
-    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    dtype = _IDX_DTYPES[code]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    actual = len(raw) - header
-    if actual != expected:
-        what = "truncated" if actual < expected else "has trailing bytes"
-        raise ValueError(
-            f"IDX file {path!r} {what}: header shape {shape} of {dtype.itemsize}-byte items needs "
-            f"{expected} data bytes, found {actual}."
-        )
-    data = np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
-    return data.astype(dtype.newbyteorder("="))
-
-
-def _idx_files(name: str, split: str, subset: str) -> tuple[str, str]:
-    """Base file names (without ``.gz``) of the images and labels of an IDX dataset split."""
-    if name == "emnist":
-        return (
-            f"emnist-{subset}-{split}-images-idx3-ubyte",
-            f"emnist-{subset}-{split}-labels-idx1-ubyte",
-        )
-    prefix = "train" if split == "train" else "t10k"
-    return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
-
-
-def _find_in_dir(directory: str, base: str) -> str | None:
-    for candidate in (os.path.join(directory, base), os.path.join(directory, base + ".gz")):
-        if os.path.isfile(candidate):
-            return candidate
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Search path
+# Search path and lookup
 # --------------------------------------------------------------------------------------------------
 
 
@@ -350,19 +131,21 @@ def _search_dirs(name: str, data_dir: str | os.PathLike | None) -> list[str]:
 
 def _expected_files(name: str, splits: Sequence[str], subset: str) -> list[str]:
     """Human-readable list of the files a dataset needs (for error messages)."""
-    if name in _IDX_DATASETS:
-        return [f"{base}[.gz]" for split in splits for base in _idx_files(name, split, subset)]
-    folder = _CIFAR_FOLDERS[name]
-    if name == "cifar10":
-        files = [f"data_batch_{i}" for i in range(1, 6)] if "train" in splits else []
-        files += ["test_batch"] if "test" in splits else []
-    else:
-        files = [s for s in ("train", "test") if s in splits]
-    return [f"{folder}/{f}" for f in files]
+    if name in IDX_DATASETS:
+        return [f"{base}[.gz]" for split in splits for base in idx_file_names(name, split, subset)]
+    folder = CIFAR_FOLDERS[name]
+    return [f"{folder}/{f}" for split in SPLITS if split in splits for f in cifar_file_names(name, split)]
+
+
+def _find_in_dir(directory: str, base: str) -> str | None:
+    for candidate in (os.path.join(directory, base), os.path.join(directory, base + ".gz")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
 
 
 def _locate_idx(name: str, split: str, subset: str, dirs: Sequence[str]) -> tuple[str, str] | None:
-    img_base, lbl_base = _idx_files(name, split, subset)
+    img_base, lbl_base = idx_file_names(name, split, subset)
     for d in dirs:
         img, lbl = _find_in_dir(d, img_base), _find_in_dir(d, lbl_base)
         if img is not None and lbl is not None:
@@ -370,15 +153,9 @@ def _locate_idx(name: str, split: str, subset: str, dirs: Sequence[str]) -> tupl
     return None
 
 
-def _cifar_files(name: str, split: str) -> list[str]:
-    if name == "cifar10":
-        return [f"data_batch_{i}" for i in range(1, 6)] if split == "train" else ["test_batch"]
-    return [split]
-
-
 def _locate_cifar(name: str, split: str, dirs: Sequence[str]) -> list[str] | None:
-    folder = _CIFAR_FOLDERS[name]
-    files = _cifar_files(name, split)
+    folder = CIFAR_FOLDERS[name]
+    files = cifar_file_names(name, split)
     for d in dirs:
         # Accept both the directory containing the extracted folder and the folder itself.
         for root in (os.path.join(d, folder), d):
@@ -389,7 +166,7 @@ def _locate_cifar(name: str, split: str, dirs: Sequence[str]) -> list[str] | Non
 
 
 def _locate(name: str, split: str, subset: str, dirs: Sequence[str]) -> Any:
-    if name in _IDX_DATASETS:
+    if name in IDX_DATASETS:
         return _locate_idx(name, split, subset, dirs)
     return _locate_cifar(name, split, dirs)
 
@@ -418,110 +195,7 @@ def dataset_available(
         return True
     subset = _check_subset(subset) if name == "emnist" else subset
     dirs = _search_dirs(name, data_dir)
-    return all(_locate(name, split, subset, dirs) is not None for split in _SPLITS)
-
-
-# --------------------------------------------------------------------------------------------------
-# File readers / converters
-# --------------------------------------------------------------------------------------------------
-
-
-def _images_to_float(images: np.ndarray) -> np.ndarray:
-    """uint8 [N, H, W] or [N, H, W, C] -> float32 NHWC in [0, 1]."""
-    x = np.asarray(images)
-    if x.ndim == 3:
-        x = x[..., None]
-    return x.astype(np.float32) / np.float32(255.0)
-
-
-def _finish_mnist_like(name: str, subset: str, images: np.ndarray, labels: np.ndarray) -> Dataset:
-    """Shared conversion of MNIST-family arrays (from IDX files or TFDS) to the common format."""
-    images = np.asarray(images)
-    if images.ndim == 4 and images.shape[-1] == 1:
-        images = images[..., 0]
-    labels = np.asarray(labels).astype(np.int64).reshape(-1)
-    num_classes = 10
-    if name == "emnist":
-        # EMNIST images are stored transposed (flipped and rotated); transpose H and W back.
-        images = images.transpose(0, 2, 1)
-        num_classes = EMNIST_SUBSETS[subset]
-        if subset == "letters":
-            labels = labels - 1  # letters are labelled 1..26
-    return Dataset(_images_to_float(images), labels.astype(np.int32), num_classes)
-
-
-def _load_idx_pair(img_path: str, lbl_path: str) -> tuple[np.ndarray, np.ndarray]:
-    images = read_idx(img_path)
-    labels = read_idx(lbl_path)
-    if images.ndim != 3:
-        raise ValueError(f"IDX image file {img_path!r} must be 3-D [N, H, W]; got shape {images.shape}.")
-    if labels.ndim != 1:
-        raise ValueError(f"IDX label file {lbl_path!r} must be 1-D [N]; got shape {labels.shape}.")
-    if len(images) != len(labels):
-        raise ValueError(
-            f"IDX files {img_path!r} and {lbl_path!r} disagree on the number of examples: "
-            f"{len(images)} images vs {len(labels)} labels."
-        )
-    return images, labels
-
-
-def _unpickle(path: str) -> dict:
-    # The CIFAR python batches are pickles; only load files you trust.
-    try:
-        with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
-        raise ValueError(f"CIFAR batch file {path!r} is corrupt or truncated: {e}") from e
-    if not isinstance(batch, dict):
-        raise ValueError(f"CIFAR batch file {path!r} must hold a dict; got {type(batch).__name__}.")
-    return batch
-
-
-def _load_cifar_files(name: str, paths: Sequence[str]) -> Dataset:
-    label_key = b"labels" if name == "cifar10" else b"fine_labels"
-    xs, ys = [], []
-    for path in paths:
-        batch = _unpickle(path)
-        if b"data" not in batch or label_key not in batch:
-            raise ValueError(
-                f"CIFAR batch file {path!r} lacks the keys b'data' and {label_key!r}; found {sorted(batch)}."
-            )
-        data = np.asarray(batch[b"data"], dtype=np.uint8)
-        labels = np.asarray(batch[label_key], dtype=np.int64)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
-            raise ValueError(
-                f"CIFAR batch file {path!r} has data of shape {data.shape} and {len(labels)} labels; "
-                "expected [N, 3072] with N labels."
-            )
-        xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-        ys.append(labels)
-    x = _images_to_float(np.concatenate(xs))
-    return Dataset(x, np.concatenate(ys).astype(np.int32), 10 if name == "cifar10" else 100)
-
-
-def _tfds_name(name: str, subset: str) -> str:
-    return f"emnist/{subset}" if name == "emnist" else name
-
-
-def _load_tfds(name: str, split: str, subset: str, download: bool) -> Dataset:
-    import tensorflow_datasets as tfds
-
-    ds = tfds.load(
-        _tfds_name(name, subset), split=split, batch_size=-1, download=download, as_supervised=True
-    )
-    images, labels = tfds.as_numpy(ds)
-    if name in _IDX_DATASETS:
-        return _finish_mnist_like(name, subset, images, labels)
-    x = _images_to_float(images)
-    return Dataset(x, np.asarray(labels).astype(np.int32), 10 if name == "cifar10" else 100)
-
-
-def _tfds_installed() -> bool:
-    try:
-        import tensorflow_datasets  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return all(_locate(name, split, subset, dirs) is not None for split in SPLITS)
 
 
 def _not_found(name: str, split: str, subset: str, dirs: Sequence[str]) -> FileNotFoundError:
@@ -590,15 +264,15 @@ def load_dataset(
             to obtain them.
     """
     _check_name(name)
-    _check_split(split)
+    check_split(split)
     if not isinstance(download, bool):
         raise ValueError(f"download must be a bool; got {download!r}.")
     opts = _resolve_kwargs(name, kwargs)
 
     if name == "digits":
-        return _load_digits(split)
+        return load_digits(split)
     if name == "moons":
-        return _load_moons(split, opts["num_samples"], opts["noise"], opts["seed"])
+        return load_moons(split, opts["num_samples"], opts["noise"], opts["seed"])
     if name in ("synthetic_linear", "synthetic_logistic"):
         return synthetic_regression(
             opts["num_samples"],
@@ -613,10 +287,10 @@ def load_dataset(
     dirs = _search_dirs(name, data_dir)
     found = _locate(name, split, subset, dirs)
     if found is not None:
-        if name in _IDX_DATASETS:
-            images, labels = _load_idx_pair(*found)
-            return _finish_mnist_like(name, subset, images, labels)
-        return _load_cifar_files(name, found)
-    if _tfds_installed():
-        return _load_tfds(name, split, subset, download)
+        if name in IDX_DATASETS:
+            images, labels = load_idx_pair(*found)
+            return mnist_like(name, subset, images, labels)
+        return load_cifar_files(name, found)
+    if tfds_loader.tfds_installed():
+        return tfds_loader.load_tfds(name, split, subset, download)
     raise _not_found(name, split, subset, dirs)

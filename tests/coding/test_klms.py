@@ -1,84 +1,78 @@
-"""KLMS protocol, the framework algorithms and their statistical properties (spec klms.md §3.6-§4.8, §7).
-
-Statistical tests use fixed keys and sample sizes where the tolerance is several standard errors.
+"""The KLMS coder and its block-update protocol (sidejax.coding.klms; spec klms.md §3.6-§3.7, §7 items 1, 2,
+18).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from conftest import tree_equal
+from helpers import tree_equal
 
-from sidejax.algorithms import (
-    bayes_agg,
-    distributed_mean,
-    elias_gamma_bits,
-    enumerative_mask_bits,
-    fedpm,
-    flat_layout,
-    gaussian_log_ratio_tail,
-    langevin,
-    log2_candidates_for_overhead,
-    qsgd,
-    qsgd_dequantize,
-    qsgd_elias_bound_bits,
-    qsgd_quantize,
-    qsgd_symbol_probs,
-    sgld_klms_sigma,
-    signed_constant_init,
-    signsgd,
-    stochastic_sign_probs,
-    theorem41_epsilon,
-)
 from sidejax.blocks import block_sizes, block_sums, blocks_from_starts, kl_blocks
-from sidejax.coding.base import Message
+from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PRIOR, Message, stream_errors
 from sidejax.coding.importance import importance_decode, importance_encode
-from sidejax.distributions import Bernoulli, DiagGaussian, Ternary
-from sidejax.fl import run_rounds
-from sidejax.keys import client_keys
-from sidejax.klms import (
-    ERR_CRC,
-    ERR_LENGTH,
-    ERR_PRIOR,
+from sidejax.coding.klms import (
+    KLMSClientInfo,
     KLMSConfig,
     KLMSDecoded,
     klms_decode,
-    klms_downlink_bits,
+    klms_downlink,
     klms_encode,
     klms_init,
+    klms_receive,
     klms_server_update,
-    stream_errors,
 )
+from sidejax.distributions import Bernoulli, DiagGaussian
+from sidejax.keys import client_keys
 
 D = 1000
 CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16)
+FIXED = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+CRC_CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16, crc32=True)
 Q = Bernoulli(jax.random.uniform(jax.random.key(1), (D,), minval=0.01, maxval=0.99))
 P = Bernoulli(jnp.full((D,), 0.5))
 KEYS = client_keys(jax.random.key(3), 5)
 
+# Compiling is most of this module's time (the encoder alone takes seconds), so the tests share a few jitted
+# programs, each compiled once per static configuration and per shape, and keep the shapes above.
+encode = jax.jit(klms_encode, static_argnames="config")
+decode = jax.jit(klms_decode, static_argnames="config")
+server_update = jax.jit(klms_server_update, static_argnames="config")
+
+
+class Roundtrip(NamedTuple):
+    msg: Message
+    info: KLMSClientInfo
+    y: jax.Array
+    dec: KLMSDecoded
+    y_ref: jax.Array
+
 
 @jax.jit
-def _roundtrip(state):
+def _roundtrip(state) -> Roundtrip:
+    """One client's CFG stream for ``state`` and its decoding, and, in the same compiled program, the
+    importance coder run on the partition that stream must use (the client's own in update rounds, the
+    broadcast one otherwise): ``y_ref``, the reference for the decoded sample."""
     msg, info = klms_encode(KEYS, Q, P, state, CFG)
     y, dec = klms_decode(KEYS.shared, P, state, msg, CFG)
-    return msg, info, y, dec
-
-
-# ----------------------------------------------------------------------------------------------------
-# protocol and bitstream (spec §3.6-3.7, §7 items 1-2)
+    blocks = jax.lax.cond(
+        state.update,
+        lambda: kl_blocks(Q.kl_bits(P), CFG.target_bits, max_block_size=CFG.max_block_size, max_blocks=D),
+        lambda: blocks_from_starts(state.blocks.starts, state.blocks.num_blocks, D, D),
+    )
+    idx, _ = importance_encode(KEYS.shared, KEYS.private, Q, P, blocks, log2_num_candidates=2)
+    return Roundtrip(msg, info, y, dec, importance_decode(KEYS.shared, P, blocks, idx))
 
 
 @pytest.mark.parametrize("update", [True, False])
 def test_stream_decodes_to_the_encoders_choice_and_has_the_exact_length(update):
     state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
-    msg, info, y, dec = _roundtrip(state)
+    msg, info, y, dec, ref = _roundtrip(state)
     M = int(info.num_blocks)
     # the partition actually used: adaptive in update rounds, the broadcast one otherwise
     if update:
@@ -91,46 +85,29 @@ def test_stream_decodes_to_the_encoders_choice_and_has_the_exact_length(update):
     assert float(dec.statistic) == pytest.approx(float(info.kl_bits) / M, rel=1e-6)
 
     # the decoded sample is the candidate the encoder chose, bit for bit (within one compiled program)
-    @jax.jit
-    def both(state):
-        msg, _ = klms_encode(KEYS, Q, P, state, CFG)
-        y, _ = klms_decode(KEYS.shared, P, state, msg, CFG)
-        blocks = (
-            kl_blocks(Q.kl_bits(P), 2.0, max_block_size=16, max_blocks=D)
-            if update
-            else blocks_from_starts(state.blocks.starts, state.blocks.num_blocks, D, D)
-        )
-        idx, _ = importance_encode(KEYS.shared, KEYS.private, Q, P, blocks, log2_num_candidates=2)
-        return y, importance_decode(KEYS.shared, P, blocks, idx)
-
-    y1, y2 = both(state)
-    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
-    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))  # Bernoulli: exact 0/1 in any program
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
 
 
 def test_corrupted_stream_is_flagged():
     state = klms_init(D, CFG)
-    msg, _, _, _ = _roundtrip(state)
+    msg = _roundtrip(state).msg
     short = Message(msg.payload, msg.num_bits - 1)
-    _, dec = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, CFG))(short)
+    _, dec = decode(KEYS.shared, P, state, short, CFG)
     assert not bool(dec.valid)
     # block lengths that do not sum to dim (an all-zero stream: every length 1, indices 0)
     zeros = Message(jnp.zeros_like(msg.payload), msg.num_bits)
-    _, dec2 = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, CFG))(zeros)
+    _, dec2 = decode(KEYS.shared, P, state, zeros, CFG)
     assert not bool(dec2.valid)
-
-
-FIXED = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
 
 
 def test_a_truncated_payload_is_invalid_in_jit_and_raises_on_the_host():
     """Regression (issue 12): a payload one word shorter than num_bits claims read the missing word as zeros
     and decoded valid=True (here 21 of 1000 coordinates wrong; fixed mode, 300 bits in 10 words)."""
     state = klms_init(D, FIXED)
-    msg, _ = jax.jit(lambda s: klms_encode(KEYS, Q, P, s, FIXED))(state)
+    msg, _ = encode(KEYS, Q, P, state, FIXED)
     assert msg.payload.shape == (10,) and float(msg.num_bits) == 300
     short = Message(msg.payload[:-1], msg.num_bits)
-    dec_jit = jax.jit(lambda m: klms_decode(KEYS.shared, P, state, m, FIXED))
+    dec_jit = lambda m: decode(KEYS.shared, P, state, m, FIXED)
     y, dec = dec_jit(msg)
     y_short, dec_short = dec_jit(short)
     assert bool(dec.valid) and int(dec.errors) == 0
@@ -151,7 +128,7 @@ def test_the_host_decodes_the_exact_length_message(update):
     'truncated bitstream' on the ceil(num_bits / 32) words actually sent). Outside jit the encoder returns
     exactly the sent words and the decoder takes exactly those; a capacity buffer is a length mismatch."""
     state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
-    msg_jit, _, y_jit, dec_jit = _roundtrip(state)
+    msg_jit, _, y_jit, dec_jit, _ = _roundtrip(state)
     n = -(-int(msg_jit.num_bits) // 32)
     assert msg_jit.payload.shape[0] > n  # the jitted encoder's capacity buffer
     np.testing.assert_array_equal(np.asarray(msg_jit.payload[n:]), 0)
@@ -178,18 +155,15 @@ def test_bad_inputs_in_jit_are_flagged_and_wrong_dimensions_raise():
     for bad in (1.5, -0.2, float("nan")):
         assert not bool(enc(Q.probs.at[7].set(bad), P.probs)), bad
         assert not bool(enc(Q.probs, P.probs.at[7].set(bad))), bad
-    msg, _, _, _ = _roundtrip(state)
-    decode = jax.jit(lambda p, m: klms_decode(KEYS.shared, Bernoulli(p), state, m, CFG))
-    _, dec = decode(P.probs.at[3].set(jnp.nan), msg)
+    msg = _roundtrip(state).msg
+    nan_prior = jax.tree.map(lambda a: a.at[3].set(jnp.nan), P)  # rebuilt from leaves: not checked, as in jit
+    _, dec = decode(KEYS.shared, nan_prior, state, msg, CFG)
     assert not bool(dec.valid) and int(dec.errors) & ERR_PRIOR
     q2, p2 = Bernoulli(jnp.full(D + 1, 0.3)), Bernoulli(jnp.full(D + 1, 0.5))
     with pytest.raises(ValueError, match=f"q has {D + 1} coordinates but the KLMS state's blocks .* dim={D}"):
         klms_encode(KEYS, q2, p2, state, CFG)
     with pytest.raises(ValueError, match=f"p has {D + 1} coordinates .* dim={D}"):
         klms_decode(KEYS.shared, p2, state, msg, CFG)
-
-
-CRC_CFG = KLMSConfig(log2_num_candidates=2, max_block_size=16, crc32=True)
 
 
 def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silently():
@@ -199,16 +173,14 @@ def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silentl
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
     other = client_keys(jax.random.key(3), 6).shared
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(cfg):
-        msg, _ = klms_encode(KEYS, Q, P, state, cfg)
+    def run(msg, cfg):
         flipped = Message(msg.payload.at[0].set(msg.payload[0] ^ jnp.uint32(1 << 5)), msg.num_bits)  # index 2
         pairs = ((KEYS.shared, msg), (KEYS.shared, flipped), (other, msg))
-        outs = [klms_decode(k, P, state, m, cfg) for k, m in pairs]
+        outs = [decode(k, P, state, m, cfg) for k, m in pairs]
         return msg, [(y, d.valid, d.errors) for y, d in outs]
 
-    plain_msg, plain = run(CFG)
-    crc_msg, crc = run(CRC_CFG)
+    plain_msg, plain = run(_roundtrip(state).msg, CFG)
+    crc_msg, crc = run(encode(KEYS, Q, P, state, CRC_CFG)[0], CRC_CFG)
     assert float(crc_msg.num_bits) == float(plain_msg.num_bits) + 32
     (y, ok, _), (y_flip, ok_flip, _), (y_key, ok_key, _) = plain
     assert bool(ok) and bool(ok_flip) and bool(ok_key)  # silent without the checksum
@@ -269,24 +241,22 @@ def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
     assert preset.work_buckets(61706) == (64, 256, 1024, 4096, 16384, 61706)
     assert FIXED.work_buckets(D) == (100,)  # fixed blocks: always max_blocks of them
     full = dataclasses.replace(CFG, bucketed=False)
+    per_client = dataclasses.replace(CFG, bucket_update_rounds=True)
 
     @jax.jit
-    def both(state):
-        return klms_encode(KEYS, Q, P, state, CFG), klms_encode(KEYS, Q, P, state, full)
+    def encoders(state):  # one program: the bucketed encoders and the unbounded one
+        return [klms_encode(KEYS, Q, P, state, cfg) for cfg in (CFG, per_client, full)]
 
     for block_size, bucket in ((16, 64), (8, 256), (3, D)):  # 63, 125 and 334 blocks
         cfg = dataclasses.replace(CFG, block_size=block_size)
         state = klms_init(D, cfg)._replace(update=jnp.asarray(False))
-        (msg, info), (ref, ref_info) = both(state)
+        (msg, info), _, (ref, ref_info) = encoders(state)
         assert int(info.num_blocks) <= bucket and float(msg.num_bits) == float(ref.num_bits)
         np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
         assert float(info.statistic) == float(ref_info.statistic)
     # update rounds (each client's own partition) too, when asked (clients under lax.map)
-    per_client = dataclasses.replace(CFG, bucket_update_rounds=True)
     update = klms_init(D, CFG)
-    (msg, info), (ref, _) = jax.jit(
-        lambda s: (klms_encode(KEYS, Q, P, s, per_client), klms_encode(KEYS, Q, P, s, full))
-    )(update)
+    _, (msg, info), (ref, _) = encoders(update)
     assert int(info.num_blocks) < 256 and float(msg.num_bits) == float(ref.num_bits)
     np.testing.assert_array_equal(np.asarray(msg.payload), np.asarray(ref.payload))
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
@@ -296,13 +266,15 @@ def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
 
 
 def test_fixed_mode_sends_indices_only():
-    cfg = KLMSConfig(log2_num_candidates=3, adaptive=False, block_size=10)
+    cfg = FIXED
     state = klms_init(D, cfg)
     msg, info = klms_encode(KEYS, Q, P, state, cfg)
     assert float(msg.num_bits) == 100 * 3
     y, dec = klms_decode(KEYS.shared, P, state, msg, cfg)
     assert bool(dec.valid)
-    assert float(klms_downlink_bits(state, cfg)) == 0.0
+    down = klms_downlink(state, cfg)  # fixed mode: no protocol downlink, and nothing to receive
+    assert float(down.num_bits) == 0.0 and down.payload.shape == (0,)
+    assert tree_equal(klms_receive(state, down, cfg), state)
 
 
 def _decoded(starts, nums, stat):
@@ -316,11 +288,11 @@ def test_server_info_flags_each_clients_stream():
     """Regression (issue 12): streams_valid was one scalar for the round, so a driver could not name the bad
     client. Now it is one flag per participant (with its error bitmask), in the order of the client ids."""
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
-    msg, _, _, _ = _roundtrip(state)
+    msg = _roundtrip(state).msg
     bad = Message(msg.payload, msg.num_bits + 1)  # a field count that does not match the stream
     msgs = jax.tree.map(lambda a, b: jnp.stack([a, b, a]), msg, bad)
     _, decoded = jax.jit(jax.vmap(lambda m: klms_decode(KEYS.shared, P, state, m, CFG)))(msgs)
-    _, sinfo = klms_server_update(state, decoded, CFG)
+    _, sinfo = server_update(state, decoded, CFG)
     assert sinfo.streams_valid.shape == (3,)
     assert np.asarray(sinfo.streams_valid).tolist() == [True, False, True]
     assert np.asarray(sinfo.stream_errors).tolist()[1] != 0
@@ -329,38 +301,85 @@ def test_server_info_flags_each_clients_stream():
 
 def test_update_round_aggregates_partitions_and_triggers_fire():
     state = klms_init(D, CFG)
-    _, info, _, dec = _roundtrip(state)
+    dec = _roundtrip(state).dec
     stacked = jax.tree.map(lambda a: jnp.stack([a, a, a]), dec)
-    new, sinfo = klms_server_update(state, stacked, CFG)
+    new, sinfo = server_update(state, stacked, CFG)
     # identical client partitions aggregate to themselves (Alg. 7 idempotence)
     np.testing.assert_array_equal(np.asarray(new.blocks.starts), np.asarray(dec.starts))
     assert bool(sinfo.updated) and not bool(new.update) and bool(new.changed)
     # downlink carries the new partition once: flag bit + M * log2(MAX_BLOCK_SIZE)
-    assert float(klms_downlink_bits(new, CFG)) == 1 + int(new.blocks.num_blocks) * CFG.length_bits
+    down = klms_downlink(new, CFG)
+    assert float(down.num_bits) == 1 + int(new.blocks.num_blocks) * CFG.length_bits
     starts = jnp.stack([new.blocks.starts] * 2)
     nums = jnp.stack([new.blocks.num_blocks] * 2)
     # in range: no re-partition; too high or too low: re-partition next round
     for stat, fires in [(1.0, False), (4.5, True), (0.5, True)]:
-        nxt, _ = klms_server_update(
-            new._replace(update=jnp.asarray(False)), _decoded(starts, nums, stat), CFG
-        )
+        nxt, _ = server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, stat), CFG)
         assert bool(nxt.update) == fires, stat
     # cap-bound partition (every block has max_block_size coordinates): the low trigger is suppressed
     capped = klms_init(D, KLMSConfig(log2_num_candidates=2, max_block_size=16, block_size=16))
     c_st = jnp.stack([capped.blocks.starts] * 2)
     c_n = jnp.stack([capped.blocks.num_blocks] * 2)
-    nxt, _ = klms_server_update(capped._replace(update=jnp.asarray(False)), _decoded(c_st, c_n, 0.1), CFG)
+    nxt, _ = server_update(capped._replace(update=jnp.asarray(False)), _decoded(c_st, c_n, 0.1), CFG)
     assert not bool(nxt.update)
     # the reference code's rho rule
     rho_cfg = KLMSConfig(log2_num_candidates=2, max_block_size=16, trigger="rho")
-    nxt, _ = klms_server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, 3.5), rho_cfg)
+    nxt, _ = server_update(new._replace(update=jnp.asarray(False)), _decoded(starts, nums, 3.5), rho_cfg)
     assert bool(nxt.update)
+
+
+def _stream_bits(words) -> np.ndarray:
+    """Host oracle of the wire format: stream bit ``p`` is bit ``p mod 32`` of word ``p // 32``."""
+    return np.unpackbits(np.asarray(words, np.uint32).astype("<u4").view(np.uint8), bitorder="little")
+
+
+def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
+    """The protocol's downlink is a real message (klms_downlink) that the clients decode (klms_receive).
+    After an update round it is the update flag and the new partition's block lengths minus one,
+    1 + M log2(max_block_size) bits, and a client that knew only the old partition rebuilds exactly the
+    server's new state; in the other rounds it is the 1-bit flag and the client keeps its partition. The
+    host message is exactly the words sent; the jitted one a capacity buffer that decodes the same."""
+    state = klms_init(D, CFG)
+    dec = _roundtrip(state).dec
+    new, _ = server_update(state, jax.tree.map(lambda a: jnp.stack([a, a]), dec), CFG)
+    assert bool(new.changed) and not bool(new.update)
+    assert int(new.blocks.num_blocks) != int(state.blocks.num_blocks)  # a new partition to send
+    M, L = int(new.blocks.num_blocks), CFG.length_bits
+    host = klms_downlink(new, CFG)
+    downlink = jax.jit(lambda s: klms_downlink(s, CFG))
+    jitted = downlink(new)
+    n = -(-(1 + M * L) // 32)
+    assert float(host.num_bits) == float(jitted.num_bits) == 1 + M * L and host.payload.shape == (n,)
+    np.testing.assert_array_equal(np.asarray(jitted.payload[:n]), np.asarray(host.payload))
+    np.testing.assert_array_equal(np.asarray(jitted.payload[n:]), 0)
+    # the wire format, parsed on the host: the flag, then M lengths - 1, L bits each, LSB first
+    bits = _stream_bits(host.payload)
+    assert bits[0] == 0 and not bits[1 + M * L :].any()
+    lengths = (bits[1 : 1 + M * L].reshape(M, L) << np.arange(L)).sum(axis=1) + 1
+    np.testing.assert_array_equal(lengths, np.asarray(block_sizes(new.blocks))[:M])
+    # a client knows its old partition and, from the flag it received last round, that the partition changed
+    client = state._replace(changed=state.update)
+    receive = jax.jit(lambda c, m: klms_receive(c, m, CFG))
+    for msg in (host, jitted):
+        assert tree_equal(klms_receive(client, msg, CFG), new)
+        assert tree_equal(receive(client, msg), new)
+    # the next rounds: the flag only (0 in range, 1 when a trigger fired); the client keeps the partition
+    starts, nums = jnp.stack([new.blocks.starts] * 2), jnp.stack([new.blocks.num_blocks] * 2)
+    client = new._replace(changed=new.update)
+    for stat, fires in ((1.0, False), (4.5, True)):
+        nxt, _ = server_update(new, _decoded(starts, nums, stat), CFG)
+        assert bool(nxt.update) == fires and not bool(nxt.changed)
+        down = klms_downlink(nxt, CFG)
+        assert float(down.num_bits) == 1 and down.payload.shape == (1,)
+        assert _stream_bits(down.payload).tolist() == [int(fires)] + [0] * 31
+        assert tree_equal(receive(client, down), nxt)
+        assert tree_equal(receive(client, downlink(nxt)), nxt)
 
 
 def test_adaptive_blocks_track_kl():
     """In an update round the blocks' KL is near the target except where the cap binds (spec §7 item 18)."""
     state = klms_init(D, CFG)
-    _, info, _, dec = _roundtrip(state)
+    dec = _roundtrip(state).dec
     blocks = blocks_from_starts(dec.starts, dec.num_blocks, D, D)
     kl = np.asarray(block_sums(Q.kl_bits(P), blocks))[: int(dec.num_blocks)]
     sizes = np.asarray(block_sizes(blocks))[: int(dec.num_blocks)]
@@ -430,237 +449,3 @@ def test_adaptive_bits_track_a_falling_kl_while_fixed_bits_stay_flat():
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KLMSConfig(**kwargs)
-
-
-# ----------------------------------------------------------------------------------------------------
-# framework pieces (spec §7 items 13-17)
-
-
-def test_qsgd_is_unbiased_and_symbol_law_sums_to_one():
-    layout = flat_layout({"a": jnp.zeros(6), "b": jnp.zeros(4)})
-    v = jnp.array([0.3, -1.2, 0.0, 2.0, -0.1, 0.7, 5.0, -3.0, 0.2, 1.0])
-    n = 20000
-    for s in (1, 2):
-        signed, norms = jax.vmap(lambda k, s=s: qsgd_quantize(k, v, layout, s))(
-            jax.random.split(jax.random.key(0), n)
-        )
-        vhat = jax.vmap(lambda a, b, s=s: qsgd_dequantize(a, b, layout, s))(signed, norms)
-        mean = np.asarray(vhat.mean(0))
-        se = np.asarray(vhat.std(0)) / math.sqrt(n) + 1e-9
-        assert np.all(np.abs(mean - np.asarray(v)) <= 5 * se), (s, mean)
-    q, _ = qsgd_symbol_probs(v, layout)
-    np.testing.assert_allclose(np.asarray(q.probs.sum(-1)), 1.0, atol=1e-6)
-    assert float(jnp.min(q.probs)) >= 0.0
-
-
-def test_qsgd_elias_bound_reproduces_the_papers_bug():
-    """spec §4.3: per-tensor CONV6 accounting gives 0.0722 / 0.1399 bpp with the reference code's precedence
-    bug (Table 8's QSGD numbers) and 0.029 / 0.053 bpp with the correct bound."""
-    from sidejax.models import get_model, init_params
-
-    spec = get_model("conv6", num_classes=10, input_shape=(32, 32, 3))
-    layout = flat_layout(init_params(jax.random.key(0), spec))
-    d = layout.dim
-    got = {
-        (s, pc): qsgd_elias_bound_bits(s, layout.tensor_sizes, paper_compat=pc) / d
-        for s in (1, 2)
-        for pc in (True, False)
-    }
-    assert got[(1, True)] == pytest.approx(0.0722, abs=5e-4)
-    assert got[(2, True)] == pytest.approx(0.1399, abs=5e-4)
-    assert got[(1, False)] == pytest.approx(0.029, abs=1e-3)
-    assert got[(2, False)] == pytest.approx(0.053, abs=1e-3)
-
-
-def test_elias_stream_length_by_hand():
-    layout = flat_layout({"a": jnp.zeros(6), "b": jnp.zeros(3)})
-    levels = jnp.array([0, 2, 0, 0, -1, 0, 0, 0, 5])
-    # tensor a: gaps 2 (3 bits), 3 (3 bits); levels 2 (3 bits), 1 (1 bit); 2 sign bits; 32 norm bits
-    # tensor b: gap 3 (3 bits), level 5 (5 bits), sign 1; 32 norm bits
-    expected = (3 + 3 + 3 + 1 + 2 + 32) + (3 + 5 + 1 + 32)
-    assert float(elias_gamma_bits(levels, layout)) == expected
-
-
-def test_enumerative_mask_bits_matches_exact_binomial():
-    for d, k in [(50, 0), (50, 7), (200, 100), (1000, 13)]:
-        mask = jnp.zeros(d).at[:k].set(1.0)
-        exact = math.ceil(math.log2(d + 1)) + (
-            math.ceil(math.log2(math.comb(d, k))) if k not in (0, d) else 0
-        )
-        assert abs(float(enumerative_mask_bits(mask)) - exact) <= 1, (d, k)
-
-
-def test_stochastic_sign_mean():
-    layout = flat_layout({"a": jnp.zeros(5)})
-    v = jnp.array([0.5, -0.2, 0.0, 1.0, -1.0])
-    q = stochastic_sign_probs(v, layout, 2.0)
-    n = 40000
-    samples = q.sample(jax.random.key(0), (n,))
-    expect = 2 * jax.nn.sigmoid(2.0 * v) - 1
-    se = np.sqrt((1 - np.asarray(expect) ** 2) / n)
-    assert np.all(np.abs(np.asarray(samples.mean(0) - expect)) <= 5 * se + 1e-9)
-    assert np.all(np.sign(np.asarray(expect))[v != 0] == np.sign(np.asarray(v))[v != 0])
-
-
-def test_bayes_agg_reset_is_the_mean_and_without_reset_counts_accumulate():
-    masks = jnp.array([[0.99, 0.01, 0.99], [0.99, 0.99, 0.01]])
-    ones = jnp.ones(3)
-    a, b, theta = bayes_agg(ones, ones, masks, reset=True)
-    np.testing.assert_allclose(np.asarray(theta), np.asarray(masks.mean(0)), rtol=1e-6)
-    a2, b2, theta2 = bayes_agg(a, b, masks, reset=False)
-    np.testing.assert_allclose(np.asarray(a2), 1 + 2 * np.asarray(masks.sum(0)), rtol=1e-6)
-    np.testing.assert_allclose(
-        np.asarray(theta2), (np.asarray(a2) - 1) / (np.asarray(a2 + b2) - 2), rtol=1e-6
-    )
-
-
-def test_sgld_klms_noise_calibration():
-    """With exact samples from q, the aggregate step noise has variance 2*gamma (spec §7 item 17)."""
-    gamma, N, C = 1e-4, 50, 10
-    sigma = sgld_klms_sigma(gamma, N, C)
-    a = N / C
-    n = 20000
-    y = sigma * jax.random.normal(jax.random.key(0), (n, C))  # y_c - H_c
-    noise = np.asarray(gamma * a * y.sum(1), np.float64)
-    var = noise.var()
-    # chi-square CI: relative SE of a variance estimate is sqrt(2/n)
-    assert abs(var / (2 * gamma) - 1) < 5 * math.sqrt(2 / n)
-
-
-def test_signed_constant_init_uses_fan_in():
-    params = {
-        "Dense_0": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)},
-        "Conv_0": {"kernel": jnp.zeros((3, 3, 2, 5))},
-    }
-    w = signed_constant_init(jax.random.key(0), params)
-    np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["kernel"])), math.e / math.sqrt(8), rtol=1e-6)
-    np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["bias"])), math.e / math.sqrt(8), rtol=1e-6)
-    np.testing.assert_allclose(np.abs(np.asarray(w["Conv_0"]["kernel"])), math.e / math.sqrt(18), rtol=1e-6)
-    assert 0.3 < float(jnp.mean(w["Dense_0"]["kernel"] > 0)) < 0.7
-
-
-# ----------------------------------------------------------------------------------------------------
-# App. F toy (spec §4.8, §7 item 11)
-
-
-def test_toy_error_shrinks_with_clients_and_overhead():
-    mu = 0.8
-    b = log2_candidates_for_overhead(mu * mu / 2, 6.0)
-    assert b == 10  # e^{6.32} = 556 -> 1024 candidates
-    runs = 400
-    err = {}
-    for n in (1, 16):
-        est = np.asarray(distributed_mean(jax.random.key(0), jnp.full((n,), mu), 4, runs), np.float64)
-        err[n] = est - mu
-    # the std of the estimate falls roughly like 1/sqrt(N): 1/4 from N=1 to N=16 (allow 0.4)
-    assert err[16].std() < 0.4 * err[1].std()
-    # with overhead r = 6 nats the bias is small (spec §7 item 10: < 0.03 at r >= 4)
-    est = np.asarray(distributed_mean(jax.random.key(1), jnp.full((16,), mu), b, runs), np.float64)
-    assert abs(est.mean() - mu) < 0.03 + 4 * est.std() / math.sqrt(runs)
-
-
-def test_theorem41_epsilon_calculator_and_single_client_bound():
-    # spec §7 item 12: Gaussian toy, mu = 0.8, r = 6 nats
-    mu, r = 0.8, 6.0
-    tail = gaussian_log_ratio_tail(mu, r)
-    assert tail == pytest.approx(0.5 * math.erfc(3.75 / math.sqrt(2)), rel=1e-12)
-    assert theorem41_epsilon([tail], r) == pytest.approx(0.492, abs=5e-4)
-    assert theorem41_epsilon([tail] * 10, r) == pytest.approx(5.5e-4, rel=0.01)
-    # the N = 1 bound against the self-normalised estimate J_K(f), f(x) = x, K = ceil(e^{KL + r}) = 556
-    eps = theorem41_epsilon([tail], r)
-    rng = np.random.default_rng(0)
-    y = rng.standard_normal((2000, 556))
-    logw = mu * y - mu * mu / 2
-    w = np.exp(logw - logw.max(axis=1, keepdims=True))
-    j = (w * y).sum(axis=1) / w.sum(axis=1)
-    threshold = 2 * math.sqrt(mu * mu + 1) * eps / (1 - eps)
-    assert np.mean(np.abs(j - mu) >= threshold) <= 2 * eps
-    with pytest.raises(ValueError, match="tail_probs"):
-        theorem41_epsilon([1.5], r)
-    with pytest.raises(ValueError, match="overhead_nats"):
-        theorem41_epsilon([0.1], -1.0)
-
-
-# ----------------------------------------------------------------------------------------------------
-# the algorithms in the round engine (integration, determinism: spec §7 item 19)
-
-SMALL = KLMSConfig(log2_num_candidates=2, max_block_size=64)
-
-
-def _algorithms(loss, clients):
-    common = dict(clients_per_round=clients, batch_size=32, client_strategy="map")
-    return {
-        "fedpm": fedpm(loss, optax.adam(0.1), **common),
-        "fedpm_klms": fedpm(loss, optax.adam(0.1), klms=SMALL, **common),
-        "qsgd": qsgd(loss, optax.sgd(0.1), server_lr=1.0, **common),
-        "qsgd_klms": qsgd(loss, optax.sgd(0.1), server_lr=1.0, klms=SMALL, **common),
-        "signsgd": signsgd(loss, optax.sgd(0.1), server_lr=0.01, **common),
-        "signsgd_klms": signsgd(loss, optax.sgd(0.1), server_lr=0.01, klms=SMALL, **common),
-        "qlsd": langevin(
-            loss, num_clients=10, clients_per_round=clients, batch_size=32, client_strategy="map"
-        ),
-        "sgld_klms": langevin(
-            loss, num_clients=10, clients_per_round=clients, batch_size=32, klms=SMALL, client_strategy="map"
-        ),
-    }
-
-
-@pytest.fixture(scope="module")
-def algorithm_runs(digits_fed, small_model):
-    spec, params, loss = small_model
-    out = {}
-    for name, algo in _algorithms(loss, 5).items():
-        state = algo.init(jax.random.key(0), params, 10)
-        final, infos = run_rounds(algo, jax.random.key(1), state, digits_fed, 3)
-        out[name] = (algo, state, final, infos)
-    return out
-
-
-def test_every_algorithm_runs_finite_and_klms_sends_fewer_bits(algorithm_runs, small_model):
-    d = flat_layout(small_model[1]).dim
-    bpp = {}
-    for name, (_, _, _final, infos) in algorithm_runs.items():
-        assert bool(np.all(np.asarray(infos.clients.finite))), name
-        assert bool(np.all(np.asarray(infos.server_finite))), name
-        bits = np.asarray(infos.uplink_bits)
-        assert np.all(bits > 0), name
-        bpp[name] = bits.mean() / d
-        if name.endswith("_klms"):
-            kinfo = infos.server.klms
-            assert bool(np.all(np.asarray(kinfo.streams_valid))), name
-            assert bool(np.asarray(kinfo.updated)[0])  # adaptive mode starts with an update round
-    assert bpp["signsgd"] == pytest.approx(1.0)
-    for host in ("fedpm", "qsgd", "signsgd"):
-        assert bpp[host + "_klms"] < bpp[host], (host, bpp)
-
-
-def test_a_whole_run_is_deterministic_including_the_bit_log(algorithm_runs, digits_fed):
-    algo, state, final, infos = algorithm_runs["fedpm_klms"]
-    final2, infos2 = run_rounds(algo, jax.random.key(1), state, digits_fed, 3)
-    assert tree_equal(final, final2)
-    assert tree_equal(infos, infos2)
-    # and the KLMS messages decode to masks that BayesAgg turns into the new theta
-    assert (
-        float(jnp.min(final.server.theta)) >= 0.01 - 1e-7
-        and float(jnp.max(final.server.theta)) <= 0.99 + 1e-7
-    )
-
-
-def test_langevin_rejects_a_mismatched_federation(small_model):
-    _, params, loss = small_model
-    algo = langevin(loss, num_clients=7, clients_per_round=3)
-    with pytest.raises(ValueError, match="num_clients=7"):
-        algo.init(jax.random.key(0), params, 10)
-
-
-def test_qsgd_klms_requires_one_level(small_model):
-    with pytest.raises(ValueError, match="s = 1"):
-        qsgd(small_model[2], optax.sgd(0.1), clients_per_round=2, batch_size=8, levels=2, klms=SMALL)
-
-
-def test_ternary_prior_has_full_support_after_a_round(algorithm_runs):
-    _, _, final, _ = algorithm_runs["qsgd_klms"]
-    prior = np.asarray(final.server.prior)
-    assert prior.min() > 0 and np.allclose(prior.sum(-1), 1, atol=1e-5)
-    kl = Ternary(jnp.asarray(prior)).kl_bits(Ternary(jnp.asarray(prior)))
-    assert float(jnp.max(jnp.abs(kl))) < 1e-5

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_equal
+from helpers import tree_equal
 
 from sidejax.fl import ClientData, build_local_trainer, epoch_order, num_local_steps
 from sidejax.keys import ORDER, epoch_key, step_key, stream_key

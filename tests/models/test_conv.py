@@ -1,18 +1,22 @@
-"""sidejax.models.conv: the forward pass and both gradients of its two paths (canonical custom-VJP
-convolution; banded matrix product for small stride-1 convolutions) against lax and a float64 oracle, which
-path each layer takes, and the canonical layout of every convolution of a training loop (the input gradient
-included)."""
+"""sidejax.models.conv: the loop-friendly convolution against lax (forward value and both gradients, under
+vmap and scan, other convolutions passed through, every CNN model built with it); the forward pass and both
+gradients of its two paths (canonical custom-VJP convolution; banded matrix product for small stride-1
+convolutions) against lax and a float64 oracle, which path each layer takes, and the canonical layout of
+every convolution of a training loop (the input gradient included)."""
 
 from __future__ import annotations
 
 import contextlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import abstract_params
 
 from sidejax.models import conv as conv_module
+from sidejax.models import get_model
 from sidejax.models.conv import conv_general_dilated, no_banded_matmul
 
 DN = ("NHWC", "HWIO", "NHWC")
@@ -217,3 +221,99 @@ def test_training_scan_matches_lax(banded):
     for a, b in zip(ours, ref, strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.max(np.abs(b)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the loop-friendly convolution against lax
+
+CONV_CASES = [
+    ((9, 10), (3, 3), (1, 1), (1, 1), "SAME", 3, 4),
+    ((10, 11), (3, 3), (2, 2), (1, 1), ((1, 1), (1, 1)), 2, 5),
+    ((11, 9), (5, 3), (2, 1), (1, 1), "VALID", 3, 2),
+    ((12, 12), (3, 3), (1, 1), (2, 2), ((2, 0), (1, 3)), 2, 3),
+    ((8, 8), (1, 1), (2, 2), (1, 1), ((0, 0), (0, 0)), 4, 6),
+    ((9, 9), (3, 3), (1, 2), (1, 1), ((-1, 2), (1, 0)), 2, 2),
+]
+
+
+def _conv_loss(conv, strides, dilation, padding):
+    dn = ("NHWC", "HWIO", "NHWC")
+    return lambda x, k: jnp.sum(
+        jnp.sin(conv(x, k, strides, padding, rhs_dilation=dilation, dimension_numbers=dn))
+    )
+
+
+def _close(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.max(np.abs(b)))))
+
+
+@pytest.mark.parametrize("hw,ks,strides,dilation,padding,cin,cout", CONV_CASES)
+def test_loop_friendly_conv_gradients_match_lax(hw, ks, strides, dilation, padding, cin, cout):
+    """Forward value and both gradients equal lax's (only the summation order of dK differs)."""
+    kx, kk = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (3, *hw, cin))
+    k = jax.random.normal(kk, (*ks, cin, cout))
+    ours = _conv_loss(conv_general_dilated, strides, dilation, padding)
+    ref = _conv_loss(jax.lax.conv_general_dilated, strides, dilation, padding)
+    _close(ours(x, k), ref(x, k))
+    for a, b in zip(jax.grad(ours, (0, 1))(x, k), jax.grad(ref, (0, 1))(x, k), strict=True):
+        _close(a, b)
+
+
+def test_loop_friendly_conv_under_vmap_and_scan_and_canonical_in_loops():
+    """Per-client gradients inside lax.scan (the local-training shape) match lax's, and on CPU the compiled
+    loop body holds only canonical NHWC/HWIO convolutions (the non-canonical kernel-gradient conv is what
+    runs on XLA CPU's slow generic path inside loops; jax-ml/jax#12868)."""
+    kx, kk = jax.random.split(jax.random.key(4))
+    x = jax.random.normal(kx, (2, 3, 2, 8, 8, 3))  # [clients, steps, batch, H, W, C]
+    k = jax.random.normal(kk, (2, 3, 3, 3, 4))  # [clients, KH, KW, I, O]
+
+    def train(conv):
+        loss = _conv_loss(conv, (1, 1), (1, 1), ((1, 1), (1, 1)))
+
+        def client(k, xs):
+            def step(k, xb):
+                return k - 0.01 * jax.grad(loss, 1)(xb, k), None
+
+            return jax.lax.scan(step, k, xs)[0]
+
+        return jax.jit(jax.vmap(client))
+
+    _close(train(conv_general_dilated)(k, x), train(jax.lax.conv_general_dilated)(k, x))
+    if jax.default_backend() == "cpu":
+        with no_banded_matmul():  # this small convolution is otherwise a banded matmul (see below)
+            hlo = train(conv_general_dilated).lower(k, x).compile().as_text()
+        labels = [
+            line.split("dim_labels=")[1].split(",")[0] for line in hlo.splitlines() if " convolution(" in line
+        ]
+        assert labels and all(lab.startswith("b01f_01io->b01f") for lab in labels), labels
+
+
+def test_loop_friendly_conv_passes_other_convolutions_through():
+    """Grouped or NCHW convolutions go to lax.conv_general_dilated unchanged."""
+    x = jax.random.normal(jax.random.key(5), (2, 4, 7, 7))
+    k = jax.random.normal(jax.random.key(6), (6, 2, 3, 3))
+    args = ((1, 1), "SAME")
+    kw = dict(dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=2)
+    _close(conv_general_dilated(x, k, *args, **kw), jax.lax.conv_general_dilated(x, k, *args, **kw))
+
+
+def test_models_use_the_loop_friendly_conv():
+    """Every convolution layer of the CNN models is built with sidejax.models.conv.conv_general_dilated."""
+    seen = []
+    orig = nn.Conv.__call__
+
+    def spy(self, *a, **kw):
+        seen.append(self.conv_general_dilated)
+        return orig(self, *a, **kw)
+
+    for name in ("lenet5", "conv6", "resnet18", "klms_lenet", "cepam_cnn", "bpcfl_convnet"):
+        spec = get_model(name)
+        seen.clear()
+        try:
+            nn.Conv.__call__ = spy
+            abstract_params(spec)
+        finally:
+            nn.Conv.__call__ = orig
+        assert seen and all(f is conv_general_dilated for f in seen), name

@@ -1,0 +1,81 @@
+"""FedPM and FedPM-KLMS (sidejax.algorithms.fedpm; spec klms.md §4.1-4.2, §7 items 14, 19)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import SMALL_KLMS, assert_clean_run, tree_equal
+
+from sidejax.algorithms import bayes_agg, signed_constant_init
+from sidejax.coding.klms import klms_init
+from sidejax.fl import run_rounds
+from sidejax.layout import flat_layout
+
+
+def test_bayes_agg_reset_is_the_mean_and_without_reset_counts_accumulate():
+    masks = jnp.array([[0.99, 0.01, 0.99], [0.99, 0.99, 0.01]])
+    ones = jnp.ones(3)
+    a, b, theta = bayes_agg(ones, ones, masks, reset=True)
+    np.testing.assert_allclose(np.asarray(theta), np.asarray(masks.mean(0)), rtol=1e-6)
+    a2, b2, theta2 = bayes_agg(a, b, masks, reset=False)
+    np.testing.assert_allclose(np.asarray(a2), 1 + 2 * np.asarray(masks.sum(0)), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(theta2), (np.asarray(a2) - 1) / (np.asarray(a2 + b2) - 2), rtol=1e-6
+    )
+
+
+def test_signed_constant_init_uses_fan_in():
+    params = {
+        "Dense_0": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)},
+        "Conv_0": {"kernel": jnp.zeros((3, 3, 2, 5))},
+    }
+    w = signed_constant_init(jax.random.key(0), params)
+    np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["kernel"])), math.e / math.sqrt(8), rtol=1e-6)
+    np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["bias"])), math.e / math.sqrt(8), rtol=1e-6)
+    np.testing.assert_allclose(np.abs(np.asarray(w["Conv_0"]["kernel"])), math.e / math.sqrt(18), rtol=1e-6)
+    assert 0.3 < float(jnp.mean(w["Dense_0"]["kernel"] > 0)) < 0.7
+
+
+def test_fedpm_and_fedpm_klms_run_clean_and_klms_sends_fewer_bits(algorithm_run, small_model):
+    d = flat_layout(small_model[1]).dim
+    bpp = {}
+    for name in ("fedpm", "fedpm_klms"):
+        _, _, _, infos = algorithm_run(name)
+        assert_clean_run(name, infos)
+        bpp[name] = np.asarray(infos.uplink_bits).mean() / d
+    assert bpp["fedpm_klms"] < bpp["fedpm"], bpp
+
+
+def test_a_whole_run_is_deterministic_including_the_bit_log(algorithm_run, digits_fed):
+    algo, state, final, infos = algorithm_run("fedpm_klms")
+    final2, infos2 = run_rounds(algo, jax.random.key(1), state, digits_fed, 3, client_map="map")
+    assert tree_equal(final, final2)
+    assert tree_equal(infos, infos2)
+    # and the KLMS messages decode to masks that BayesAgg turns into the new theta
+    assert (
+        float(jnp.min(final.server.theta)) >= 0.01 - 1e-7
+        and float(jnp.max(final.server.theta)) <= 0.99 + 1e-7
+    )
+
+
+def test_clients_decode_theta_and_the_protocol_state_from_the_downlink(algorithm_run):
+    """FedPM's downlink is theta as float32, then the coder's protocol stream; a client that knows only the
+    frozen weights, the evaluation uniforms and the protocol's earlier flags rebuilds the server state
+    exactly: after an update round the partition comes from the stream, otherwise the client keeps its own."""
+    algo, _, final, _ = algorithm_run("fedpm_klms")
+    server = final.server
+    initial = klms_init(server.theta.shape[0], SMALL_KLMS).blocks
+    assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
+    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None))
+    receive = jax.jit(lambda view, message: algo.receive(None, None, view, message))
+    after_update = server.coder._replace(update=jnp.asarray(False), changed=jnp.asarray(True))
+    for coder in (server.coder, after_update):
+        sent = server._replace(coder=coder)
+        known = initial if bool(coder.changed) else coder.blocks
+        view = sent._replace(
+            theta=jnp.zeros_like(server.theta), coder=coder._replace(blocks=known, update=~coder.update)
+        )
+        assert tree_equal(receive(view, broadcast(sent)), sent)

@@ -1,0 +1,171 @@
+"""Shared test helpers (importable from every test module: ``pythonpath = ["tests"]`` in pyproject.toml)."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sidejax.algorithms import fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.models import ModelSpec, count_params, init_params
+
+__all__ = [
+    "BASE",
+    "SMALL_KLMS",
+    "small_algorithm",
+    "SMALL_ALGORITHMS",
+    "tree_equal",
+    "assert_trees_close_across_programs",
+    "assert_clean_run",
+    "abstract_params",
+    "abstract_count",
+    "IDX_CODES",
+    "idx_bytes",
+    "write_idx",
+    "fake_mnist",
+    "fake_cifar_batch",
+]
+
+#: The base key of the shared FedAvg run (conftest ``fedavg_ten_rounds``) and of the engine tests.
+BASE = jax.random.key(42)
+
+
+def tree_equal(a, b) -> bool:
+    """Bit equality of two pytrees (NaNs equal; key leaves are skipped: they are compared by their data
+    where it matters)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+        for x, y in zip(la, lb, strict=True)
+        if not jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key)
+    )
+
+
+def assert_trees_close_across_programs(a, b, ulps: int) -> None:
+    """``a`` and ``b`` come from two differently compiled programs computing the same thing.
+
+    XLA may fuse, vectorise and order float reductions differently in two programs (and differently on
+    another CPU), so their floats agree to a few units in the last place, not bit for bit: on another
+    machine of the same kind the one-step FedAvg test differed by 1-3 ULP on 9 of its 2,778 weights.
+    Float leaves must agree within ``ulps`` ULPs of the leaf's largest magnitude (rounding errors are
+    absolute at the scale of the sums that produce them, so an entry near zero is not held to its own, much
+    finer, spacing); integer and bool leaves (client ids, step counts, flags) and key leaves must be equal.
+    """
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        if jnp.issubdtype(jnp.asarray(x).dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.floating):
+            scale = np.spacing(np.max(np.abs(y), initial=np.finfo(y.dtype).tiny).astype(y.dtype))
+            np.testing.assert_allclose(x, y, rtol=0, atol=ulps * float(scale))
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
+#: The KLMS configuration of the algorithms' integration runs (small blocks: a 25,818-parameter MLP).
+SMALL_KLMS = KLMSConfig(log2_num_candidates=2, max_block_size=64)
+SMALL_ALGORITHMS = (
+    "fedpm",
+    "fedpm_klms",
+    "qsgd",
+    "qsgd_klms",
+    "signsgd",
+    "signsgd_klms",
+    "qlsd",
+    "sgld_klms",
+)
+
+
+def small_algorithm(name: str, loss, clients: int):
+    """One of :data:`SMALL_ALGORITHMS` on ``loss`` with ``clients`` participants per round (10 clients in
+    all), its KLMS variant with :data:`SMALL_KLMS`."""
+    common = dict(clients_per_round=clients, batch_size=32)
+    lang = dict(num_clients=10, clients_per_round=clients, batch_size=32)
+    klms = klms_coder(SMALL_KLMS)
+    builders = {
+        "fedpm": lambda: fedpm(loss, optax.adam(0.1), **common),
+        "fedpm_klms": lambda: fedpm(loss, optax.adam(0.1), coder=klms, **common),
+        "qsgd": lambda: qsgd(loss, optax.sgd(0.1), server_lr=1.0, **common),
+        "qsgd_klms": lambda: qsgd(loss, optax.sgd(0.1), server_lr=1.0, coder=klms, **common),
+        "signsgd": lambda: signsgd(loss, optax.sgd(0.1), server_lr=0.01, **common),
+        "signsgd_klms": lambda: signsgd(loss, optax.sgd(0.1), server_lr=0.01, coder=klms, **common),
+        "qlsd": lambda: qlsd(loss, **lang),
+        "sgld_klms": lambda: sgld(loss, coder=klms, **lang),
+    }
+    return builders[name]()
+
+
+def assert_clean_run(name: str, infos) -> None:
+    """Every round of an integration run (stacked :class:`sidejax.fl.RoundInfo`) is finite, every stream
+    real and well formed; a KLMS run starts with an update round and its server saw every stream valid."""
+    assert bool(np.all(np.asarray(infos.clients.finite))), name
+    assert bool(np.all(np.asarray(infos.server_finite))), name
+    assert bool(np.all(np.asarray(infos.clients.valid))), name
+    np.testing.assert_array_equal(infos.uplink_errors, 0, err_msg=name)
+    assert np.all(np.asarray(infos.uplink_bits) > 0), name
+    if name.endswith("_klms"):
+        kinfo = infos.server.coder
+        assert bool(np.all(np.asarray(kinfo.streams_valid))), name
+        assert bool(np.asarray(kinfo.updated)[0]), name  # adaptive mode starts with an update round
+
+
+def abstract_params(spec: ModelSpec):
+    """A model's parameter shapes without allocating or compiling anything (``jax.eval_shape``)."""
+    return jax.eval_shape(lambda k: init_params(k, spec), jax.random.key(0))
+
+
+def abstract_count(spec: ModelSpec) -> int:
+    return count_params(abstract_params(spec))
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny fake data files (the file formats of sidejax.data.idx and sidejax.data.cifar)
+
+IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int16): 0x0B, np.dtype(np.int32): 0x0C}
+
+
+def idx_bytes(arr: np.ndarray) -> bytes:
+    """The IDX file holding ``arr`` (uint8, int16 or int32), uncompressed."""
+    code = IDX_CODES[arr.dtype]
+    header = bytes([0, 0, code, arr.ndim]) + np.asarray(arr.shape, dtype=">u4").tobytes()
+    return header + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+
+
+def write_idx(path, arr: np.ndarray, *, gz: bool) -> None:
+    """Writes ``arr`` as an IDX file at ``path`` (a ``pathlib.Path``), gzip-compressed if ``gz``."""
+    data = idx_bytes(arr)
+    if gz:
+        with gzip.open(path, "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def fake_mnist(directory, prefix_img, prefix_lbl, n, num_classes, *, gz, label_offset=0):
+    """``n`` random 28x28 uint8 images and labels ``i % num_classes + label_offset`` as two IDX files in
+    ``directory``; returns ``(images, labels)``."""
+    rng = np.random.default_rng(n)
+    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    labels = (np.arange(n) % num_classes + label_offset).astype(np.uint8)
+    suffix = ".gz" if gz else ""
+    write_idx(directory / f"{prefix_img}{suffix}", images, gz=gz)
+    write_idx(directory / f"{prefix_lbl}{suffix}", labels, gz=gz)
+    return images, labels
+
+
+def fake_cifar_batch(path, n, label_key, seed):
+    """A CIFAR python batch of ``n`` random images with labels under ``label_key``; returns
+    ``(data, labels)``."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+    labels = list(rng.integers(0, 10, size=n))
+    with open(path, "wb") as f:
+        pickle.dump({b"data": data, label_key: labels}, f)
+    return data, labels
