@@ -30,7 +30,7 @@ from sidejax.algorithms import fedavg
 from sidejax.data import datasets as datasets_module
 from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.data import tfds as tfds_module
-from sidejax.fl import classification_loss, run_rounds
+from sidejax.fl import LocalTraining, classification_loss, run_rounds
 from sidejax.models import get_model, init_params
 
 
@@ -60,7 +60,7 @@ def small_model():
 def fedavg_map(small_model):
     """FedAvg on ``small_model``: 4 of 10 clients per round, one local epoch of batches of 16."""
     _, _, loss = small_model
-    return fedavg(loss, optax.sgd(0.1), clients_per_round=4, batch_size=16, local_epochs=1)
+    return fedavg(loss, LocalTraining(optax.sgd(0.1), batch_size=16, num_epochs=1), clients_per_round=4)
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidejax.algorithms import fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import LangevinSettings, fedpm, qlsd, qsgd, sgld, signsgd
 from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.fl import LocalTraining
 from sidejax.models import ModelSpec, count_params, init_params
 
 __all__ = [
@@ -86,16 +87,24 @@ SMALL_ALGORITHMS = (
 def small_algorithm(name: str, loss, clients: int):
     """One of :data:`SMALL_ALGORITHMS` on ``loss`` with ``clients`` participants per round (10 clients in
     all), its KLMS variant with :data:`SMALL_KLMS`."""
-    common = dict(clients_per_round=clients, batch_size=32)
-    lang = dict(num_clients=10, clients_per_round=clients, batch_size=32)
+    common = dict(clients_per_round=clients)
+    lang = dict(num_clients=10, clients_per_round=clients, settings=LangevinSettings(batch_size=32))
     klms = klms_coder(SMALL_KLMS)
     builders = {
-        "fedpm": lambda: fedpm(loss, optax.adam(0.1), **common),
-        "fedpm_klms": lambda: fedpm(loss, optax.adam(0.1), coder=klms, **common),
-        "qsgd": lambda: qsgd(loss, optax.sgd(0.1), server_lr=1.0, **common),
-        "qsgd_klms": lambda: qsgd(loss, optax.sgd(0.1), server_lr=1.0, coder=klms, **common),
-        "signsgd": lambda: signsgd(loss, optax.sgd(0.1), server_lr=0.01, **common),
-        "signsgd_klms": lambda: signsgd(loss, optax.sgd(0.1), server_lr=0.01, coder=klms, **common),
+        "fedpm": lambda: fedpm(loss, LocalTraining(optax.adam(0.1), batch_size=32), **common),
+        "fedpm_klms": lambda: fedpm(
+            loss, LocalTraining(optax.adam(0.1), batch_size=32), coder=klms, **common
+        ),
+        "qsgd": lambda: qsgd(loss, LocalTraining(optax.sgd(0.1), batch_size=32), server_lr=1.0, **common),
+        "qsgd_klms": lambda: qsgd(
+            loss, LocalTraining(optax.sgd(0.1), batch_size=32), server_lr=1.0, coder=klms, **common
+        ),
+        "signsgd": lambda: signsgd(
+            loss, LocalTraining(optax.sgd(0.1), batch_size=32), server_lr=0.01, **common
+        ),
+        "signsgd_klms": lambda: signsgd(
+            loss, LocalTraining(optax.sgd(0.1), batch_size=32), server_lr=0.01, coder=klms, **common
+        ),
         "qlsd": lambda: qlsd(loss, **lang),
         "sgld_klms": lambda: sgld(loss, coder=klms, **lang),
     }

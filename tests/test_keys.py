@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidejax.algorithms import fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import LangevinSettings, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
 from sidejax.coding.klms import KLMSConfig, klms_coder
 from sidejax.coding.toy import distributed_mean
-from sidejax.fl import build_round_step
+from sidejax.fl import LocalTraining, build_round_step
 from sidejax.keys import (
     CLIENTS,
     PRIVATE,
@@ -61,7 +61,7 @@ def test_fedpm_frozen_signs_scores_and_eval_uniforms_are_independent():
     perfectly anti-correlated), and leaf 4's signs and the evaluation uniforms too (agreement 1.0)."""
     n, num_leaves = 1000, 6
     params = [jnp.zeros((n,), jnp.float32) for _ in range(num_leaves)]  # only shapes are used
-    algo = fedpm(lambda p, b, k: 0.0, optax.adam(0.1), clients_per_round=1, batch_size=1)
+    algo = fedpm(lambda p, b, k: 0.0, LocalTraining(optax.adam(0.1), batch_size=1), clients_per_round=1)
     server = algo.init(jax.random.key(0), params, 1).server
     signs = [np.asarray(w) > 0 for w in server.weights]
     score_pos = np.asarray(server.theta) > 0.5  # theta = sigmoid(scores), clipped: same sign as the score
@@ -85,16 +85,17 @@ SMALL_KLMS = klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=64))
 
 
 def _all_algorithms(loss):
-    common = dict(clients_per_round=3, batch_size=32, local_epochs=2)
-    lang = dict(num_clients=10, clients_per_round=3, batch_size=32)
+    common = dict(clients_per_round=3)
+    local = dict(batch_size=32, num_epochs=2)
+    lang = dict(num_clients=10, clients_per_round=3, settings=LangevinSettings(batch_size=32))
     return {
-        "fedavg": fedavg(loss, optax.sgd(0.1), **common),
-        "fedpm": fedpm(loss, optax.adam(0.1), **common),
-        "fedpm_klms": fedpm(loss, optax.adam(0.1), coder=SMALL_KLMS, **common),
-        "qsgd": qsgd(loss, optax.sgd(0.1), **common),
-        "qsgd_klms": qsgd(loss, optax.sgd(0.1), coder=SMALL_KLMS, **common),
-        "signsgd": signsgd(loss, optax.sgd(0.1), **common),
-        "signsgd_klms": signsgd(loss, optax.sgd(0.1), coder=SMALL_KLMS, **common),
+        "fedavg": fedavg(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "fedpm": fedpm(loss, LocalTraining(optax.adam(0.1), **local), **common),
+        "fedpm_klms": fedpm(loss, LocalTraining(optax.adam(0.1), **local), coder=SMALL_KLMS, **common),
+        "qsgd": qsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "qsgd_klms": qsgd(loss, LocalTraining(optax.sgd(0.1), **local), coder=SMALL_KLMS, **common),
+        "signsgd": signsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "signsgd_klms": signsgd(loss, LocalTraining(optax.sgd(0.1), **local), coder=SMALL_KLMS, **common),
         "qlsd": qlsd(loss, **lang),
         "sgld_klms": sgld(loss, coder=SMALL_KLMS, **lang),
     }

@@ -13,7 +13,7 @@ from jax.flatten_util import ravel_pytree
 from sidejax.algorithms import fedavg
 from sidejax.coding import decode_float32, encode_float32
 from sidejax.data import make_federated_data
-from sidejax.fl import Batch, build_round_step, epoch_order
+from sidejax.fl import Batch, LocalTraining, build_round_step, epoch_order
 from sidejax.keys import ORDER, client_keys, client_streams, epoch_key, round_key, stream_key
 
 
@@ -23,7 +23,7 @@ def test_fedavg_one_client_one_step_equals_centralized_sgd(small_model, digits):
     x, y = train.x[:64], train.y[:64]
     fed = make_federated_data(x, y, [np.arange(64)])
     lr = 0.3
-    algo = fedavg(loss, optax.sgd(lr), clients_per_round=1, batch_size=64, local_epochs=1)
+    algo = fedavg(loss, LocalTraining(optax.sgd(lr), batch_size=64, num_epochs=1), clients_per_round=1)
     state = algo.init(BASE, params, 1)
     new_state, info = jax.jit(build_round_step(algo))(round_key(BASE, 0), state, fed)
 
@@ -68,8 +68,10 @@ def test_participants_unequal_sizes_take_their_own_number_of_steps(fedavg_ten_ro
 def test_builder_argument_errors(small_model):
     _, _, loss = small_model
     with pytest.raises(ValueError, match="batch_size"):
-        fedavg(loss, optax.sgd(0.1), clients_per_round=2, batch_size=0)
+        fedavg(loss, LocalTraining(optax.sgd(0.1), batch_size=0), clients_per_round=2)
     with pytest.raises(ValueError, match="exactly one of num_epochs and num_steps"):
-        fedavg(loss, optax.sgd(0.1), clients_per_round=2, batch_size=4, local_epochs=None)
+        fedavg(
+            loss, LocalTraining(optax.sgd(0.1), batch_size=4, num_epochs=1, num_steps=3), clients_per_round=2
+        )
     with pytest.raises(ValueError, match="clients_per_round"):  # checked when the round is built
-        build_round_step(fedavg(loss, optax.sgd(0.1), clients_per_round=0, batch_size=4))
+        build_round_step(fedavg(loss, LocalTraining(optax.sgd(0.1), batch_size=4), clients_per_round=0))

@@ -15,6 +15,7 @@ from sidejax.algorithms import qsgd, qsgd_dequantize, qsgd_elias_bound_bits, qsg
 from sidejax.algorithms.qsgd import initial_symbol_prior, symbol_prior
 from sidejax.coding import elias_coder, klms_coder, with_side_info
 from sidejax.distributions import StochasticLevels, Ternary
+from sidejax.fl import LocalTraining
 from sidejax.keys import client_keys
 from sidejax.layout import flat_layout
 
@@ -87,9 +88,8 @@ def test_qsgd_klms_requires_one_level(small_model):
     with pytest.raises(ValueError, match="s = 1"):
         qsgd(
             small_model[2],
-            optax.sgd(0.1),
+            LocalTraining(optax.sgd(0.1), batch_size=8),
             clients_per_round=2,
-            batch_size=8,
             levels=2,
             coder=klms_coder(SMALL_KLMS),
         )

@@ -22,6 +22,7 @@ from sidejax.fl import (
     ClientInfo,
     ClientMap,
     EmptyState,
+    LocalTraining,
     as_client_map,
     build_round_step,
     default_client_strategy,
@@ -126,13 +127,13 @@ def test_client_strategy_defaults_to_map_on_cpu_and_vmap_on_accelerators(small_m
     """The client map is the engine's choice, resolved in one place (default_client_strategy): "map" on CPU
     (memory for one client at a time), "vmap" on GPU/TPU; no algorithm builder takes it."""
     _, _, loss = small_model
-    common = dict(clients_per_round=2, batch_size=8)
+    common = dict(clients_per_round=2)
     lang = dict(num_clients=10, clients_per_round=2)
     algorithms = [
-        fedavg(loss, optax.sgd(0.1), **common),
-        fedpm(loss, optax.adam(0.1), **common),
-        qsgd(loss, optax.sgd(0.1), **common),
-        signsgd(loss, optax.sgd(0.1), **common),
+        fedavg(loss, LocalTraining(optax.sgd(0.1), batch_size=8), **common),
+        fedpm(loss, LocalTraining(optax.adam(0.1), batch_size=8), **common),
+        qsgd(loss, LocalTraining(optax.sgd(0.1), batch_size=8), **common),
+        signsgd(loss, LocalTraining(optax.sgd(0.1), batch_size=8), **common),
         qlsd(loss, **lang),
         sgld(loss, coder=float32_coder(), **lang),
     ]
@@ -188,7 +189,7 @@ def test_state_for_another_number_of_clients_is_refused(fedavg_map, small_model,
 def test_clients_per_round_is_checked_when_the_round_is_built(small_model):
     _, _, loss = small_model
     with pytest.raises(ValueError, match="clients_per_round must be >= 1, got 0"):
-        build_round_step(fedavg(loss, optax.sgd(0.1), clients_per_round=0, batch_size=4))
+        build_round_step(fedavg(loss, LocalTraining(optax.sgd(0.1), batch_size=4), clients_per_round=0))
 
 
 # ----------------------------------------------------------------------------------------------------
