@@ -46,9 +46,9 @@ The summation order differs from ``lax``'s (results agree to float32 rounding, n
 Everything else (and every other backend) calls ``lax.conv_general_dilated`` unchanged. The forward pass and
 both gradients are the same mathematical quantities as JAX's; on the convolution path the input gradient has
 JAX's products in JAX's order (measured bit-identical outside loops), only the order of floating-point
-summation in ``dK`` may differ. ``tests/test_conv.py`` checks the convolution path against ``lax`` (2 ULP)
-and both paths against a float64 oracle (the float32 summation error bound) on the models' layer shapes, and
-that every convolution of a training scan is canonical; ``tests/test_models.py`` checks strided, dilated
+summation in ``dK`` may differ. ``tests/models/test_conv.py`` checks the convolution path against
+``lax`` (2 ULP) and both paths against a float64 oracle (the float32 summation error bound) on the models'
+layer shapes, that every convolution of a training scan is canonical, and strided, dilated
 and negative-padding cases under ``grad``, ``vmap`` and ``scan``.
 """
 
