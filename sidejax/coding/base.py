@@ -167,10 +167,10 @@ def concat_messages(*parts: Message) -> Message:
     return Message(words, offset)
 
 
-def split_message(message: Message, lengths: tuple[int, ...], capacities: tuple[int, ...] | None = None):
+def split_message(message: Message, lengths: tuple[int, ...]):
     """Cuts a stream built by :func:`concat_messages` whose leading parts have the static ``lengths`` (bits);
-    the last part is the rest. Returns ``len(lengths) + 1`` messages (each part's payload holds
-    ``capacities[i]`` words, default ``ceil(length / 32)``, and the last part the remaining words).
+    the last part is the rest. Returns ``len(lengths) + 1`` messages (each leading part's payload holds
+    ``ceil(length / 32)`` words, the last part the remaining words).
 
     Bits past ``message.num_bits`` are zeroed first, so a padded buffer cannot leak into a part."""
     words = _words(message)
@@ -178,8 +178,8 @@ def split_message(message: Message, lengths: tuple[int, ...], capacities: tuple[
     words, _ = mask_to_length(words, message.num_bits)
     parts = []
     offset = 0
-    for i, length in enumerate(lengths):
-        cap = -(-length // 32) if capacities is None else capacities[i]
+    for length in lengths:
+        cap = -(-length // 32)
         part = unpack_fixed(jnp.pad(words, (0, cap + 1)), cap, 32, bit_offset=offset)
         part, _ = mask_to_length(part, jnp.float32(length))
         parts.append(Message(part, jnp.float32(length)))

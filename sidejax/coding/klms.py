@@ -588,7 +588,7 @@ def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
     in the previous round. Fixed mode sends nothing (0 bits).
     """
     blocks = state.blocks
-    dim, mb = blocks.dim, blocks.max_blocks
+    mb = blocks.max_blocks
     if not config.adaptive:
         return Message(jnp.zeros((0,), jnp.uint32), jnp.float32(0.0))
     L = config.length_bits
@@ -601,7 +601,6 @@ def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
     num_bits = (1 + jnp.where(state.changed, M * L, 0)).astype(jnp.float32)
     if is_concrete(num_bits):
         words = words[: sent_words(num_bits)]
-    del dim
     return Message(words, num_bits)
 
 

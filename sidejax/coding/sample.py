@@ -22,7 +22,7 @@ from sidejax.bits import enumerative_mask_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.lossless import elias_levels_decode, elias_levels_encode, mask_decode, mask_encode
-from sidejax.distributions import is_valid
+from sidejax.distributions import dist_dim, is_valid
 from sidejax.utils import is_concrete
 
 __all__ = ["SampleInfo", "fixed_width_coder", "elias_coder", "mask_coder"]
@@ -69,7 +69,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
 
     def decode(shared_key, p, message):
         del shared_key
-        dim = _dim_of(p)
+        dim = dist_dim(p)  # the receiver knows the shapes: p has the vector's length
         cap = -(-dim * width // 32)
         words, ok_len = mask_to_length(_padded(message, cap), message.num_bits, num_sent_words=_n(message))
         index = unpack_fixed(words, dim, width).astype(jnp.int32)
@@ -84,12 +84,6 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
 
 def _n(message: Message) -> int:
     return jnp.asarray(message.payload).shape[0]
-
-
-def _dim_of(p) -> int:
-    """The receiver knows the vector's length: it is the length of ``p`` (every receiver has ``p``)."""
-    leaf = jax.tree.leaves(p)[0]
-    return int(jnp.shape(leaf)[0])
 
 
 def _errors(ok_len, ok_parse, ok_sym) -> jax.Array:
@@ -116,7 +110,7 @@ def elias_coder(max_level: int) -> Coder:
 
     def decode(shared_key, p, message):
         del shared_key
-        dim = _dim_of(p)
+        dim = dist_dim(p)
         levels, ok = elias_levels_decode(
             jnp.asarray(message.payload, jnp.uint32), message.num_bits, dim=dim, max_level=max_level
         )
@@ -139,7 +133,7 @@ def mask_coder() -> Coder:
 
     def decode(shared_key, p, message):
         del shared_key
-        dim = _dim_of(p)
+        dim = dist_dim(p)
         mask, ok = mask_decode(jnp.asarray(message.payload, jnp.uint32), message.num_bits, dim=dim)
         errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
         return mask.astype(jnp.float32), StreamCheck(errors == 0, errors)

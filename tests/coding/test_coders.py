@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tree_equal
 
 from sidejax.blocks import block_sizes
 from sidejax.coding import (
@@ -177,15 +178,6 @@ def case(request):
     return name, coder, make, oracle, state, encode, decode
 
 
-def _flat(x):
-    return [np.asarray(leaf) for leaf in jax.tree.leaves(x)]
-
-
-def _same(a, b) -> bool:
-    la, lb = _flat(a), _flat(b)
-    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb, strict=True))
-
-
 def test_decode_reproduces_the_encoders_choice(case):
     _, coder, make, oracle, state, encode, decode = case
     q, p = make(0)
@@ -195,7 +187,7 @@ def test_decode_reproduces_the_encoders_choice(case):
     assert bool(decoded.valid) and int(decoded.errors) == 0
     assert bool(info.valid)
     expected = jax.jit(oracle)(keys, q, p, state)
-    assert _same(sample, expected)
+    assert tree_equal(sample, expected)
 
 
 def test_num_bits_is_the_stream_length(case):
@@ -210,7 +202,6 @@ def test_num_bits_is_the_stream_length(case):
     tail = int(nb) % 32
     if tail:
         assert int(words[-1]) >> tail == 0, "bits past num_bits are set"
-    assert int(words[-1]) != 0 or tail == 0 or nb <= 32 * (len(words) - 1) + tail
     # the same stream one bit shorter is not a clean message (fixed-width fields no longer add up, a
     # variable-length code ends mid-codeword, or a set bit falls past the end)
     short = message._replace(num_bits=jnp.float32(nb - 1))
@@ -224,7 +215,7 @@ def test_outputs_finite(case):
     keys = _keys(2)
     message, _ = encode(keys, q, p, state)
     sample, _ = decode(keys.shared, p, state, message)
-    assert all(np.all(np.isfinite(x)) for x in _flat(sample))
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(sample))
     assert np.isfinite(float(message.num_bits))
 
 
@@ -260,7 +251,7 @@ def test_protocol_state_round_trips_through_the_downlink(case):
     for _ in range(2):
         known = new_state._replace(blocks=state.blocks) if hasattr(state, "blocks") else new_state
         received = coder.receive(known, coder.downlink(new_state))
-        assert _same(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, new_state))
+        assert tree_equal(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, new_state))
         state = new_state
         new_state, _ = coder.update(new_state, stacked)
 
