@@ -186,8 +186,14 @@ def test_decode_reproduces_the_encoders_choice(case):
     sample, decoded = decode(keys.shared, p, state, message)
     assert bool(decoded.valid) and int(decoded.errors) == 0
     assert bool(info.valid)
+    # the oracle is another compiled program: integer and discrete values must match exactly, continuous
+    # ones (Gaussian candidates through ndtri) to 4 ulp (another fusion may round differently); a wrong
+    # candidate is off by far more than that
     expected = jax.jit(oracle)(keys, q, p, state)
-    assert tree_equal(sample, expected)
+    got, want = jax.tree.leaves(sample), jax.tree.leaves(expected)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), maxulp=4)
 
 
 def test_num_bits_is_the_stream_length(case):
