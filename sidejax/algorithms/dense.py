@@ -213,8 +213,8 @@ def dense_algorithm(
 
     return Algorithm(
         init=init,
-        broadcast=lambda key, server, ids: dense_broadcast(method, coder, server),
-        receive=lambda dkey, keys, server, message: dense_receive(method, coder, server, message),
+        broadcast=lambda key, server, ids: (server, dense_broadcast(method, coder, server)),
+        receive=lambda dkey, keys, server, cstate, message: dense_receive(method, coder, server, message),
         client_update=lambda keys, server, state, data: dense_client_update(
             method, coder, keys, server, state, data
         ),

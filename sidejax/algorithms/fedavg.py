@@ -83,15 +83,15 @@ def fedavg_init(server_optimizer, coder: Coder, key, params: Params, num_clients
     return initial_round_state(state, EmptyState(), num_clients)
 
 
-def fedavg_broadcast(coder: Coder, key, server: FedAvgState, client_ids) -> Message:
-    """The downlink: the global model as float32, then the coder's protocol stream."""
+def fedavg_broadcast(coder: Coder, key, server: FedAvgState, client_ids) -> tuple[FedAvgState, Message]:
+    """The downlink: the global model as float32, then the coder's protocol stream (server unchanged)."""
     del key, client_ids
-    return vector_downlink(ravel_pytree(server.params)[0], coder, server.coder)
+    return server, vector_downlink(ravel_pytree(server.params)[0], coder, server.coder)
 
 
-def fedavg_receive(coder: Coder, dkey, keys, server: FedAvgState, message: Message) -> FedAvgState:
+def fedavg_receive(coder: Coder, dkey, keys, server: FedAvgState, cstate, message: Message) -> FedAvgState:
     """The clients' decoding of :func:`fedavg_broadcast`."""
-    del dkey, keys
+    del dkey, keys, cstate
     flat, unravel = ravel_pytree(server.params)
     received, _, cstate = receive_vector(message, flat.shape[0], coder, server.coder)
     return server._replace(params=unravel(received), coder=cstate)

@@ -206,15 +206,16 @@ def fedpm_init(coder: Coder, key, params: Params, num_clients: int) -> RoundStat
     return initial_round_state(state, EmptyState(), num_clients)
 
 
-def fedpm_broadcast(coder: Coder, key, server: FedPMState, client_ids) -> Message:
-    """The downlink: :math:`\\theta` as float32, then the coder's protocol stream (the weights are a seed)."""
+def fedpm_broadcast(coder: Coder, key, server: FedPMState, client_ids) -> tuple[FedPMState, Message]:
+    """The downlink: :math:`\\theta` as float32, then the coder's protocol stream (the weights are a seed);
+    the server state is unchanged."""
     del key, client_ids
-    return vector_downlink(server.theta, coder, server.coder)
+    return server, vector_downlink(server.theta, coder, server.coder)
 
 
-def fedpm_receive(coder: Coder, dkey, keys, server: FedPMState, message: Message) -> FedPMState:
+def fedpm_receive(coder: Coder, dkey, keys, server: FedPMState, cstate, message: Message) -> FedPMState:
     """The clients' decoding of :func:`fedpm_broadcast`."""
-    del dkey, keys
+    del dkey, keys, cstate
     theta, _, cstate = receive_vector(message, server.theta.shape[0], coder, server.coder)
     return server._replace(theta=theta, coder=cstate)
 

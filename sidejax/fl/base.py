@@ -3,8 +3,9 @@
 An algorithm is a set of pure role kernels (optax/blackjax style), held in :class:`Algorithm`:
 
 - ``init(key, params, num_clients) -> RoundState``;
-- ``broadcast(downlink_key, server, client_ids) -> Message``: the downlink, shared or per participant;
-- ``receive(downlink_key, keys, server, message) -> received``: the client side of the downlink;
+- ``broadcast(downlink_key, server, client_ids) -> (server, Message)``: the downlink, shared or per
+  participant, and the server's record of what it sent;
+- ``receive(downlink_key, keys, server, client_state, message) -> received``: the client side of the downlink;
 - ``client_update(keys, received, client_state, data) -> (client_state, Message, ClientInfo)``;
 - ``server_update(round_key, server, client_ids, shared_keys, messages, weights)
   -> (server, server_info, uplink_errors)``;
@@ -148,20 +149,27 @@ class RoundInfo(NamedTuple):
 
 
 class BroadcastFn(Protocol):
-    """The server's downlink at the start of a round: a :class:`sidejax.coding.Message`."""
+    """The server's downlink at the start of a round: a :class:`sidejax.coding.Message`, and the server
+    state updated with what the server knows once it has sent it (BICompFL-PR: its copy of every
+    recipient's estimate, decoded from the message it sent; most algorithms return ``server`` unchanged)."""
 
-    def __call__(self, downlink_key: PRNGKey, server: PyTree, client_ids: jax.Array) -> Message:
-        """Returns the downlink message: with a scalar ``num_bits`` one message shared by every participant
+    def __call__(self, downlink_key: PRNGKey, server: PyTree, client_ids: jax.Array) -> tuple[PyTree, Message]:
+        """Returns ``(server, message)``: with a scalar ``num_bits`` one message shared by every participant
         (a broadcast), with ``num_bits`` of shape ``[clients]`` (and payload leaves with a leading
-        participants axis) one message per participant."""
+        participants axis) one message per participant. The returned server state is what
+        ``server_update`` sees."""
 
 
 class ReceiveFn(Protocol):
     """The client-side step that decodes the downlink into what the client works with."""
 
-    def __call__(self, downlink_key: PRNGKey, keys: ClientKeys, server: PyTree, message: Message) -> PyTree:
-        """``server`` stands for what the receiver already knows (seeds, earlier rounds' protocol state);
-        every field the message carries must be taken from the decoded message."""
+    def __call__(
+        self, downlink_key: PRNGKey, keys: ClientKeys, server: PyTree, client_state: PyTree, message: Message
+    ) -> PyTree:
+        """``server`` (the state *before* this round's broadcast) stands for what every receiver already
+        knows (seeds, shapes, earlier rounds' protocol state); ``client_state`` is this client's own memory
+        (e.g. its own copy of the global model, the prior it decodes against). Every field the message
+        carries must be taken from the decoded message."""
 
 
 class ClientUpdate(Protocol):

@@ -4,11 +4,12 @@ One round (:func:`build_round_step`):
 
 1. **Sample.** ``client_ids = sample_clients(stream_key(round_key, SAMPLING), num_clients,
    clients_per_round)``: uniformly without replacement, inside jit.
-2. **Downlink.** ``message = algorithm.broadcast(stream_key(round_key, DOWNLINK), server, client_ids)``:
-   one :class:`sidejax.coding.Message` shared by every participant (scalar ``num_bits``) or one per
-   participant (``num_bits[clients]``). ``RoundInfo.downlink_bits`` is read from it.
-3. **Clients.** Each participant decodes the downlink (``algorithm.receive``, its own message when the
-   downlink is per participant) and runs ``client_update(client_keys(round_key, id), received, state,
+2. **Downlink.** ``server', message = algorithm.broadcast(stream_key(round_key, DOWNLINK), server,
+   client_ids)``: one :class:`sidejax.coding.Message` shared by every participant (scalar ``num_bits``) or
+   one per participant (``num_bits[clients]``), and the server's record of what it sent (``server'``, seen
+   by step 4). ``RoundInfo.downlink_bits`` is read from the message.
+3. **Clients.** Each participant decodes the downlink (``algorithm.receive(downlink_key, keys, server,
+   client_state, message)``, its own message when the downlink is per participant) and runs ``client_update(client_keys(round_key, id), received, state,
    data)``, with keys derived from its *global* id (every key comes from :mod:`sidejax.keys`). The
    participants run under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under
    ``jax.lax.map`` (``"map"``, the CPU default: memory for one client at a time, 37% less peak memory at
@@ -177,7 +178,7 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         num_clients = data.num_examples.shape[0]
         ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, clients_per_round)
         dkey = stream_key(rkey, DOWNLINK)
-        downlink = algorithm.broadcast(dkey, state.server, ids)
+        sent_server, downlink = algorithm.broadcast(dkey, state.server, ids)
         per_client = jnp.ndim(downlink.num_bits) == 1
         keys = jax.vmap(client_keys, (None, 0))(rkey, ids)
         cstates = _take(state.clients, ids)
@@ -186,7 +187,7 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
 
         def one_client(args):
             k, cs, idx, n, msg = args
-            received = algorithm.receive(dkey, k, state.server, downlink if msg is None else msg)
+            received = algorithm.receive(dkey, k, state.server, cs, downlink if msg is None else msg)
             return algorithm.client_update(k, received, cs, ClientData(data.x, data.y, idx, n))
 
         args = (keys, cstates, indices, counts, downlink if per_client else None)
@@ -200,7 +201,7 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
 
         weights = counts.astype(jnp.float32)
         server, sinfo, errors = algorithm.server_update(
-            rkey, state.server, ids, keys.shared, messages, weights
+            rkey, sent_server, ids, keys.shared, messages, weights
         )
         info = RoundInfo(
             round_index=state.round_index,

@@ -49,8 +49,8 @@ def test_clients_decode_the_broadcast_into_the_servers_state(algorithm_run, name
     server = final.server
     initial = klms_init(flat_layout(server.params).dim, SMALL_KLMS).blocks
     assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
-    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None))
-    receive = jax.jit(lambda view, message: algo.receive(None, None, view, message))
+    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None)[1])
+    receive = jax.jit(lambda view, message: algo.receive(None, None, view, None, message))
     after_update = server.coder._replace(update=jnp.asarray(False), changed=jnp.asarray(True))
     for coder in (server.coder, after_update):
         sent = server._replace(coder=coder)

@@ -69,8 +69,8 @@ def test_clients_decode_theta_and_the_protocol_state_from_the_downlink(algorithm
     server = final.server
     initial = klms_init(server.theta.shape[0], SMALL_KLMS).blocks
     assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
-    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None))
-    receive = jax.jit(lambda view, message: algo.receive(None, None, view, message))
+    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None)[1])
+    receive = jax.jit(lambda view, message: algo.receive(None, None, view, None, message))
     after_update = server.coder._replace(update=jnp.asarray(False), changed=jnp.asarray(True))
     for coder in (server.coder, after_update):
         sent = server._replace(coder=coder)

@@ -198,12 +198,14 @@ def test_clients_per_round_is_checked_when_the_round_is_built(small_model):
 
 class EchoServer(NamedTuple):
     secrets: jax.Array  # int32 [num_clients]: the value each client must receive this round
+    sent: jax.Array  # int32: downlinks sent so far (broadcast's record; server_update must see it)
 
 
 class EchoServerInfo(NamedTuple):
     shared_key_data: jax.Array  # the shared keys server_update was given, as key data [clients, 2]
     echoed: jax.Array  # the values the participants sent back, decoded from their messages
     weights: jax.Array
+    sent: jax.Array  # server.sent as server_update saw it
 
 
 def echo_algorithm(clients_per_round: int) -> Algorithm:
@@ -214,35 +216,39 @@ def echo_algorithm(clients_per_round: int) -> Algorithm:
     def init(key, params, num_clients):
         del key, params
         secrets = 1000 + 7 * jnp.arange(num_clients, dtype=jnp.int32)
-        return initial_round_state(EchoServer(secrets), EmptyState(), num_clients)
+        heard = jnp.zeros(num_clients, jnp.int32)  # per client: downlinks it has received
+        return initial_round_state(EchoServer(secrets, jnp.int32(0)), heard, num_clients)
 
     def broadcast(dkey, server, ids):
         del dkey
         n = server.secrets.shape[0]
         value = server.secrets[ids].astype(jnp.uint32)
         words = jnp.where(jnp.arange(n)[None, :] <= ids[:, None], value[:, None], jnp.uint32(0))
-        return Message(words, 32.0 * (ids + 1).astype(jnp.float32))  # payload [clients, n], bits [clients]
+        message = Message(words, 32.0 * (ids + 1).astype(jnp.float32))  # payload [clients, n], bits [clients]
+        return server._replace(sent=server.sent + 1), message
 
-    def receive(dkey, keys, server, message):
-        del dkey, keys, server  # everything this client learns is in its message
+    def receive(dkey, keys, server, heard, message):
+        del dkey, keys, server  # everything this client learns is in its message (and its own memory)
         words = message.payload
         used = jnp.arange(words.shape[0]) * 32 < message.num_bits
         intact = jnp.all(jnp.where(used, words == words[0], words == 0))
-        return words[0].astype(jnp.int32), message.num_bits, intact
+        return words[0].astype(jnp.int32), message.num_bits, intact, heard
 
     def client_update(keys, received, state, data):
         del keys, data
-        value, bits, intact = received
+        value, bits, intact, heard = received
         uplink = Message(value.astype(jnp.uint32)[None], jnp.float32(32.0))
-        info = ClientInfo(loss=jnp.float32(0.0), finite=intact, extra=(value, bits), valid=value % 2 == 0)
-        return state, uplink, info
+        info = ClientInfo(
+            loss=jnp.float32(0.0), finite=intact, extra=(value, bits, heard), valid=value % 2 == 0
+        )
+        return state + 1, uplink, info
 
     def server_update(rkey, server, ids, shared_keys, messages, weights):
         del rkey
         info = EchoServerInfo(
-            jax.random.key_data(shared_keys), messages.payload[:, 0].astype(jnp.int32), weights
+            jax.random.key_data(shared_keys), messages.payload[:, 0].astype(jnp.int32), weights, server.sent
         )
-        return EchoServer(server.secrets + 1), info, (ids % 3).astype(jnp.int32)
+        return EchoServer(server.secrets + 1, server.sent), info, (ids % 3).astype(jnp.int32)
 
     return Algorithm(
         init=init,
@@ -274,7 +280,7 @@ def test_a_per_participant_downlink_reaches_each_participant(echo_runs, cmap):
     ids = np.asarray(info.client_ids)
     rounds = np.arange(3)[:, None]
     assert ids.shape == (3, 4) and len({tuple(r) for r in ids}) > 1  # different participants per round
-    value, bits = (np.asarray(a) for a in info.clients.extra)
+    value, bits, heard = (np.asarray(a) for a in info.clients.extra)
     np.testing.assert_array_equal(value, 1000 + 7 * ids + rounds)  # its own secret, not a neighbour's
     np.testing.assert_array_equal(bits, 32.0 * (ids + 1))
     assert np.asarray(info.clients.finite).all()  # every used word carried the value, the rest were zero
@@ -284,6 +290,13 @@ def test_a_per_participant_downlink_reaches_each_participant(echo_runs, cmap):
     np.testing.assert_array_equal(info.clients.valid, value % 2 == 0)  # per-participant flags, in id order
     np.testing.assert_array_equal(info.uplink_errors, ids % 3)  # the server's error masks, in id order
     np.testing.assert_array_equal(final.server.secrets, 1003 + 7 * np.arange(10))
+    # receive sees the participant's own client state (how often it was chosen before), and the state
+    # written back is the one client_update returned
+    before = np.array([[(ids[:t] == i).sum() for i in ids[t]] for t in range(3)])
+    np.testing.assert_array_equal(heard, before)
+    np.testing.assert_array_equal(final.clients, np.bincount(ids.ravel(), minlength=10))
+    # server_update sees the state broadcast returned (its record of what it sent)
+    np.testing.assert_array_equal(info.server.sent, [1, 2, 3])
 
 
 @pytest.mark.parametrize("cmap", ECHO_MAPS, ids=str)
