@@ -54,6 +54,8 @@ __all__ = [
     "empty_message",
     "concat_messages",
     "split_message",
+    "concat_stacked",
+    "split_stacked",
     "stateless_coder",
     "encode_float32",
     "decode_float32",
@@ -123,6 +125,11 @@ class Coder(NamedTuple):
       receive: ``receive(state, message) -> state`` (the receivers' decoding of ``downlink``).
       uses_prior: whether ``decode`` depends on ``p`` (static).
       name: a short name for tables and errors.
+      frame: ``frame(state, words, bit_offset) -> num_bits``, or ``None``: the length of the message that
+        starts at bit ``bit_offset`` of ``words``, read from the stream and the protocol state alone (the
+        receiver's knowledge). A coder with ``frame`` writes *self-delimiting* streams, so several of its
+        messages can travel back to back with no length fields in between (BICompFL-GR relays the
+        clients' uplink streams this way, :func:`split_stacked`); ``None`` when its streams are not.
     """
 
     init: Callable[[int], Any]
@@ -133,6 +140,7 @@ class Coder(NamedTuple):
     receive: Callable[[Any, Message], Any]
     uses_prior: bool = True
     name: str = "coder"
+    frame: Callable[[Any, jax.Array, Any], jax.Array] | None = None
 
 
 def empty_message() -> Message:
@@ -188,6 +196,59 @@ def split_message(message: Message, lengths: tuple[int, ...]):
     rest = unpack_fixed(jnp.pad(words, (0, rest_cap + 1)), rest_cap, 32, bit_offset=offset)
     parts.append(Message(rest, jnp.asarray(message.num_bits, jnp.float32) - jnp.float32(offset)))
     return parts
+
+
+def concat_stacked(messages: Message, keep: jax.Array | None = None) -> Message:
+    """One stream holding the stacked ``messages`` (payload ``[n, words]``, ``num_bits[n]``) back to back
+    at bit precision, in order, skipping those with ``keep[i]`` False: :func:`concat_messages` for a
+    batch, as one ``lax.scan`` (no Python loop over the parts). The capacity is ``n * words + 1`` words;
+    outside jit the payload is exactly the words sent. The parts carry no lengths: the receiver cuts the
+    stream with a coder's ``frame`` (:func:`split_stacked`)."""
+    words = jnp.asarray(messages.payload, jnp.uint32)
+    if words.ndim != 2:
+        raise ValueError(f"messages.payload must be stacked as [parts, words], got shape {words.shape}")
+    n, cap = words.shape
+    bits = jnp.broadcast_to(jnp.asarray(messages.num_bits, jnp.float32), (n,))
+    keep = jnp.ones(n, bool) if keep is None else jnp.asarray(keep, bool)
+
+    def step(carry, part):
+        buf, offset = carry
+        w, nb, k = part
+        w, _ = mask_to_length(w, nb)
+        placed = pack_fixed(w, 32, bit_offset=offset.astype(jnp.int32), out=buf)
+        return (jnp.where(k, placed, buf), offset + jnp.where(k, nb, 0.0)), None
+
+    buf = jnp.zeros(n * cap + 1, jnp.uint32)
+    (buf, total), _ = jax.lax.scan(step, (buf, jnp.float32(0.0)), (words, bits, keep))
+    if is_concrete(total):
+        buf = buf[: sent_words(total)]
+    return Message(buf, total)
+
+
+def split_stacked(message: Message, frame: Callable, state: Any, num_parts: int, capacity_words: int):
+    """Cuts a stream of ``num_parts`` self-delimiting messages written back to back (:func:`concat_stacked`)
+    into ``Message(payload[num_parts, capacity_words], num_bits[num_parts])``, reading each part's length
+    with ``frame(state, words, bit_offset)`` (:attr:`Coder.frame`) at the running offset.
+
+    Returns ``(messages, ok)``: ``ok`` is False when the parts do not add up to ``message.num_bits`` exactly
+    (a truncated or padded relay)."""
+    words = jnp.asarray(message.payload, jnp.uint32)
+    words = jnp.pad(words, (0, num_parts * capacity_words + 1))
+    words, ok_length = mask_to_length(words, message.num_bits)
+
+    def step(offset, _):
+        nb = jnp.asarray(frame(state, words, offset.astype(jnp.int32)), jnp.float32)
+        part = unpack_fixed(words, capacity_words, 32, bit_offset=offset.astype(jnp.int32))
+        part, _ = mask_to_length(part, jnp.minimum(nb, 32.0 * capacity_words))
+        return offset + nb, (part, nb)
+
+    total, (parts, bits) = jax.lax.scan(step, jnp.float32(0.0), None, length=num_parts)
+    ok = (
+        ok_length
+        & (total == jnp.asarray(message.num_bits, jnp.float32))
+        & jnp.all(bits <= 32.0 * capacity_words)
+    )
+    return Message(parts, bits), ok
 
 
 def stateless_coder(encode, decode, *, uses_prior: bool, name: str) -> Coder:

@@ -101,6 +101,7 @@ __all__ = [
     "klms_server_update",
     "klms_downlink",
     "klms_receive",
+    "klms_frame",
     "klms_coder",
     "stream_errors",
 ]
@@ -624,6 +625,30 @@ def klms_receive(state: KLMSState, message: Message, config: KLMSConfig) -> KLMS
     return KLMSState(new_blocks, update, state.changed)
 
 
+def klms_frame(state: KLMSState, words: jax.Array, bit_offset, config: KLMSConfig) -> jax.Array:
+    """The length in bits of the KLMS message that starts at bit ``bit_offset`` of ``words``, from the
+    protocol state the receiver holds (the stream is self-delimiting, :attr:`sidejax.coding.Coder.frame`).
+
+    Fixed mode and rounds without an update: ``M log2 K`` (+ 32 for the statistic in adaptive mode, + 32 for
+    the CRC) with ``M`` the broadcast partition's block count. Update rounds: the block lengths at the start
+    of the message are parsed until they cover ``dim``, which gives the client's ``M``.
+    """
+    blocks0 = state.blocks
+    dim, mb = blocks0.dim, blocks0.max_blocks
+    b, L = config.log2_num_candidates, config.length_bits
+    tail = (32 if config.adaptive else 0) + (32 if config.crc32 else 0)
+    words = jnp.asarray(words, jnp.uint32)
+    if not config.adaptive:
+        return (blocks0.num_blocks * b + tail).astype(jnp.float32)
+
+    def parsed():
+        blocks, _ = _blocks_from_lengths(words, bit_offset, dim, mb, L)
+        return blocks.num_blocks * (L + b)
+
+    head = jax.lax.cond(state.update, parsed, lambda: blocks0.num_blocks * b)
+    return (head + tail).astype(jnp.float32)
+
+
 def klms_coder(config: KLMSConfig) -> Coder:
     """The KLMS coder (:class:`sidejax.coding.Coder`): Fixed- or Adaptive-KLMS with the block-update protocol.
 
@@ -641,4 +666,5 @@ def klms_coder(config: KLMSConfig) -> Coder:
         receive=lambda state, message: klms_receive(state, message, config),
         uses_prior=True,
         name="klms",
+        frame=lambda state, words, bit_offset: klms_frame(state, words, bit_offset, config),
     )

@@ -153,7 +153,9 @@ class BroadcastFn(Protocol):
     state updated with what the server knows once it has sent it (BICompFL-PR: its copy of every
     recipient's estimate, decoded from the message it sent; most algorithms return ``server`` unchanged)."""
 
-    def __call__(self, downlink_key: PRNGKey, server: PyTree, client_ids: jax.Array) -> tuple[PyTree, Message]:
+    def __call__(
+        self, downlink_key: PRNGKey, server: PyTree, client_ids: jax.Array
+    ) -> tuple[PyTree, Message]:
         """Returns ``(server, message)``: with a scalar ``num_bits`` one message shared by every participant
         (a broadcast), with ``num_bits`` of shape ``[clients]`` (and payload leaves with a leading
         participants axis) one message per participant. The returned server state is what

@@ -449,3 +449,50 @@ def test_adaptive_bits_track_a_falling_kl_while_fixed_bits_stay_flat():
 def test_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KLMSConfig(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# self-delimiting streams: klms_frame, and relaying several messages back to back
+
+
+@pytest.mark.parametrize(
+    "cfg,update",
+    [(FIXED, False), (CFG, True), (CFG, False), (CRC_CFG, True)],
+    ids=["fixed", "adaptive-update", "adaptive", "crc-update"],
+)
+def test_frame_reads_each_length_and_a_relay_splits_back_into_the_messages(cfg, update):
+    """Four clients' messages written back to back with no lengths between them (``concat_stacked``, one
+    skipped) are cut back into exactly the kept messages by ``split_stacked`` with ``klms_frame``: every
+    length, every used word, and the decoded samples; one bit less and the relay no longer adds up."""
+    from sidejax.coding import concat_stacked, klms_frame, split_stacked
+    from sidejax.keys import round_key
+
+    state = klms_init(D, cfg)._replace(update=jnp.asarray(update))
+    qs = [
+        Bernoulli(jax.random.uniform(jax.random.key(10 + i), (D,), minval=0.01, maxval=0.99))
+        for i in range(4)
+    ]
+    keys = [client_keys(round_key(jax.random.key(0), 2), i) for i in range(4)]
+    msgs = [encode(k, q, P, state, config=cfg)[0] for k, q in zip(keys, qs, strict=True)]
+    lengths = [float(m.num_bits) for m in msgs]
+    assert len(set(lengths)) > 1 or not update  # update rounds: each client's own partition, own length
+    stacked = Message(jnp.stack([m.payload for m in msgs]), jnp.stack([m.num_bits for m in msgs]))
+    keep = jnp.array([True, False, True, True])
+    relay = jax.jit(concat_stacked)(stacked, keep)
+    assert float(relay.num_bits) == lengths[0] + lengths[2] + lengths[3]
+    cap = cfg.capacity_words(D)
+    frame = lambda s, w, o: klms_frame(s, w, o, cfg)  # noqa: E731
+    split = jax.jit(lambda m: split_stacked(m, frame, state, 3, cap))
+    parts, ok = split(relay)
+    assert bool(ok)
+    for j, i in enumerate([0, 2, 3]):
+        assert float(parts.num_bits[j]) == lengths[i]
+        used = -(-int(lengths[i]) // 32)
+        np.testing.assert_array_equal(np.asarray(parts.payload[j][:used]), np.asarray(msgs[i].payload)[:used])
+        part = Message(parts.payload[j], parts.num_bits[j])
+        y, dec = decode(keys[i].shared, P, state, part, config=cfg)
+        y0, _ = decode(keys[i].shared, P, state, msgs[i], config=cfg)
+        assert bool(dec.valid)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
+    short = Message(relay.payload, relay.num_bits - 1)
+    assert not bool(split(short)[1])
