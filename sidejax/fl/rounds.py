@@ -10,7 +10,8 @@ One round (:func:`build_round_step`):
    by step 4). ``RoundInfo.downlink_bits`` is read from the message.
 3. **Clients.** Each participant decodes the downlink (``algorithm.receive(downlink_key, keys, server,
    client_state, message)``, its own message when the downlink is per participant) and runs
-   ``client_update(client_keys(round_key, id), received, state, data)``, with keys derived from its *global* id (every key comes from :mod:`sidejax.keys`). The
+   ``client_update(client_keys(round_key, id), received, state, data)``, with keys derived from its
+   *global* id (every key comes from :mod:`sidejax.keys`). The
    participants run under ``jax.vmap`` (``"vmap"``, best on accelerators) or sequentially under
    ``jax.lax.map`` (``"map"``, the CPU default: memory for one client at a time, 37% less peak memory at
    50-100 clients), optionally vmapping ``batch_size`` clients per map step (blackjax's ``map_fn``

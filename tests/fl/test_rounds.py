@@ -21,7 +21,6 @@ from sidejax.fl import (
     Algorithm,
     ClientInfo,
     ClientMap,
-    EmptyState,
     LocalTraining,
     as_client_map,
     build_round_step,
