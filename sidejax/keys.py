@@ -11,7 +11,8 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
     └─ ROUNDS ─ rounds_key             the base_key of run_rounds
        └─ ROUND ─ round t
           ├─ SAMPLING                  the participants
-          ├─ DOWNLINK                  the broadcast
+          ├─ DOWNLINK                  the broadcast: SHARED / PRIVATE (one stream for every client),
+          │  └─ RECIPIENTS ─ client i  a per-recipient stream (server and client i only): SHARED, PRIVATE
           ├─ SERVER                    the server's noise (QLSD)
           └─ CLIENTS ─ client i        i = global client id
              ├─ SHARED                 candidates, dithers (the server re-derives it)
@@ -79,6 +80,7 @@ __all__ = [
     "EVAL",
     "DRAWS",
     "MODEL",
+    "RECIPIENTS",
     "TAGS",
     "ClientKeys",
     "ClientStreams",
@@ -93,6 +95,7 @@ __all__ = [
     "step_key",
     "leaf_key",
     "draw_key",
+    "downlink_keys",
     "record_keys",
 ]
 
@@ -118,6 +121,7 @@ SCORES = 18  # FedPM init key -> the initial mask scores
 EVAL = 19  # FedPM init key -> the evaluation-mask uniforms
 DRAWS = 20  # any key -> a family of independent draws (index: draw j), e.g. evaluation masks
 MODEL = 21  # init key -> the model's parameters (flax folds its module-path hashes in below this tag)
+RECIPIENTS = 22  # downlink key -> the family of per-recipient downlink keys (index: global client id i)
 
 #: name of every tag (what :func:`record_keys` reports for a tag derivation)
 TAGS = {
@@ -144,9 +148,10 @@ TAGS = {
         EVAL=EVAL,
         DRAWS=DRAWS,
         MODEL=MODEL,
+        RECIPIENTS=RECIPIENTS,
     ).items()
 }
-assert len(TAGS) == 21, "tag values must be distinct"
+assert len(TAGS) == 22, "tag values must be distinct"
 
 
 class ClientKeys(NamedTuple):
@@ -302,3 +307,17 @@ def leaf_key(key: PRNGKey, leaf: int) -> PRNGKey:
 def draw_key(key: PRNGKey, draw) -> PRNGKey:
     """Key of independent draw ``draw`` (e.g. one evaluation mask): ``fold_in(fold_in(key, DRAWS), draw)``."""
     return _indexed(key, DRAWS, draw, "draw")
+
+
+def downlink_keys(downlink_key: PRNGKey, recipient=None) -> ClientKeys:
+    """Keys of a downlink message the server encodes with importance sampling (BICompFL).
+
+    ``shared`` (the candidates) is known to the server and the receiver(s); ``private`` (the index choice)
+    is the server's own. With ``recipient=None`` it is one stream every client decodes (a broadcast,
+    BICompFL-GR-Reconst): ``shared = fold_in(dkey, SHARED)``, ``private = fold_in(dkey, PRIVATE)``. With a
+    global client id it is the randomness only the server and that client share (BICompFL-PR):
+    ``k = fold_in(fold_in(dkey, RECIPIENTS), i)``, then ``SHARED`` / ``PRIVATE`` below ``k``. Sample ``l`` of
+    a multi-sample message uses :func:`draw_key` of both.
+    """
+    k = downlink_key if recipient is None else _indexed(downlink_key, RECIPIENTS, recipient, "recipient")
+    return ClientKeys(shared=stream_key(k, SHARED), private=stream_key(k, PRIVATE))

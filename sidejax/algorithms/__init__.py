@@ -5,9 +5,12 @@
 - :func:`qsgd`: QSGD (Elias stream) and QSGD-KLMS.
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
 - :func:`qlsd`, :func:`sgld`: Bayesian FL with Langevin dynamics (QLSD; SGLD-KLMS).
+- :func:`bicompfl_gr`, :func:`bicompfl_gr_reconst`, :func:`bicompfl_pr`: BICompFL, bi-directional
+  importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 """
 
+from sidejax.algorithms.bicompfl import bicompfl_gr, bicompfl_gr_reconst, bicompfl_pr, fixed_rates
 from sidejax.algorithms.dense import (
     DenseClientExtra,
     DenseMethod,
@@ -43,6 +46,10 @@ from sidejax.algorithms.qsgd import (
 from sidejax.algorithms.signsgd import sign_law, signsgd, stochastic_sign_probs
 
 __all__ = [
+    "bicompfl_gr",
+    "bicompfl_gr_reconst",
+    "bicompfl_pr",
+    "fixed_rates",
     "DenseClientExtra",
     "DenseMethod",
     "DenseServerInfo",

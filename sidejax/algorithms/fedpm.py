@@ -72,6 +72,7 @@ __all__ = [
     "bernoulli_mask",
     "bayes_agg",
     "masked_network",
+    "train_mask",
     "fedpm_init",
     "fedpm_broadcast",
     "fedpm_receive",
@@ -220,6 +221,36 @@ def fedpm_receive(coder: Coder, dkey, keys, server: FedPMState, cstate, message:
     return server._replace(theta=theta, coder=cstate)
 
 
+def train_mask(
+    loss_fn: Callable, local: LocalTraining, estimator: str, weights: Params, theta, train_key, data
+) -> tuple[jax.Array, Any]:
+    """FedPM's local training of a probability mask (KLMS Alg. 1 step 1; BICompFL Alg. 1).
+
+    The scores start at :math:`s^{(0)} = \\mathrm{logit}(\\theta)` and are trained with ``local`` (its
+    optimizer and schedule; [C] Adam, lr 0.1, fresh state every round). Each step samples one mask
+    :math:`m \\sim \\mathrm{Bern}(\\sigma(s))` per minibatch (uniforms from the step key's ``MASK`` stream)
+    and
+    backpropagates through it with ``estimator`` (:func:`bernoulli_mask`).
+
+    Returns:
+      ``(phi, local_info)``: the trained keep-probabilities :math:`\\phi = \\sigma(s^{(L)})` (flat ``[d]``)
+      and
+      the trainer's :class:`sidejax.fl.LocalInfo`.
+    """
+    _, unravel = ravel_pytree(weights)
+    scores0 = unravel(jnp.log(theta) - jnp.log1p(-theta))
+
+    def score_loss(scores, batch, key):
+        u = unravel(jax.random.uniform(stream_key(key, MASK), theta.shape))
+        net = jax.tree.map(
+            lambda w, s, v: w * bernoulli_mask(jax.nn.sigmoid(s), v, estimator), weights, scores, u
+        )
+        return loss_fn(net, batch, stream_key(key, LOSS))
+
+    scores, linfo = local.trainer(score_loss)(train_key, scores0, data)
+    return jax.nn.sigmoid(ravel_pytree(scores)[0]), linfo
+
+
 def fedpm_client_update(
     loss_fn: Callable,
     local: LocalTraining,
@@ -233,20 +264,9 @@ def fedpm_client_update(
     """One client (Alg. 1, steps 1-2): train the mask scores from :math:`\\mathrm{logit}(\\theta)`, then send
     one sample of :math:`q = \\mathrm{Bern}(\\phi)` against :math:`p = \\mathrm{Bern}(\\theta)` with
     ``coder``."""
-    _, unravel = ravel_pytree(server.weights)
     theta = server.theta
-    scores0 = unravel(jnp.log(theta) - jnp.log1p(-theta))
-
-    def score_loss(scores, batch, key):
-        u = unravel(jax.random.uniform(stream_key(key, MASK), theta.shape))
-        net = jax.tree.map(
-            lambda w, s, v: w * bernoulli_mask(jax.nn.sigmoid(s), v, estimator), server.weights, scores, u
-        )
-        return loss_fn(net, batch, stream_key(key, LOSS))
-
     train_key, sample_key = client_streams(keys.private)
-    scores, linfo = local.trainer(score_loss)(train_key, scores0, data)
-    phi = jax.nn.sigmoid(ravel_pytree(scores)[0])
+    phi, linfo = train_mask(loss_fn, local, estimator, server.weights, theta, train_key, data)
     q, p = Bernoulli(phi), Bernoulli(theta)
     message, cinfo = coder.encode(ClientKeys(keys.shared, sample_key), q, p, server.coder)
     finite = linfo.finite & jnp.all(jnp.isfinite(phi))

@@ -70,6 +70,7 @@ from sidejax.coding.klms import (
     klms_init,
     klms_receive,
     klms_server_update,
+    prior_fingerprint,
 )
 from sidejax.coding.lossless import (
     elias_levels_decode,
@@ -142,6 +143,7 @@ __all__ = [
     "klms_downlink",
     "klms_encode",
     "klms_frame",
+    "prior_fingerprint",
     "klms_init",
     "klms_receive",
     "klms_server_update",

@@ -95,7 +95,8 @@ _ERROR_TEXT = {
     ERR_PARTITION: "the block lengths do not sum to dim (corrupted partition field)",
     ERR_PARSE: "the fields read do not add up to num_bits (corrupted or mis-sized stream)",
     ERR_PRIOR: "the prior p is not a valid distribution (NaN or out-of-range parameters)",
-    ERR_CRC: "CRC-32 mismatch (corrupted bits, or the stream was encoded with another shared key)",
+    ERR_CRC: "CRC-32 mismatch (corrupted bits, a stream encoded with another shared key, or a receiver whose "
+    "prior differs from the sender's: the parties' priors are out of sync)",
     ERR_INPUT: "the decoded values are not what an encoder can produce (corrupted stream)",
 }
 

@@ -45,10 +45,13 @@ does not match the fields (truncated, padded, or block lengths not summing to ``
 (:attr:`KLMSDecoded.valid`, :attr:`KLMSDecoded.errors`; the host API raises). Without a checksum a
 *well-formed* but corrupted stream is not detectable: a flipped index bit selects another candidate, and
 a wrong shared key regenerates other candidates, and both decode silently to a wrong sample (valid). With
-``KLMSConfig(crc32=True)`` the stream ends in a CRC-32 (zlib's polynomial) of the client's shared key data
-followed by every earlier bit of the stream (:func:`sidejax.coding.crc32_words`): any error burst of up to
-32 bits (every single flipped bit) is detected, a wrong key or any other corruption with probability
-:math:`1 - 2^{-32}`. It is an error check, not an authenticator (a CRC is linear; use a MAC against an
+``KLMSConfig(crc32=True)`` the stream ends in a CRC-32 (zlib's polynomial) of the client's shared key data,
+a 32-bit fingerprint of the prior ``p`` (:func:`prior_fingerprint`) and every earlier bit of the stream
+(:func:`sidejax.coding.crc32_words`): any error burst of up to 32 bits (every single flipped bit) is
+detected, and so is a receiver whose prior differs from the sender's in any coordinate (the fingerprint
+changes with every single changed value; BICompFL's parties must hold bit-identical priors), a wrong key or
+any other corruption with probability :math:`1 - 2^{-32}`. It is an error check, not an authenticator (a CRC
+is linear; use a MAC against an
 adversary). Cost: 32 bits per message, counted in ``num_bits``: at the ``klms_fmnist`` preset size (LeNet5,
 ``dim`` = 61,706) that is 32 / 61,706 = 0.00052 bpp per client per round, 1.7% of the
 FedPM-KLMS uplink measured there (0.0301 bpp, README). Off by default, as in the paper.
@@ -102,6 +105,7 @@ __all__ = [
     "klms_downlink",
     "klms_receive",
     "klms_frame",
+    "prior_fingerprint",
     "klms_coder",
     "stream_errors",
 ]
@@ -129,8 +133,9 @@ class KLMSConfig:
       rho_threshold: re-partition when the mean rho exceeds this (``"rho"`` trigger; [C] 3).
       max_blocks: static bound on the number of blocks (default ``dim`` in adaptive mode: never overflows).
       memory_budget_bytes: encoder working-set budget (chunking over coordinates).
-      crc32: append a CRC-32 of (shared key data, stream) to every message (+32 bits; see the module
-        docstring). Off by default: then flipped bits and a wrong shared key decode silently.
+      crc32: append a CRC-32 of (shared key data, prior fingerprint, stream) to every message (+32 bits;
+        see the module docstring). Off by default: then flipped bits, a wrong shared key and a receiver
+        whose prior differs from the sender's all decode silently.
       bucketed: size the encoder's per-block work (a ``[blocks, K]`` log-weight accumulator and Gumbel
         draw) to the smallest static bucket (:meth:`work_buckets`) that holds the live block count, not
         to ``max_blocks`` (= ``dim``); same indices and bits for the same keys (see
@@ -404,7 +409,8 @@ def klms_encode(
         words = pack_fixed(word[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     if config.crc32:
-        words = pack_fixed(_stream_crc(keys.shared, words, offset)[None], 32, bit_offset=offset, out=words)
+        crc = _stream_crc(keys.shared, p, words, offset)
+        words = pack_fixed(crc[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     cinfo = KLMSClientInfo(
         kl_bits=info.kl_bits,
@@ -430,10 +436,25 @@ def _check_dims(dim: int, **dists) -> None:
     )
 
 
-def _stream_crc(shared_key, words: jax.Array, num_bits) -> jax.Array:
-    """CRC-32 of the shared key's data words followed by the first ``num_bits`` bits of ``words`` (later bits
-    zeroed), over ``ceil(num_bits / 32)`` stream words."""
+def prior_fingerprint(p) -> jax.Array:
+    """A 32-bit fingerprint of a distribution's parameters (every leaf's float32 bits):
+    :math:`\\sum_k \\mathrm{bits}(v_k) \\cdot m_k \\bmod 2^{32}` with odd multipliers
+    :math:`m_k = (2654435761 (k + 1)) \\,|\\, 1`. Vectorised (one multiply-add per value); two priors that
+    differ in any single value always differ (an odd multiplier is invertible mod :math:`2^{32}`)."""
+    total = jnp.uint32(0)
+    for i, leaf in enumerate(jax.tree.leaves(p)):
+        v = jax.lax.bitcast_convert_type(jnp.asarray(leaf, jnp.float32).reshape(-1), jnp.uint32)
+        k = jnp.arange(v.shape[0], dtype=jnp.uint32) + jnp.uint32(1 + (i << 24))
+        mult = (k * jnp.uint32(2654435761)) | jnp.uint32(1)
+        total = total + jnp.sum(v * mult, dtype=jnp.uint32)
+    return total
+
+
+def _stream_crc(shared_key, p, words: jax.Array, num_bits) -> jax.Array:
+    """CRC-32 of the shared key's data words, the prior's fingerprint, then the first ``num_bits`` bits of
+    ``words`` (later bits zeroed), over ``ceil(num_bits / 32)`` stream words."""
     key_words = jax.random.key_data(shared_key).reshape(-1).astype(jnp.uint32)
+    key_words = jnp.concatenate([key_words, prior_fingerprint(p)[None]])
     masked, _ = mask_to_length(words, num_bits)
     used = (jnp.asarray(num_bits, jnp.int32) + 31) // 32
     return crc32_words(jnp.concatenate([key_words, masked]), key_words.shape[0] + used)
@@ -520,7 +541,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     ok_crc = jnp.asarray(True)
     if config.crc32:
         sent = unpack_fixed(words, 1, 32, bit_offset=offset)[0]
-        ok_crc = sent == _stream_crc(shared_key, words, offset)
+        ok_crc = sent == _stream_crc(shared_key, p, words, offset)
         offset = offset + 32
     ok_parse = offset.astype(jnp.float32) == message.num_bits
     errors = (

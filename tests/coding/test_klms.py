@@ -195,6 +195,11 @@ def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silentl
     assert bool(klms_decode(KEYS.shared, P, state, exact, CRC_CFG)[1].valid)
     with pytest.raises(ValueError, match="CRC-32 mismatch"):
         klms_decode(other, P, state, exact, CRC_CFG)
+    # a receiver whose prior differs from the sender's in one coordinate (by one ulp) is caught too
+    # (BICompFL: the parties' priors out of sync); without the checksum it decodes silently
+    p_off = Bernoulli(P.probs.at[7].set(jnp.nextafter(P.probs[7], 1.0)))
+    with pytest.raises(ValueError, match="prior differs from the sender's"):
+        klms_decode(KEYS.shared, p_off, state, exact, CRC_CFG)
 
 
 def test_gaussian_decode_is_the_same_computation_in_jit_eager_and_vmap():

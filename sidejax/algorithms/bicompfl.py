@@ -1,0 +1,1010 @@
+"""BICompFL: stochastic federated learning with bi-directional compression (spec ``bicompfl.md``).
+
+Every party trains or holds a FedPM model (:mod:`sidejax.algorithms.fedpm`): frozen random signed weights
+and a Bernoulli keep-probability mask :math:`\\theta \\in [\\epsilon, 1 - \\epsilon]^d`. Nothing is sent as
+real numbers: in **both** directions a sender transmits samples of its distribution by importance sampling
+against a prior the receiver holds (the KLMS coder, :func:`sidejax.coding.klms_coder`, and its Fixed,
+Adaptive and Adaptive-Avg block allocations), about :math:`D_{KL}(Q \\| P)` bits per sample instead of
+:math:`d`.
+
+Round ``t`` (the engine's order: downlink, local work, uplink, aggregation):
+
+1. **Uplink** (all variants, Alg. 2/3): client ``i`` trains its mask from its estimate
+   :math:`\\hat\\theta_{i,t}` (:func:`sidejax.algorithms.fedpm.train_mask`, Alg. 1: Adam on the scores,
+   or :func:`sidejax.algorithms.mirror.mirror_descent` for App. B's reading) to :math:`q_i^t`, and sends
+   ``n_UL`` samples of :math:`\\mathrm{Bern}(q_i^t)` against :math:`p = \\mathrm{Bern}(\\hat\\theta_{i,t})`
+   (sample ``l`` with the keys :func:`sidejax.keys.draw_key` ``(keys, l)``), back to back in one stream.
+2. **Aggregation**: the federator decodes every sample and sets
+   :math:`\\theta_{t+1} = c\\big(\\frac1{n}\\sum_i \\frac1{n_{UL}} \\sum_l y_{i,l}\\big)` with the clip
+   :math:`c(v) = \\epsilon + (1 - 2\\epsilon) v`, :math:`\\epsilon = 0.01` (spec §2.2 [R]; unweighted mean
+   [P], spec §8 #16).
+3. **Downlink** of :math:`\\theta_{t+1}` (at the start of round ``t + 1``), per variant:
+
+   - **GR** (:func:`bicompfl_gr`, global shared randomness): the federator relays the other clients'
+     uplink streams; each client decodes them (every client's candidates are reproducible from the global
+     seed) and, with its own decoded samples, rebuilds :math:`\\theta_{t+1}` itself: all parties hold the
+     same model bit for bit (:math:`\\zeta = 0`).
+   - **GR-Reconst-Fixed** (:func:`bicompfl_gr_reconst`): the federator importance-samples
+     :math:`n_{DL} = n \\cdot n_{UL}` masks of :math:`\\theta_{t+1}` against the common
+     :math:`\\hat\\theta_t` and broadcasts one index stream; every party sets
+     :math:`\\hat\\theta_{t+1} = c(\\text{mean})`.
+   - **PR** (:func:`bicompfl_pr`, private shared randomness per client): the same, but per client, against
+     that client's own prior :math:`\\hat\\theta_{i,t}` with randomness only the two share; estimates
+     diverge across clients and the federator keeps a copy of each.
+   - **PR-Fixed-SplitDL** (:func:`bicompfl_pr` with ``split_downlink=True``): client ``j`` is refreshed
+     only on the block-aligned group :math:`G_j(t) = ` group :math:`(j + t) \\bmod n` of ``n`` contiguous
+     groups (spec §3.6 [A]); the other coordinates keep :math:`\\hat\\theta_{j,t}`, so every coordinate is
+     refreshed within ``n`` rounds and the downlink costs about ``1/n`` of PR's.
+
+**Exact priors.** Every average is a count of 0/1 samples mapped through a lookup table,
+:math:`c(k/N)` for :math:`k = 0..N` (:func:`clip_table`, float64 then float32), so the federator and
+every client compute bit-identical priors in any compiled program (no reduction order, no fused
+multiply-add can differ): the invariants "GR: every client's model equals the federator's" and "PR: the
+federator's copy of client ``i``'s estimate equals client ``i``'s" hold bit for bit.
+
+**Bits.** Every rate is the length of a real stream (the engine reads ``RoundInfo.uplink_bits`` and
+``downlink_bits`` from the messages). The relayed GR downlink is the other clients' streams back to back
+with no length fields: the KLMS streams are self-delimiting (:attr:`sidejax.coding.Coder.frame`). The
+Fixed-allocation formulas of spec §2.3 are :func:`fixed_rates` (for checking and for the table's "ideal"
+columns; never used as a measured rate).
+
+Spec corrections: Alg. 1 line 3's ``s^(0) - grad`` is ``s^(l-1) - eta grad`` (§8 #3); the PR prior mixture
+is not implemented (``lambda = 1``, the paper's default and the only value its tables use, §3.7); Alg. 3's
+superscript ``t`` on the new priors is ``t + 1`` (§8 #10); the probability clip, not in the paper, is
+applied exactly once per average (§8 #4).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sidejax.algorithms.fedpm import (
+    ESTIMATORS,
+    MASK_CLIP,
+    fedpm_eval_params,
+    signed_constant_init,
+    train_mask,
+)
+from sidejax.blocks import blocks_from_starts
+from sidejax.coding.base import ERR_LENGTH, Coder, Message, concat_messages, concat_stacked, split_stacked
+from sidejax.coding.bitstream import mask_to_length, unpack_fixed
+from sidejax.coding.klms import KLMSConfig, KLMSState, klms_coder
+from sidejax.distributions import Bernoulli
+from sidejax.fl.base import Algorithm, ClientInfo, initial_round_state
+from sidejax.fl.local import LocalTraining
+from sidejax.keys import (
+    EVAL,
+    SCORES,
+    ClientKeys,
+    canonicalize_key,
+    client_streams,
+    downlink_keys,
+    draw_key,
+    stream_key,
+)
+from sidejax.layout import flat_layout
+from sidejax.types import Params
+
+__all__ = [
+    "CLIP",
+    "clip_table",
+    "clipped_mean",
+    "fixed_rates",
+    "split_groups",
+    "encode_samples",
+    "decode_samples",
+    "BiClientExtra",
+    "GRServer",
+    "GRClient",
+    "BiServerInfo",
+    "ReconstServer",
+    "PRServer",
+    "EstimateClient",
+    "bicompfl_gr",
+    "bicompfl_gr_reconst",
+    "bicompfl_pr",
+]
+
+CLIP = MASK_CLIP
+
+
+# --------------------------------------------------------------------------------------------------
+# exact averages, rates, groups
+
+
+def clip_table(num_samples: int) -> np.ndarray:
+    """``float32[num_samples + 1]``: :math:`c(k/N) = \\epsilon + (1 - 2\\epsilon) k / N` for ``k = 0..N``,
+    computed in float64 and rounded once (spec §2.2, §7 #13: averages lie on this grid)."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    k = np.arange(num_samples + 1, dtype=np.float64)
+    return (CLIP + (1.0 - 2.0 * CLIP) * k / num_samples).astype(np.float32)
+
+
+def clipped_mean(counts: jax.Array, num_samples: int) -> jax.Array:
+    """:math:`c(\\text{counts} / N)` by table lookup (bit-identical wherever it is computed)."""
+    return jnp.asarray(clip_table(num_samples))[counts]
+
+
+def _counts(samples: jax.Array, axes) -> jax.Array:
+    return jnp.sum((samples > 0.5).astype(jnp.int32), axis=axes)
+
+
+def fixed_rates(
+    dim: int,
+    *,
+    num_clients: int,
+    block_size: int,
+    log2_num_candidates: int,
+    num_uplink_samples: int = 1,
+    num_downlink_samples: int | None = None,
+) -> dict[str, dict[str, float]]:
+    """The Fixed-allocation rates of spec §2.3, in bits per parameter per client per round, for each variant:
+    ``{"gr" | "gr_reconst" | "pr" | "pr_splitdl": {"uplink", "downlink", "bpp", "bc"}}``.
+
+    One IS sample costs :math:`B \\log_2 n_{IS}` bits with :math:`B = \\lceil d / b \\rceil`. GR relays the
+    other ``n - 1`` clients' samples; GR-Reconst and PR send :math:`n_{DL}` samples; SplitDL sends
+    :math:`n_{DL}` samples of one group of :math:`B / n` blocks (the mean over groups is exactly
+    :math:`B / n` blocks). "bc" (the broadcast channel) is :math:`UL + DL / n` for the broadcastable
+    downlinks (GR, GR-Reconst) as the paper's tables count it, and ``bpp`` for the per-client ones.
+    These are formulas, for checking; measured rates come from the messages.
+    """
+    n = num_clients
+    n_dl = n * num_uplink_samples if num_downlink_samples is None else num_downlink_samples
+    sample = -(-dim // block_size) * log2_num_candidates / dim
+    ul = num_uplink_samples * sample
+    dl = {
+        "gr": (n - 1) * num_uplink_samples * sample,
+        "gr_reconst": n_dl * sample,
+        "pr": n_dl * sample,
+        "pr_splitdl": n_dl * sample / n,
+    }
+    out = {}
+    for name, down in dl.items():
+        bpp = ul + down
+        bc = ul + down / n if name in ("gr", "gr_reconst") else bpp
+        out[name] = {"uplink": ul, "downlink": down, "bpp": bpp, "bc": bc}
+    return out
+
+
+def split_groups(num_blocks: int, num_groups: int) -> np.ndarray:
+    """Block-aligned contiguous groups for SplitDL: ``int32[num_groups + 1]`` boundaries, group ``g`` is
+    blocks ``[bounds[g], bounds[g + 1])``, sizes differing by at most one block (spec §3.6 [A])."""
+    if num_groups < 1 or num_groups > num_blocks:
+        raise ValueError(
+            f"SplitDL needs 1 <= num_groups <= num_blocks, got {num_groups} groups for {num_blocks} blocks "
+            "(use smaller downlink blocks or fewer clients)"
+        )
+    return (np.arange(num_groups + 1, dtype=np.int64) * num_blocks // num_groups).astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------------
+# several importance samples in one stream
+
+
+def _sample_keys(keys: ClientKeys, num_samples: int) -> ClientKeys:
+    ls = jnp.arange(num_samples)
+    return ClientKeys(
+        jax.vmap(draw_key, (None, 0))(keys.shared, ls), jax.vmap(draw_key, (None, 0))(keys.private, ls)
+    )
+
+
+def encode_samples(coder: Coder, keys: ClientKeys, q, p, state, num_samples: int):
+    """``num_samples`` independent messages of ``q`` against ``p`` (sample ``l`` with
+    ``draw_key(keys.shared, l)`` / ``draw_key(keys.private, l)``), back to back in one stream.
+
+    Returns ``(message, infos)`` with the coder's infos stacked over samples."""
+    # one sample at a time (lax.map): the encoder's memory budget holds for any number of samples
+    msgs, infos = jax.lax.map(lambda k: coder.encode(k, q, p, state), _sample_keys(keys, num_samples))
+    if num_samples == 1:
+        return Message(msgs.payload[0], msgs.num_bits[0]), infos
+    return concat_stacked(msgs), infos
+
+
+def _capacity(coder: Coder, q, p, state) -> int:
+    keys = ClientKeys(jax.random.key(0), jax.random.key(0))
+    return int(jax.eval_shape(coder.encode, keys, q, p, state)[0].payload.shape[-1])
+
+
+def decode_samples(coder: Coder, shared_key, p, state, message: Message, num_samples: int, capacity: int):
+    """The receiver's side of :func:`encode_samples`: ``(samples[num_samples, d], decoded, errors)``.
+
+    The stream is cut with the coder's ``frame`` (self-delimiting streams); ``errors`` is the OR of the
+    samples' error bitmasks, plus ``ERR_LENGTH`` when the parts do not add up to the stream's length."""
+    if num_samples == 1:
+        parts, ok = Message(message.payload[None], jnp.asarray(message.num_bits)[None]), jnp.asarray(True)
+    else:
+        if coder.frame is None:
+            raise ValueError(
+                f"coder {coder.name!r} has no frame (its streams are not self-delimiting), so several "
+                "samples cannot share one stream; use num_uplink_samples=1 or a coder with frame (klms_coder)"
+            )
+        parts, ok = split_stacked(message, coder.frame, state, num_samples, capacity)
+    shared = jax.vmap(draw_key, (None, 0))(shared_key, jnp.arange(num_samples))
+    samples, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared, p, state, parts)
+    errors = jax.lax.reduce(decoded.errors, jnp.int32(0), jax.lax.bitwise_or, (0,))
+    return samples, decoded, errors | jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+
+
+def _or_all(errors: jax.Array) -> jax.Array:
+    return jax.lax.reduce(errors.reshape(-1), jnp.int32(0), jax.lax.bitwise_or, (0,))
+
+
+def _flat(tree, n: int):
+    return jax.tree.map(lambda a: a.reshape((n, *a.shape[2:])), tree)
+
+
+# --------------------------------------------------------------------------------------------------
+# the client's local work (shared by every variant)
+
+
+class BiClientExtra(NamedTuple):
+    """Per-client diagnostics.
+
+    Attributes:
+      uplink_kl_bits: :math:`D_{KL}(q_i \\| \\hat\\theta_i)` in bits (the ideal rate of one uplink sample).
+      downlink_errors: int32 error bitmask of the downlink this client decoded (0 = well formed).
+      broadcast_bits: what this client's downlink costs on a broadcast channel: the bits of the one message
+        every client would hear, divided by the ``n`` clients (GR: all ``n`` relayed streams, GR-Reconst:
+        the shared stream); the point-to-point length for PR, whose messages are per client.
+    """
+
+    uplink_kl_bits: jax.Array
+    downlink_errors: jax.Array
+    broadcast_bits: jax.Array
+
+
+class BiServerInfo(NamedTuple):
+    """``theta_mean``: mean of the federator's new :math:`\\theta`; ``downlink_kl_bits``: the KL in bits
+    the round's downlink had to convey, mean over participants (GR: :math:`D_{KL}(\\theta_{t+1} \\|
+    \\theta_t)`; GR-Reconst and PR: :math:`D_{KL}(\\theta_t \\| \\hat\\theta_{i,t-1})`, the IS target
+    against the recipient's prior; NaN when nothing was sent)."""
+
+    theta_mean: jax.Array
+    downlink_kl_bits: jax.Array
+
+
+def _train_and_send(loss_fn, local, estimator, coder, num_samples, keys, weights, theta, coder_state, data):
+    """Alg. 1 from ``theta``, then ``num_samples`` uplink samples of ``Bern(phi)`` against ``Bern(theta)``."""
+    train_key, sample_key = client_streams(keys.private)
+    phi, linfo = train_mask(loss_fn, local, estimator, weights, theta, train_key, data)
+    q, p = Bernoulli(phi), Bernoulli(theta)
+    message, infos = encode_samples(
+        coder, ClientKeys(keys.shared, sample_key), q, p, coder_state, num_samples
+    )
+    finite = linfo.finite & jnp.all(jnp.isfinite(phi))
+    return message, linfo, finite, jnp.all(jnp.asarray(infos.valid)), jnp.sum(q.kl_bits(p))
+
+
+def _kl_bits(a, b) -> jax.Array:
+    return jnp.sum(Bernoulli(a).kl_bits(Bernoulli(b)), axis=-1)
+
+
+def _init_common(coder: Coder, key, params: Params):
+    weights = signed_constant_init(key, params)
+    layout = flat_layout(params)
+    scores = jax.random.normal(stream_key(key, SCORES), (layout.dim,))
+    theta = jnp.clip(jax.nn.sigmoid(scores), CLIP, 1 - CLIP)
+    u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
+    return weights, theta, u, coder.init(layout.dim)
+
+
+def _stack(tree, n: int):
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *jnp.shape(a))), tree)
+
+
+def _check_common(name, coder, estimator, num_uplink_samples, num_clients) -> None:
+    if not isinstance(coder, Coder):
+        raise TypeError(
+            f"coder must be a sidejax.coding.Coder (e.g. klms_coder(...)), got {type(coder).__name__}"
+        )
+    if not coder.uses_prior:
+        raise ValueError(
+            f"{name} codes every sample against the receiver's prior; coder {coder.name!r} ignores p "
+            "(use klms_coder or klms_avg_coder)"
+        )
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if (
+        isinstance(num_uplink_samples, bool)
+        or not isinstance(num_uplink_samples, int)
+        or num_uplink_samples < 1
+    ):
+        raise ValueError(f"num_uplink_samples must be an int >= 1, got {num_uplink_samples!r}")
+    if num_uplink_samples > 1 and coder.frame is None:
+        raise ValueError(
+            f"num_uplink_samples={num_uplink_samples} puts several samples in one stream, which needs a "
+            f"self-delimiting coder (Coder.frame); {coder.name!r} has none"
+        )
+    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
+        raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}")
+
+
+def _check_init_clients(name: str, want: int, got: int) -> None:
+    if got != want:
+        raise ValueError(
+            f"{name} was built for num_clients={want} but init got num_clients={got}; build it with the "
+            "data's number of clients"
+        )
+
+
+def _check_downlink(config: KLMSConfig) -> KLMSConfig:
+    if not isinstance(config, KLMSConfig):
+        raise TypeError(f"downlink must be a KLMSConfig, got {type(config).__name__}")
+    if config.adaptive:
+        raise ValueError(
+            "the downlink uses the Fixed allocation (the paper runs PR, SplitDL and GR-Reconst only with "
+            "Fixed blocks): pass downlink=KLMSConfig(adaptive=False, block_size=..., log2_num_candidates=...)"
+        )
+    return config
+
+
+def _metrics(info) -> dict:
+    extra = info.clients.extra
+    return {
+        "uplink_kl_bits": jnp.mean(extra.uplink_kl_bits, axis=-1),
+        "downlink_kl_bits": info.server.downlink_kl_bits,
+        "broadcast_downlink_bits": jnp.mean(extra.broadcast_bits, axis=-1),
+    }
+
+
+def _where_tree(cond, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+def _uplink_decode(coder, num_samples, priors, cstate, shared_keys, messages):
+    """The federator decodes every participant's stream against that participant's prior
+    (``priors[C, d]``): ``(counts[d], decoded flattened over C * num_samples, errors[C])``."""
+    c = messages.num_bits.shape[0]
+    p0 = Bernoulli(priors[0])
+    cap = _capacity(coder, p0, p0, cstate)
+    samples, decoded, errors = jax.vmap(
+        lambda k, prior, m: decode_samples(coder, k, Bernoulli(prior), cstate, m, num_samples, cap)
+    )(shared_keys, priors, messages)
+    return _counts(samples, (0, 1)), _flat(decoded, c * num_samples), errors
+
+
+# --------------------------------------------------------------------------------------------------
+# BICompFL-GR
+
+
+class GRServer(NamedTuple):
+    """The federator's state in BICompFL-GR.
+
+    Attributes:
+      weights: the frozen network (from the global seed).
+      theta: :math:`\\theta_t` (float32 ``[d]``), identical at every party.
+      eval_uniforms: the fixed evaluation-mask uniforms.
+      coder: the uplink coder's protocol state (every client runs the same update on the same streams, so
+        it needs no downlink of its own).
+      relay: the last round's uplink streams, stacked over clients (payload ``[n, words]``, bits ``[n]``).
+      relay_keys: their shared keys' data ``uint32[n, ...]``: *global* shared randomness, which every party
+        derives from the global seed, the round and the sender's id (stored so the kernels need not
+        re-derive the key schedule).
+      has_relay: False in round 0 (nothing to relay yet).
+    """
+
+    weights: Params
+    theta: jax.Array
+    eval_uniforms: jax.Array
+    coder: Any
+    relay: Message
+    relay_keys: jax.Array
+    has_relay: jax.Array
+
+
+class GRClient(NamedTuple):
+    """A client's own memory in BICompFL-GR: its id, its copy of the global model (the prior it decodes
+    against) and of the coder's protocol state, and its last uplink stream (it decodes its own samples like
+    everybody else's)."""
+
+    client_id: jax.Array
+    theta: jax.Array
+    coder: Any
+    message: Message
+
+
+class _GRReceived(NamedTuple):
+    weights: Params
+    theta: jax.Array
+    coder: Any
+    errors: jax.Array
+    broadcast_bits: jax.Array
+
+
+def _gr_init(coder, num_samples, want_clients, key, params, num_clients):
+    _check_init_clients("bicompfl_gr", want_clients, num_clients)
+    weights, theta, u, cstate = _init_common(coder, key, params)
+    p = Bernoulli(theta)
+    shape = jax.eval_shape(lambda: encode_samples(coder, ClientKeys(key, key), p, p, cstate, num_samples)[0])
+    empty = Message(
+        jnp.zeros((num_clients, shape.payload.shape[-1]), jnp.uint32), jnp.zeros(num_clients, jnp.float32)
+    )
+    key_data = jnp.zeros((num_clients, *jax.random.key_data(key).shape), jnp.uint32)
+    server = GRServer(weights, theta, u, cstate, empty, key_data, jnp.asarray(False))
+    ids = jnp.arange(num_clients, dtype=jnp.int32)
+    clients = GRClient(ids, _stack(theta, num_clients), _stack(cstate, num_clients), empty)
+    return initial_round_state(server, clients, num_clients)
+
+
+def _gr_broadcast(dkey, server: GRServer, client_ids):
+    """Per participant ``j``: the other clients' last uplink streams back to back (no length fields)."""
+    del dkey
+    n = server.relay.num_bits.shape[0]
+
+    def one(j):
+        msg = concat_stacked(server.relay, jnp.arange(n) != j)
+        return Message(msg.payload, jnp.where(server.has_relay, msg.num_bits, 0.0))
+
+    return server, jax.vmap(one)(client_ids)
+
+
+def _gr_rebuild(coder, num_samples, theta, cstate, messages: Message, keys_data):
+    """Every party's reconstruction: decode all ``n`` clients' streams against ``theta`` and average;
+    ``(theta_next, coder_state, errors[n])``."""
+    n = messages.num_bits.shape[0]
+    shared = jax.vmap(canonicalize_key)(keys_data)
+    counts, decoded, errors = _uplink_decode(
+        coder, num_samples, jnp.broadcast_to(theta, (n, theta.shape[0])), cstate, shared, messages
+    )
+    new_coder, _ = coder.update(cstate, decoded)
+    return clipped_mean(counts, n * num_samples), new_coder, errors
+
+
+def _composite_frame(coder: Coder, num_samples: int):
+    """The length of one client's stream (``num_samples`` self-delimiting parts)."""
+    if num_samples == 1:
+        return coder.frame
+
+    def frame(state, words, offset):
+        def body(o, _):
+            return o + jnp.asarray(coder.frame(state, words, o.astype(jnp.int32)), jnp.float32), None
+
+        start = jnp.asarray(offset, jnp.float32)
+        end, _ = jax.lax.scan(body, start, None, length=num_samples)
+        return end - start
+
+    return frame
+
+
+def _gr_receive(coder, num_samples, dkey, keys, server: GRServer, me: GRClient, message: Message):
+    """Client ``j`` cuts the relay into the ``n - 1`` other streams with the coder's ``frame``, puts its own
+    last stream at position ``j``, decodes all ``n`` against its *own* prior with the global shared
+    randomness, and rebuilds the model and the coder's protocol state."""
+    del dkey, keys
+    n = server.relay.num_bits.shape[0]
+    cap = me.message.payload.shape[-1]
+    others, ok = split_stacked(message, _composite_frame(coder, num_samples), me.coder, n - 1, cap)
+    idx = jnp.arange(n)
+    src = jnp.clip(jnp.where(idx < me.client_id, idx, idx - 1), 0, max(n - 2, 0))
+    mine = idx == me.client_id
+
+    def place(a, own):
+        return jnp.where(mine.reshape((n,) + (1,) * (a.ndim - 1)), own, a[src])
+
+    everyone = Message(place(others.payload, me.message.payload), place(others.num_bits, me.message.num_bits))
+    theta, cstate, errors = _gr_rebuild(coder, num_samples, me.theta, me.coder, everyone, server.relay_keys)
+    errors = _or_all(errors) | jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+    live = server.has_relay
+    return _GRReceived(
+        weights=server.weights,
+        theta=jnp.where(live, theta, me.theta),
+        coder=_where_tree(live, cstate, me.coder),
+        errors=jnp.where(live, errors, 0),
+        broadcast_bits=jnp.where(live, (message.num_bits + me.message.num_bits) / n, 0.0),
+    )
+
+
+def _gr_client_update(loss_fn, local, estimator, coder, num_samples, keys, received: _GRReceived, me, data):
+    message, linfo, finite, valid, kl = _train_and_send(
+        loss_fn,
+        local,
+        estimator,
+        coder,
+        num_samples,
+        keys,
+        received.weights,
+        received.theta,
+        received.coder,
+        data,
+    )
+    new = me._replace(theta=received.theta, coder=received.coder, message=message)
+    extra = BiClientExtra(kl, received.errors, received.broadcast_bits)
+    info = ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=valid & (received.errors == 0))
+    return new, message, info
+
+
+def _gr_server_update(coder, num_samples, rkey, server: GRServer, client_ids, shared_keys, messages, weights):
+    del rkey, client_ids, weights  # unweighted mean [P]
+    keys_data = jax.random.key_data(shared_keys)
+    theta, cstate, errors = _gr_rebuild(coder, num_samples, server.theta, server.coder, messages, keys_data)
+    new = server._replace(
+        theta=theta, coder=cstate, relay=messages, relay_keys=keys_data, has_relay=jnp.asarray(True)
+    )
+    return new, BiServerInfo(jnp.mean(theta), _kl_bits(theta, server.theta)), errors
+
+
+def bicompfl_gr(
+    loss_fn: Callable,
+    local: LocalTraining,
+    *,
+    num_clients: int,
+    coder: Coder,
+    num_uplink_samples: int = 1,
+    estimator: str = "fedpm",
+    eval_mask: str = "sample",
+) -> Algorithm:
+    """BICompFL-GR (Alg. 2): global shared randomness; the federator relays the clients' uplink streams.
+
+    Every party decodes every client's samples (their candidates come from the global seed) against the
+    common prior :math:`\\theta_t` and sets :math:`\\theta_{t+1} = c(\\text{mean})`, so the clients' models
+    equal the federator's bit for bit (spec §7 #9; client ``j`` uses its *own* decoded samples, not
+    :math:`q_j`). Downlink: the other ``n - 1`` clients' streams back to back, ``(n - 1)`` times the uplink.
+    Requires full participation [P] (every client must hear every round).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, key)`` of the masked network.
+      local: the mask training (:class:`sidejax.fl.LocalTraining`; [P] Adam lr 0.1, 3 epochs, batch 128;
+        ``optimizer=sidejax.algorithms.mirror.mirror_descent(lr)`` for App. B's mirror-descent reading).
+      num_clients: ``n`` (all of them take part every round).
+      coder: the uplink coder, a self-delimiting one (``frame``): ``klms_coder(KLMSConfig(adaptive=False,
+        ...))`` (GR-Fixed), ``klms_coder(KLMSConfig(...))`` (GR-Adaptive) or ``klms_avg_coder(...)``
+        (GR-Adaptive-Avg).
+      num_uplink_samples: ``n_UL`` IS samples per client per round ([P] 1).
+      estimator: the mask gradient (``"fedpm"`` [C] or ``"ste"``).
+      eval_mask: ``"sample"`` or ``"threshold"`` (:func:`sidejax.algorithms.fedpm.fedpm_eval_params`).
+    """
+    _check_common("bicompfl_gr", coder, estimator, num_uplink_samples, num_clients)
+    if coder.frame is None:
+        raise ValueError(
+            f"BICompFL-GR relays the uplink streams back to back, which needs a self-delimiting coder "
+            f"(Coder.frame, e.g. klms_coder); {coder.name!r} has none"
+        )
+    n_ul = num_uplink_samples
+    return Algorithm(
+        init=functools.partial(_gr_init, coder, n_ul, num_clients),
+        broadcast=_gr_broadcast,
+        receive=functools.partial(_gr_receive, coder, n_ul),
+        client_update=functools.partial(_gr_client_update, loss_fn, local, estimator, coder, n_ul),
+        server_update=functools.partial(_gr_server_update, coder, n_ul),
+        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        clients_per_round=num_clients,
+        metrics=_metrics,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# the importance-sampled downlink (GR-Reconst, PR, SplitDL)
+
+
+class _Group(NamedTuple):
+    start: jax.Array  # first coordinate
+    length: jax.Array  # coordinates
+    num_blocks: jax.Array
+
+
+def _group_of(config: KLMSConfig, dim: int, num_groups: int, group) -> _Group:
+    b = config.block_size
+    bounds = jnp.asarray(split_groups(-(-dim // b), num_groups))
+    start = bounds[group] * b
+    end = jnp.minimum(bounds[group + 1] * b, dim)
+    return _Group(start, end - start, bounds[group + 1] - bounds[group])
+
+
+def _group_width(config: KLMSConfig, dim: int, num_groups: int) -> int:
+    """Static: coordinates of the largest group (the sub-vector every downlink is coded over)."""
+    bounds = split_groups(-(-dim // config.block_size), num_groups)
+    return int(np.max(np.diff(bounds))) * config.block_size if num_groups > 1 else dim
+
+
+def _sub(vec, g: _Group, width: int):
+    """``vec[g.start : g.start + width]`` from ``vec`` padded with 1/2 (pads: q = p, so they add exactly 0
+    to every log-weight; spec §2.1)."""
+    padded = jnp.concatenate([vec, jnp.full((width,), 0.5, vec.dtype)])
+    return jax.lax.dynamic_slice(padded, (g.start,), (width,))
+
+
+def _group_state(config: KLMSConfig, g: _Group, width: int) -> KLMSState:
+    """Fixed blocks of ``config.block_size`` over the group's sub-vector (``g.num_blocks`` live blocks; the
+    padding joins the last live block)."""
+    mb = -(-width // config.block_size)
+    starts = jnp.arange(mb + 1, dtype=jnp.int32) * config.block_size
+    blocks = blocks_from_starts(starts, g.num_blocks, width, mb)
+    return KLMSState(blocks, jnp.asarray(False), jnp.asarray(False))
+
+
+def _downlink_encode(config: KLMSConfig, num_samples: int, keys: ClientKeys, target, prior, g: _Group, width):
+    """``num_samples`` IS samples of ``Bern(target)`` against ``Bern(prior)`` on group ``g``, and what the
+    receiver will decode from them (the sender knows its choice): ``(message, new_prior, errors)``."""
+    coder = klms_coder(config)
+    state = _group_state(config, g, width)
+    q, p = Bernoulli(_sub(target, g, width)), Bernoulli(_sub(prior, g, width))
+    message, _ = encode_samples(coder, keys, q, p, state, num_samples)
+    new_prior, errors = _downlink_decode(config, num_samples, keys.shared, prior, g, width, message)
+    return message, new_prior, errors
+
+
+def _downlink_decode(config: KLMSConfig, num_samples: int, shared_key, prior, g: _Group, width, message):
+    """The receiver: decode the samples against its own ``prior`` and refresh exactly the group's
+    coordinates with :math:`c(\\text{mean})`; ``(new_prior, errors)``."""
+    coder = klms_coder(config)
+    state = _group_state(config, g, width)
+    p = Bernoulli(_sub(prior, g, width))
+    cap = config.capacity_words(width)
+    samples, _, errors = decode_samples(coder, shared_key, p, state, message, num_samples, cap)
+    fresh = clipped_mean(_counts(samples, 0), num_samples)
+    pos = g.start + jnp.arange(width)
+    upd = jnp.zeros(prior.shape[0] + width, prior.dtype).at[pos].set(fresh)[: prior.shape[0]]
+    coords = jnp.arange(prior.shape[0])
+    inside = (coords >= g.start) & (coords < g.start + g.length)
+    return jnp.where(inside, upd, prior), errors
+
+
+# --------------------------------------------------------------------------------------------------
+# BICompFL-GR-Reconst-Fixed
+
+
+class ReconstServer(NamedTuple):
+    """The federator's state in BICompFL-GR-Reconst.
+
+    Attributes:
+      weights, eval_uniforms: as in :class:`GRServer`.
+      theta: :math:`\\theta_{t+1}`, the federator's exact aggregate (what the downlink samples target).
+      theta_hat: :math:`\\hat\\theta_t`, the common estimate every party holds (the prior both ways).
+      coder: the uplink coder's protocol state.
+      fresh: a new aggregate waits to be sent (False in round 0).
+      downlink_kl_bits: :math:`D_{KL}(\\theta \\| \\hat\\theta)` of the last downlink (diagnostic).
+    """
+
+    weights: Params
+    theta: jax.Array
+    theta_hat: jax.Array
+    eval_uniforms: jax.Array
+    coder: Any
+    fresh: jax.Array
+    downlink_kl_bits: jax.Array
+
+
+class EstimateClient(NamedTuple):
+    """A client's memory in BICompFL-PR and GR-Reconst: its id and its estimate
+    :math:`\\hat\\theta_{i,t}` of the global model (the prior of both directions)."""
+
+    client_id: jax.Array
+    theta_hat: jax.Array
+
+
+class _Received(NamedTuple):
+    weights: Params
+    theta_hat: jax.Array
+    coder: Any
+    errors: jax.Array
+    broadcast_bits: jax.Array
+
+
+def _reconst_init(coder, want_clients, key, params, num_clients):
+    _check_init_clients("bicompfl_gr_reconst", want_clients, num_clients)
+    weights, theta, u, cstate = _init_common(coder, key, params)
+    server = ReconstServer(weights, theta, theta, u, cstate, jnp.asarray(False), jnp.float32(jnp.nan))
+    clients = EstimateClient(jnp.arange(num_clients, dtype=jnp.int32), _stack(theta, num_clients))
+    return initial_round_state(server, clients, num_clients)
+
+
+def _reconst_broadcast(coder, config, num_dl, num_clients, dkey, server: ReconstServer, client_ids):
+    """One broadcast: ``n_DL`` IS samples of :math:`\\theta_{t+1}` against :math:`\\hat\\theta_t`
+    (:func:`sidejax.keys.downlink_keys` ``(dkey)``), then the uplink coder's protocol stream; the
+    federator sets its own :math:`\\hat\\theta_{t+1}` from the samples it chose."""
+    del num_clients, client_ids
+    dim = server.theta.shape[0]
+    g = _group_of(config, dim, 1, 0)
+    keys = downlink_keys(dkey)
+    msg, theta_hat, _ = _downlink_encode(config, num_dl, keys, server.theta, server.theta_hat, g, dim)
+    live = server.fresh
+    msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0.0))
+    message = concat_messages(msg, coder.downlink(server.coder))
+    kl = jnp.where(live, _kl_bits(server.theta, server.theta_hat), jnp.nan)
+    new = server._replace(theta_hat=jnp.where(live, theta_hat, server.theta_hat), downlink_kl_bits=kl)
+    return new, message
+
+
+def _reconst_receive(coder, config, num_dl, num_clients, dkey, keys, server: ReconstServer, me, message):
+    """Every client decodes the same samples against its own (common) estimate."""
+    del keys
+    dim = me.theta_hat.shape[0]
+    g = _group_of(config, dim, 1, 0)
+    live = server.fresh
+    head, rest = _cut(message, _is_bits(config, num_dl, g, live), _downlink_words(config, num_dl, dim))
+    new, errors = _downlink_decode(config, num_dl, downlink_keys(dkey).shared, me.theta_hat, g, dim, head)
+    return _Received(
+        weights=server.weights,
+        theta_hat=jnp.where(live, new, me.theta_hat),
+        coder=coder.receive(server.coder, rest),
+        errors=jnp.where(live, errors, 0),
+        broadcast_bits=message.num_bits / num_clients,  # one stream heard by all n clients
+    )
+
+
+def _cut(message: Message, head_bits, head_words: int) -> tuple[Message, Message]:
+    """Cuts ``message`` after its first ``head_bits`` bits (traced): ``(head, rest)``; the head's buffer holds
+    ``head_words`` words, the rest's the remaining capacity."""
+    words = jnp.asarray(message.payload, jnp.uint32)
+    n = words.shape[0]
+    words, _ = mask_to_length(words, message.num_bits)
+    padded = jnp.pad(words, (0, head_words + 1))
+    head = unpack_fixed(padded, head_words, 32)
+    head, _ = mask_to_length(head, jnp.minimum(head_bits, 32.0 * head_words))
+    rest = unpack_fixed(padded, n, 32, bit_offset=jnp.asarray(head_bits, jnp.int32))
+    return Message(head, jnp.asarray(head_bits, jnp.float32)), Message(rest, message.num_bits - head_bits)
+
+
+def _is_bits(config: KLMSConfig, num_samples: int, g: _Group, live) -> jax.Array:
+    """Length of ``num_samples`` Fixed-KLMS messages over ``g`` (known to the receiver before parsing)."""
+    one = g.num_blocks * config.log2_num_candidates + (32 if config.crc32 else 0)
+    return jnp.where(live, num_samples * one, 0).astype(jnp.float32)
+
+
+def _downlink_words(config: KLMSConfig, num_samples: int, width: int) -> int:
+    cap = config.capacity_words(width)
+    return cap if num_samples == 1 else num_samples * cap + 1
+
+
+# --------------------------------------------------------------------------------------------------
+# BICompFL-PR and PR-Fixed-SplitDL
+
+
+class PRServer(NamedTuple):
+    """The federator's state in BICompFL-PR.
+
+    Attributes:
+      weights, eval_uniforms: as in :class:`GRServer`.
+      theta: :math:`\\theta_{t+1}`, the federator's aggregate (the model evaluated, spec §8 #9).
+      theta_hat: float32 ``[n, d]``: the federator's copy of every client's estimate
+        :math:`\\hat\\theta_{i,t}` (decoded from the messages it sent; equal to the client's own bit for bit).
+      coder: the uplink coder's protocol state.
+      fresh: a new aggregate waits to be sent (False in round 0).
+      round: int32, rounds completed (public: picks the SplitDL groups).
+      downlink_kl_bits: mean over the last downlink's recipients of :math:`D_{KL}(\\theta \\| \\hat\\theta_i)`
+        on the coordinates sent (diagnostic).
+    """
+
+    weights: Params
+    theta: jax.Array
+    theta_hat: jax.Array
+    eval_uniforms: jax.Array
+    coder: Any
+    fresh: jax.Array
+    round: jax.Array
+    downlink_kl_bits: jax.Array
+
+
+def _pr_init(coder, want_clients, key, params, num_clients):
+    _check_init_clients("bicompfl_pr", want_clients, num_clients)
+    weights, theta, u, cstate = _init_common(coder, key, params)
+    hats = _stack(theta, num_clients)
+    server = PRServer(weights, theta, hats, u, cstate, jnp.asarray(False), jnp.int32(0), jnp.float32(jnp.nan))
+    clients = EstimateClient(jnp.arange(num_clients, dtype=jnp.int32), hats)
+    return initial_round_state(server, clients, num_clients)
+
+
+def _pr_group(config, num_groups, dim, round_index, client_id) -> _Group:
+    return _group_of(config, dim, num_groups, (client_id + round_index) % num_groups)
+
+
+def _pr_broadcast(coder, config, num_dl, num_groups, dkey, server: PRServer, client_ids):
+    """Per participant ``i``: ``n_DL`` IS samples of :math:`\\theta_{t+1}` (on ``i``'s group for SplitDL)
+    against the federator's copy of :math:`\\hat\\theta_{i,t}`, with randomness only the two share
+    (:func:`sidejax.keys.downlink_keys` ``(dkey, i)``), then the uplink coder's protocol stream. The
+    federator updates its copy from the samples it chose. Participants are coded one at a time
+    (``lax.map``: the encoder's memory budget holds for any number of clients)."""
+    dim = server.theta.shape[0]
+    width = _group_width(config, dim, num_groups)
+    live = server.fresh
+    proto = coder.downlink(server.coder)
+
+    def one(i):
+        g = _pr_group(config, num_groups, dim, server.round, i)
+        hat = server.theta_hat[i]
+        msg, new_hat, _ = _downlink_encode(
+            config, num_dl, downlink_keys(dkey, i), server.theta, hat, g, width
+        )
+        msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0.0))
+        coords = jnp.arange(dim)
+        inside = (coords >= g.start) & (coords < g.start + g.length)
+        kl = jnp.sum(jnp.where(inside, Bernoulli(server.theta).kl_bits(Bernoulli(hat)), 0.0))
+        return concat_messages(msg, proto), jnp.where(live, new_hat, hat), kl
+
+    msgs, hats, kls = jax.lax.map(one, client_ids)
+    new = server._replace(
+        theta_hat=server.theta_hat.at[client_ids].set(hats),
+        downlink_kl_bits=jnp.where(live, jnp.mean(kls), jnp.nan),
+    )
+    return new, msgs
+
+
+def _pr_receive(coder, config, num_dl, num_groups, dkey, keys, server: PRServer, me: EstimateClient, message):
+    """Client ``i`` decodes its samples against its *own* estimate (the group from the public round index)
+    and refreshes exactly the group's coordinates."""
+    del keys
+    dim = me.theta_hat.shape[0]
+    width = _group_width(config, dim, num_groups)
+    g = _pr_group(config, num_groups, dim, server.round, me.client_id)
+    live = server.fresh
+    head, rest = _cut(message, _is_bits(config, num_dl, g, live), _downlink_words(config, num_dl, width))
+    shared = downlink_keys(dkey, me.client_id).shared
+    new, errors = _downlink_decode(config, num_dl, shared, me.theta_hat, g, width, head)
+    return _Received(
+        weights=server.weights,
+        theta_hat=jnp.where(live, new, me.theta_hat),
+        coder=coder.receive(server.coder, rest),
+        errors=jnp.where(live, errors, 0),
+        broadcast_bits=message.num_bits,  # per-client messages: no broadcast saving
+    )
+
+
+def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, received: _Received, me, data):
+    """GR-Reconst and PR clients: Alg. 1 from the estimate just received, uplink against it."""
+    message, linfo, finite, valid, kl = _train_and_send(
+        loss_fn,
+        local,
+        estimator,
+        coder,
+        num_samples,
+        keys,
+        received.weights,
+        received.theta_hat,
+        received.coder,
+        data,
+    )
+    new = me._replace(theta_hat=received.theta_hat)
+    extra = BiClientExtra(kl, received.errors, received.broadcast_bits)
+    info = ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=valid & (received.errors == 0))
+    return new, message, info
+
+
+def _aggregate(coder, num_samples, server, priors, shared_keys, messages):
+    counts, decoded, errors = _uplink_decode(coder, num_samples, priors, server.coder, shared_keys, messages)
+    cstate, _ = coder.update(server.coder, decoded)
+    theta = clipped_mean(counts, messages.num_bits.shape[0] * num_samples)
+    return theta, cstate, errors
+
+
+def _reconst_server_update(
+    coder, num_samples, rkey, server: ReconstServer, ids, shared_keys, messages, weights
+):
+    del rkey, weights
+    priors = jnp.broadcast_to(server.theta_hat, (ids.shape[0], server.theta_hat.shape[0]))
+    theta, cstate, errors = _aggregate(coder, num_samples, server, priors, shared_keys, messages)
+    new = server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True))
+    return new, BiServerInfo(jnp.mean(theta), server.downlink_kl_bits), errors
+
+
+def _pr_server_update(coder, num_samples, rkey, server: PRServer, ids, shared_keys, messages, weights):
+    """Decode each participant against the federator's copy of its estimate; average over participants."""
+    del rkey, weights
+    theta, cstate, errors = _aggregate(
+        coder, num_samples, server, server.theta_hat[ids], shared_keys, messages
+    )
+    new = server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True), round=server.round + 1)
+    return new, BiServerInfo(jnp.mean(theta), server.downlink_kl_bits), errors
+
+
+def bicompfl_gr_reconst(
+    loss_fn: Callable,
+    local: LocalTraining,
+    *,
+    num_clients: int,
+    coder: Coder,
+    downlink: KLMSConfig,
+    num_uplink_samples: int = 1,
+    num_downlink_samples: int | None = None,
+    estimator: str = "fedpm",
+    eval_mask: str = "sample",
+) -> Algorithm:
+    """BICompFL-GR-Reconst-Fixed (spec §3.4): the uplink as in GR; the federator reconstructs
+    :math:`\\theta_{t+1}` and broadcasts ``n_DL`` IS samples of it against the common
+    :math:`\\hat\\theta_t` (one stream for every client); every party sets
+    :math:`\\hat\\theta_{t+1} = c(\\text{mean})`. The priors stay common (:math:`\\zeta = 0`) but the
+    downlink adds sampling noise. Requires full participation [P].
+
+    Args:
+      loss_fn, local, estimator, eval_mask: as :func:`bicompfl_gr`.
+      num_clients: ``n``.
+      coder: the uplink coder (any coder that uses ``p``; ``klms_coder(KLMSConfig(adaptive=False, ...))``).
+      downlink: the downlink's Fixed-KLMS settings (``KLMSConfig(adaptive=False, block_size=b,
+        log2_num_candidates=log2 n_IS)``).
+      num_uplink_samples: ``n_UL`` ([P] 1).
+      num_downlink_samples: ``n_DL`` (default ``n * n_UL`` [P]).
+
+    The evaluated model is the federator's :math:`\\theta_{t+1}`.
+    """
+    _check_common("bicompfl_gr_reconst", coder, estimator, num_uplink_samples, num_clients)
+    config = _check_downlink(downlink)
+    n_dl = _num_dl(num_downlink_samples, num_clients, num_uplink_samples)
+    n_ul = num_uplink_samples
+    return Algorithm(
+        init=functools.partial(_reconst_init, coder, num_clients),
+        broadcast=functools.partial(_reconst_broadcast, coder, config, n_dl, num_clients),
+        receive=functools.partial(_reconst_receive, coder, config, n_dl, num_clients),
+        client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, n_ul),
+        server_update=functools.partial(_reconst_server_update, coder, n_ul),
+        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        clients_per_round=num_clients,
+        metrics=_metrics,
+    )
+
+
+def _num_dl(num_downlink_samples, num_clients, num_uplink_samples) -> int:
+    if num_downlink_samples is None:
+        return num_clients * num_uplink_samples
+    if (
+        isinstance(num_downlink_samples, bool)
+        or not isinstance(num_downlink_samples, int)
+        or num_downlink_samples < 1
+    ):
+        raise ValueError(f"num_downlink_samples must be None or an int >= 1, got {num_downlink_samples!r}")
+    return num_downlink_samples
+
+
+def bicompfl_pr(
+    loss_fn: Callable,
+    local: LocalTraining,
+    *,
+    num_clients: int,
+    coder: Coder,
+    downlink: KLMSConfig,
+    clients_per_round: int | None = None,
+    num_uplink_samples: int = 1,
+    num_downlink_samples: int | None = None,
+    split_downlink: bool = False,
+    estimator: str = "fedpm",
+    eval_mask: str = "sample",
+) -> Algorithm:
+    """BICompFL-PR (Alg. 3) and PR-Fixed-SplitDL (spec §3.5-3.6): private shared randomness per client.
+
+    Client ``i`` codes its uplink against its own estimate :math:`\\hat\\theta_{i,t}`; the federator
+    decodes it with its copy, aggregates :math:`\\theta_{t+1}` over the participants, and sends each
+    participant ``n_DL`` IS samples of :math:`\\theta_{t+1}` against that client's estimate, with randomness
+    only the two share. Estimates differ across clients (:math:`\\zeta > 0`); the federator's copies equal
+    the clients' own bit for bit (spec §7 #10). Partial participation is allowed [P]: a client that sits a
+    round out keeps its estimate, and so does the federator's copy.
+
+    With ``split_downlink=True`` (PR-Fixed-SplitDL) the downlink blocks are split into ``n`` contiguous
+    block-aligned groups and client ``j`` receives only group :math:`(j + t) \\bmod n` in round ``t``: the
+    other coordinates keep :math:`\\hat\\theta_{j,t}`, every coordinate is refreshed within ``n`` rounds, and
+    the downlink costs ``1/n`` of PR's (spec §3.6 [A]: the paper does not give the rule).
+
+    Args:
+      loss_fn, local, estimator, eval_mask: as :func:`bicompfl_gr`.
+      num_clients: ``n``.
+      coder: the uplink coder (``klms_coder(KLMSConfig(adaptive=False, ...))`` [P]).
+      downlink: the downlink's Fixed-KLMS settings.
+      clients_per_round: participants per round (default ``n``).
+      num_uplink_samples: ``n_UL`` ([P] 1).
+      num_downlink_samples: ``n_DL`` (default ``n * n_UL`` [P]).
+      split_downlink: PR-Fixed-SplitDL.
+
+    The evaluated model is the federator's :math:`\\theta_{t+1}` (spec §8 #9).
+    """
+    _check_common("bicompfl_pr", coder, estimator, num_uplink_samples, num_clients)
+    config = _check_downlink(downlink)
+    n_dl = _num_dl(num_downlink_samples, num_clients, num_uplink_samples)
+    cpr = num_clients if clients_per_round is None else clients_per_round
+    if isinstance(cpr, bool) or not isinstance(cpr, int) or not 1 <= cpr <= num_clients:
+        raise ValueError(f"clients_per_round must be an int in [1, num_clients={num_clients}], got {cpr!r}")
+    groups = num_clients if split_downlink else 1
+    n_ul = num_uplink_samples
+    return Algorithm(
+        init=functools.partial(_pr_init, coder, num_clients),
+        broadcast=functools.partial(_pr_broadcast, coder, config, n_dl, groups),
+        receive=functools.partial(_pr_receive, coder, config, n_dl, groups),
+        client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, n_ul),
+        server_update=functools.partial(_pr_server_update, coder, n_ul),
+        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        clients_per_round=cpr,
+        metrics=_metrics,
+    )
