@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidejax.algorithms import LangevinSettings, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import LangevinSettings, bicompfl_pr, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
 from sidejax.coding.klms import KLMSConfig, klms_coder
 from sidejax.coding.toy import distributed_mean
 from sidejax.fl import LocalTraining, build_round_step
@@ -82,6 +82,7 @@ def test_fedpm_frozen_signs_scores_and_eval_uniforms_are_independent():
 
 
 SMALL_KLMS = klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=64))
+BI_FIXED = KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=64)
 
 
 def _all_algorithms(loss):
@@ -98,6 +99,17 @@ def _all_algorithms(loss):
         "signsgd_klms": signsgd(loss, LocalTraining(optax.sgd(0.1), **local), coder=SMALL_KLMS, **common),
         "qlsd": qlsd(loss, **lang),
         "sgld_klms": sgld(loss, coder=SMALL_KLMS, **lang),
+        # per-recipient downlink streams (RECIPIENTS) and several IS samples per message (DRAWS)
+        "bicompfl_pr_splitdl": bicompfl_pr(
+            loss,
+            LocalTraining(optax.adam(0.1), **local),
+            num_clients=10,
+            coder=klms_coder(BI_FIXED),
+            downlink=BI_FIXED,
+            num_uplink_samples=2,
+            split_downlink=True,
+            **common,
+        ),
     }
 
 
@@ -115,6 +127,7 @@ _EXPECTED = {
 for _host in ("fedpm", "qsgd", "signsgd"):
     _EXPECTED[_host + "_klms"] = _EXPECTED[_host]
 _EXPECTED["sgld_klms"] = _EXPECTED["qlsd"] - {"SERVER"}
+_EXPECTED["bicompfl_pr_splitdl"] = _EXPECTED["fedpm"] | {"DRAWS", "draw", "RECIPIENTS", "recipient"}
 
 
 def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digits_fed):

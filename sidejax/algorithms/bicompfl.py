@@ -72,7 +72,15 @@ from sidejax.algorithms.fedpm import (
     train_mask,
 )
 from sidejax.blocks import blocks_from_starts
-from sidejax.coding.base import ERR_LENGTH, Coder, Message, concat_messages, concat_stacked, split_stacked
+from sidejax.coding.base import (
+    ERR_LENGTH,
+    Coder,
+    Message,
+    concat_messages,
+    concat_stacked,
+    split_stacked,
+    stream_errors,
+)
 from sidejax.coding.bitstream import mask_to_length, unpack_fixed
 from sidejax.coding.klms import KLMSConfig, KLMSState, klms_coder
 from sidejax.distributions import Bernoulli
@@ -90,6 +98,7 @@ from sidejax.keys import (
 )
 from sidejax.layout import flat_layout
 from sidejax.types import Params
+from sidejax.utils import is_concrete
 
 __all__ = [
     "CLIP",
@@ -216,9 +225,16 @@ def decode_samples(coder: Coder, shared_key, p, state, message: Message, num_sam
     """The receiver's side of :func:`encode_samples`: ``(samples[num_samples, d], decoded, errors)``.
 
     The stream is cut with the coder's ``frame`` (self-delimiting streams); ``errors`` is the OR of the
-    samples' error bitmasks, plus ``ERR_LENGTH`` when the parts do not add up to the stream's length."""
-    if num_samples == 1:
-        parts, ok = Message(message.payload[None], jnp.asarray(message.num_bits)[None]), jnp.asarray(True)
+    samples' error bitmasks, plus ``ERR_LENGTH`` when the parts do not add up to the stream's length.
+    Outside jit a nonzero ``errors`` raises ``ValueError`` with the reasons (a mismatched prior, with the
+    KLMS CRC on, reads "the parties' priors are out of sync")."""
+    if num_samples == 1:  # the coder's own decode (outside jit it raises on an invalid stream)
+        sample, decoded = coder.decode(draw_key(shared_key, 0), p, state, message)
+        return (
+            sample[None],
+            jax.tree.map(lambda a: jnp.asarray(a)[None], decoded),
+            jnp.asarray(decoded.errors),
+        )
     else:
         if coder.frame is None:
             raise ValueError(
@@ -229,7 +245,10 @@ def decode_samples(coder: Coder, shared_key, p, state, message: Message, num_sam
     shared = jax.vmap(draw_key, (None, 0))(shared_key, jnp.arange(num_samples))
     samples, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared, p, state, parts)
     errors = jax.lax.reduce(decoded.errors, jnp.int32(0), jax.lax.bitwise_or, (0,))
-    return samples, decoded, errors | jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+    errors = errors | jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+    if is_concrete(errors) and int(errors):
+        raise ValueError("invalid stream of importance samples: " + "; ".join(stream_errors(errors)))
+    return samples, decoded, errors
 
 
 def _or_all(errors: jax.Array) -> jax.Array:
@@ -264,7 +283,7 @@ class BiServerInfo(NamedTuple):
     """``theta_mean``: mean of the federator's new :math:`\\theta`; ``downlink_kl_bits``: the KL in bits
     the round's downlink had to convey, mean over participants (GR: :math:`D_{KL}(\\theta_{t+1} \\|
     \\theta_t)`; GR-Reconst and PR: :math:`D_{KL}(\\theta_t \\| \\hat\\theta_{i,t-1})`, the IS target
-    against the recipient's prior; NaN when nothing was sent)."""
+    against the recipient's prior; 0 when nothing was sent)."""
 
     theta_mean: jax.Array
     downlink_kl_bits: jax.Array
@@ -690,7 +709,7 @@ class _Received(NamedTuple):
 def _reconst_init(coder, want_clients, key, params, num_clients):
     _check_init_clients("bicompfl_gr_reconst", want_clients, num_clients)
     weights, theta, u, cstate = _init_common(coder, key, params)
-    server = ReconstServer(weights, theta, theta, u, cstate, jnp.asarray(False), jnp.float32(jnp.nan))
+    server = ReconstServer(weights, theta, theta, u, cstate, jnp.asarray(False), jnp.float32(0.0))
     clients = EstimateClient(jnp.arange(num_clients, dtype=jnp.int32), _stack(theta, num_clients))
     return initial_round_state(server, clients, num_clients)
 
@@ -707,7 +726,7 @@ def _reconst_broadcast(coder, config, num_dl, num_clients, dkey, server: Reconst
     live = server.fresh
     msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0.0))
     message = concat_messages(msg, coder.downlink(server.coder))
-    kl = jnp.where(live, _kl_bits(server.theta, server.theta_hat), jnp.nan)
+    kl = jnp.where(live, _kl_bits(server.theta, server.theta_hat), 0.0)
     new = server._replace(theta_hat=jnp.where(live, theta_hat, server.theta_hat), downlink_kl_bits=kl)
     return new, message
 
@@ -786,7 +805,7 @@ def _pr_init(coder, want_clients, key, params, num_clients):
     _check_init_clients("bicompfl_pr", want_clients, num_clients)
     weights, theta, u, cstate = _init_common(coder, key, params)
     hats = _stack(theta, num_clients)
-    server = PRServer(weights, theta, hats, u, cstate, jnp.asarray(False), jnp.int32(0), jnp.float32(jnp.nan))
+    server = PRServer(weights, theta, hats, u, cstate, jnp.asarray(False), jnp.int32(0), jnp.float32(0.0))
     clients = EstimateClient(jnp.arange(num_clients, dtype=jnp.int32), hats)
     return initial_round_state(server, clients, num_clients)
 
@@ -821,7 +840,7 @@ def _pr_broadcast(coder, config, num_dl, num_groups, dkey, server: PRServer, cli
     msgs, hats, kls = jax.lax.map(one, client_ids)
     new = server._replace(
         theta_hat=server.theta_hat.at[client_ids].set(hats),
-        downlink_kl_bits=jnp.where(live, jnp.mean(kls), jnp.nan),
+        downlink_kl_bits=jnp.where(live, jnp.mean(kls), 0.0),
     )
     return new, msgs
 
