@@ -6,6 +6,8 @@
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
 - :func:`qlsd`, :func:`sgld`: Bayesian FL with Langevin dynamics (QLSD; SGLD-KLMS).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
+- :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
+  (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
 """
 
 from sidejax.algorithms.dense import (
@@ -31,6 +33,12 @@ from sidejax.algorithms.langevin import (
     qlsd,
     sgld,
     sgld_klms_sigma,
+)
+from sidejax.algorithms.mirror import (
+    bregman_divergence,
+    kl_prox_step,
+    mirror_descent,
+    neg_entropy,
 )
 from sidejax.algorithms.qsgd import (
     QSGDPrior,
@@ -64,6 +72,10 @@ __all__ = [
     "qlsd",
     "sgld",
     "sgld_klms_sigma",
+    "bregman_divergence",
+    "kl_prox_step",
+    "mirror_descent",
+    "neg_entropy",
     "QSGDPrior",
     "qsgd",
     "qsgd_dequantize",
