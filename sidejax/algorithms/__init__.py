@@ -8,6 +8,8 @@
 - :func:`bicompfl_gr`, :func:`bicompfl_gr_reconst`, :func:`bicompfl_pr`: BICompFL, bi-directional
   importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
+- :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
+  (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
 """
 
 from sidejax.algorithms.bicompfl import bicompfl_gr, bicompfl_gr_reconst, bicompfl_pr, fixed_rates
@@ -34,6 +36,12 @@ from sidejax.algorithms.langevin import (
     qlsd,
     sgld,
     sgld_klms_sigma,
+)
+from sidejax.algorithms.mirror import (
+    bregman_divergence,
+    kl_prox_step,
+    mirror_descent,
+    neg_entropy,
 )
 from sidejax.algorithms.qsgd import (
     QSGDPrior,
@@ -71,6 +79,10 @@ __all__ = [
     "qlsd",
     "sgld",
     "sgld_klms_sigma",
+    "bregman_divergence",
+    "kl_prox_step",
+    "mirror_descent",
+    "neg_entropy",
     "QSGDPrior",
     "qsgd",
     "qsgd_dequantize",

@@ -3,7 +3,8 @@
 The contract is :class:`Coder` (:mod:`sidejax.coding.base`): transmit one sample of ``q`` using side
 information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation),
 :func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
-baselines), and the combinator :func:`with_side_info`.
+baselines), and the combinator :func:`with_side_info`. :mod:`sidejax.coding.importance_law` holds the exact
+law of the importance-sampled Bernoulli (block size 1) and BICompFL's bounds on its bias.
 """
 
 from sidejax.coding.base import (
@@ -55,6 +56,14 @@ from sidejax.coding.importance import (
     encode_indices,
     importance_decode,
     importance_encode,
+)
+from sidejax.coding.importance_law import (
+    asymptotic_bias,
+    bernoulli_selection_prob,
+    bernoulli_selection_prob_np,
+    lemma1_bound,
+    lemma1_eta,
+    prop1_bound,
 )
 from sidejax.coding.klms import (
     KLMSClientInfo,
@@ -133,6 +142,12 @@ __all__ = [
     "encode_indices",
     "importance_decode",
     "importance_encode",
+    "asymptotic_bias",
+    "bernoulli_selection_prob",
+    "bernoulli_selection_prob_np",
+    "lemma1_bound",
+    "lemma1_eta",
+    "prop1_bound",
     "KLMSClientInfo",
     "KLMSConfig",
     "KLMSDecoded",

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from helpers import SMALL_KLMS, assert_clean_run, tree_equal
 
-from sidejax.algorithms import bayes_agg, signed_constant_init
+from sidejax.algorithms import bayes_agg, bernoulli_mask, signed_constant_init
 from sidejax.coding.klms import klms_init
 from sidejax.fl import run_rounds
 from sidejax.layout import flat_layout
@@ -37,6 +37,40 @@ def test_signed_constant_init_uses_fan_in():
     np.testing.assert_allclose(np.abs(np.asarray(w["Dense_0"]["bias"])), math.e / math.sqrt(8), rtol=1e-6)
     np.testing.assert_allclose(np.abs(np.asarray(w["Conv_0"]["kernel"])), math.e / math.sqrt(18), rtol=1e-6)
     assert 0.3 < float(jnp.mean(w["Dense_0"]["kernel"] > 0)) < 0.7
+
+
+def test_mask_gradient_wrt_scores_is_the_fedpm_rule():
+    """Spec bicompfl.md §7 item 18: through m = bernoulli_mask(sigmoid(s), u), d loss / d s equals
+    dL/dm * theta^2 * (1 - theta) with FedPM's estimator (dL/dtheta = theta dL/dm, times the sigmoid's
+    theta (1 - theta)), and dL/dm * theta (1 - theta) with the identity straight-through estimator; shown on
+    a tiny linear softmax model whose frozen weights w are masked (the FedPM client's construction)."""
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    labels = jnp.array([0, 1, 1, 0, 1])
+    w = signed_constant_init(jax.random.key(2), {"kernel": jnp.zeros((3, 2)), "bias": jnp.zeros(2)})
+    scores = {"kernel": jax.random.normal(jax.random.key(3), (3, 2)), "bias": jnp.array([0.4, -1.1])}
+    u = {"kernel": jax.random.uniform(jax.random.key(4), (3, 2)), "bias": jnp.array([0.2, 0.9])}
+
+    def loss_of_net(net):
+        logits = x @ net["kernel"] + net["bias"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(5), labels])
+
+    theta = jax.tree.map(jax.nn.sigmoid, scores)
+    mask = jax.tree.map(lambda t, v: (v < t).astype(jnp.float32), theta, u)
+    assert 0 < sum(float(jnp.sum(m)) for m in jax.tree.leaves(mask)) < 8  # both mask values occur
+    dl_dm = jax.grad(lambda m: loss_of_net(jax.tree.map(jnp.multiply, w, m)))(mask)
+    for estimator, power in (("fedpm", 2), ("ste", 1)):
+
+        def loss_of_scores(s, estimator=estimator):
+            net = jax.tree.map(
+                lambda w_, s_, v: w_ * bernoulli_mask(jax.nn.sigmoid(s_), v, estimator), w, s, u
+            )
+            return loss_of_net(net)
+
+        grads = jax.grad(loss_of_scores)(scores)
+        for k in scores:
+            expected = dl_dm[k] * theta[k] ** power * (1 - theta[k])
+            np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(expected), rtol=1e-6, atol=0)
+            assert np.all(np.asarray(expected) != 0)  # every coordinate gets a gradient, masked or not
 
 
 def test_fedpm_and_fedpm_klms_run_clean_and_klms_sends_fewer_bits(algorithm_run, small_model):
