@@ -66,6 +66,7 @@ METRIC_COLUMNS = (
     "train_loss",
     "uplink_bpp",
     "downlink_bpp",
+    "broadcast_bpp",
     "uplink_bits",
     "downlink_bits",
     "cumulative_bits",
@@ -127,6 +128,7 @@ class RunSummary:
     total_bits: float
     mean_uplink_bpp: float
     mean_downlink_bpp: float
+    mean_broadcast_bpp: float | None
     metrics: list[dict[str, Any]]
 
 
@@ -177,19 +179,22 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
 def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
     """Stops the run at the first round in which a stream was invalid (like NaN): a client's coder reported
     an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), or the server's
-    decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's reasons)."""
+    decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's reasons), or a
+    client could not decode its downlink (``ClientInfo.downlink_errors``)."""
     shape = np.shape(infos.client_ids)
     client_ok = np.asarray(infos.clients.valid).reshape(shape)
     errors = np.asarray(infos.uplink_errors).reshape(shape)
-    bad = ~client_ok | (errors != 0)
+    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
+    bad = ~client_ok | (errors != 0) | (down != 0)
     if not bad.any():
         return
     r = int(np.flatnonzero(bad.any(axis=1))[0])
     ids = np.asarray(infos.client_ids)[r]
     details = []
     for i in np.flatnonzero(bad[r]):
-        reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] else []
+        reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] and not down[r, i] else []
         reasons += stream_errors(errors[r, i])
+        reasons += [f"its downlink: {e}" for e in stream_errors(down[r, i])]
         details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
     round_index = int(np.asarray(infos.round_index)[r])
     raise InvalidStreamError(
@@ -197,6 +202,20 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
         f"the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
         f"corrupted input, not a tuning problem: please report it."
     )
+
+
+def broadcast_downlink_bpp(infos, own: dict[str, np.ndarray], num_params: int) -> np.ndarray:
+    """Per round: what the downlink costs each participant on a broadcast channel (bits per parameter), for
+    the ``broadcast_bpp`` column (uplink + this; the "bpp (BC)" of the BICompFL tables): the algorithm's own
+    ``broadcast_downlink_bpp`` metric when it reports one (BICompFL-GR: all relayed streams sent once), else
+    a shared downlink message's length divided by the participants who hear it
+    (``RoundInfo.downlink_shared``), else the per-participant length (point-to-point messages)."""
+    if "broadcast_downlink_bpp" in own:
+        return np.asarray(own["broadcast_downlink_bpp"], np.float64)
+    down = np.asarray(infos.downlink_bits, np.float64).reshape(np.shape(infos.client_ids))
+    per_client = down.mean(axis=1) / num_params
+    shared = np.broadcast_to(np.asarray(infos.downlink_shared, bool), per_client.shape)
+    return np.where(shared, per_client / down.shape[1], per_client)
 
 
 def algorithm_metrics(algorithm, infos, num_params: int) -> dict[str, np.ndarray]:
@@ -569,6 +588,7 @@ def run_experiment(
         down = np.asarray(infos.downlink_bits, np.float64)
         train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
         own = algorithm_metrics(algorithm, infos, num_params)
+        bc_down = broadcast_downlink_bpp(infos, own, num_params)
         new_rows = []
         for s in range(chunk):
             cum_bits += up[s].sum() + down[s].sum()
@@ -582,6 +602,7 @@ def run_experiment(
                     "train_loss": float(train_loss[s]),
                     "uplink_bpp": float(up[s].mean() / num_params),
                     "downlink_bpp": float(down[s].mean() / num_params),
+                    "broadcast_bpp": float(up[s].mean() / num_params + bc_down[s]),
                     "uplink_bits": float(up[s].sum()),
                     "downlink_bits": float(down[s].sum()),
                     "cumulative_bits": float(cum_bits),
@@ -617,6 +638,7 @@ def run_experiment(
         total_bits=cum_bits,
         mean_uplink_bpp=float(np.mean([r["uplink_bpp"] for r in rows])) if rows else math.nan,
         mean_downlink_bpp=float(np.mean([r["downlink_bpp"] for r in rows])) if rows else math.nan,
+        mean_broadcast_bpp=_mean_or_none([r.get("broadcast_bpp") for r in rows]),
         metrics=rows,
     )
     plot_runs(
@@ -637,6 +659,7 @@ def run_experiment(
                 "total_bits": summary.total_bits,
                 "mean_uplink_bpp": summary.mean_uplink_bpp if rows else None,
                 "mean_downlink_bpp": summary.mean_downlink_bpp if rows else None,
+                "mean_broadcast_bpp": summary.mean_broadcast_bpp,
                 **{
                     f"mean_{c}": _mean_or_none([r.get(c) for r in rows])
                     for c in metric_columns(rows)[len(METRIC_COLUMNS) :]

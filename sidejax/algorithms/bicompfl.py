@@ -268,14 +268,12 @@ class BiClientExtra(NamedTuple):
 
     Attributes:
       uplink_kl_bits: :math:`D_{KL}(q_i \\| \\hat\\theta_i)` in bits (the ideal rate of one uplink sample).
-      downlink_errors: int32 error bitmask of the downlink this client decoded (0 = well formed).
       broadcast_bits: what this client's downlink costs on a broadcast channel: the bits of the one message
         every client would hear, divided by the ``n`` clients (GR: all ``n`` relayed streams, GR-Reconst:
         the shared stream); the point-to-point length for PR, whose messages are per client.
     """
 
     uplink_kl_bits: jax.Array
-    downlink_errors: jax.Array
     broadcast_bits: jax.Array
 
 
@@ -534,8 +532,10 @@ def _gr_client_update(loss_fn, local, estimator, coder, num_samples, keys, recei
         data,
     )
     new = me._replace(theta=received.theta, coder=received.coder, message=message)
-    extra = BiClientExtra(kl, received.errors, received.broadcast_bits)
-    info = ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=valid & (received.errors == 0))
+    extra = BiClientExtra(kl, received.broadcast_bits)
+    info = ClientInfo(
+        loss=linfo.loss, finite=finite, extra=extra, valid=valid, downlink_errors=received.errors
+    )
     return new, message, info
 
 
@@ -880,8 +880,10 @@ def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, rece
         data,
     )
     new = me._replace(theta_hat=received.theta_hat)
-    extra = BiClientExtra(kl, received.errors, received.broadcast_bits)
-    info = ClientInfo(loss=linfo.loss, finite=finite, extra=extra, valid=valid & (received.errors == 0))
+    extra = BiClientExtra(kl, received.broadcast_bits)
+    info = ClientInfo(
+        loss=linfo.loss, finite=finite, extra=extra, valid=valid, downlink_errors=received.errors
+    )
     return new, message, info
 
 

@@ -82,12 +82,15 @@ class ClientInfo(NamedTuple):
       extra: algorithm-specific diagnostics (a pytree; ``()`` if none).
       valid: bool scalar, False if the coder reported an invalid input (``q`` or ``p`` not a valid
         distribution, a non-finite KL): the client's stream is then garbage.
+      downlink_errors: int32 scalar, the error bitmask of the client's decoding of its downlink (0 = well
+        formed, or a downlink that is not parsed as a stream; :func:`sidejax.coding.stream_errors`).
     """
 
     loss: jax.Array
     finite: jax.Array
     extra: PyTree = ()
     valid: jax.Array | bool = True
+    downlink_errors: jax.Array | int = 0
 
 
 class RoundState(NamedTuple):
@@ -136,6 +139,8 @@ class RoundInfo(NamedTuple):
       uplink_errors: int32 ``[clients_per_round]``: the decoder's error bitmask of each participant's
         uplink stream (0 = well formed; :func:`sidejax.coding.stream_errors` gives the reasons). A nonzero
         entry means that client's decoded sample, and everything aggregated from it, is garbage.
+      downlink_shared: bool scalar: the round's downlink was one message for every participant (a
+        broadcast: on a broadcast channel it is sent once), not one per participant.
     """
 
     round_index: jax.Array
@@ -146,6 +151,7 @@ class RoundInfo(NamedTuple):
     server: PyTree
     server_finite: jax.Array
     uplink_errors: jax.Array
+    downlink_shared: jax.Array | bool = False
 
 
 class BroadcastFn(Protocol):

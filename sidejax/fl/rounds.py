@@ -198,7 +198,10 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
             new_cstates, messages, cinfo = jax.lax.map(one_client, args, batch_size=cmap.batch_size)
         if not isinstance(cinfo, ClientInfo):
             raise TypeError("client_update must return a sidejax.fl.ClientInfo as its third output")
-        cinfo = cinfo._replace(valid=jnp.broadcast_to(jnp.asarray(cinfo.valid, bool), ids.shape))
+        cinfo = cinfo._replace(
+            valid=jnp.broadcast_to(jnp.asarray(cinfo.valid, bool), ids.shape),
+            downlink_errors=jnp.broadcast_to(jnp.asarray(cinfo.downlink_errors, jnp.int32), ids.shape),
+        )
 
         weights = counts.astype(jnp.float32)
         server, sinfo, errors = algorithm.server_update(
@@ -213,6 +216,7 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
             server=sinfo,
             server_finite=tree_all_finite(server),
             uplink_errors=jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape),
+            downlink_shared=jnp.asarray(not per_client),
         )
         new_state = RoundState(
             round_index=state.round_index + 1,
