@@ -20,7 +20,20 @@ import optax
 
 from experiments.coders import CODERS, CoderConfig
 from experiments.sections import Section, choice
-from sidejax.algorithms import LangevinSettings, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import (
+    LangevinSettings,
+    bicompfl_gr,
+    bicompfl_gr_reconst,
+    bicompfl_pr,
+    fedavg,
+    fedpm,
+    qlsd,
+    qsgd,
+    sgld,
+    signsgd,
+)
+from sidejax.algorithms.mirror import mirror_descent
+from sidejax.coding import KLMSConfig
 from sidejax.coding import Coder
 from sidejax.fl import Algorithm, LocalTraining
 
@@ -36,6 +49,10 @@ __all__ = [
     "LangevinConfig",
     "QLSDConfig",
     "SGLDConfig",
+    "BICompFLConfig",
+    "BICompFLGRConfig",
+    "BICompFLReconstConfig",
+    "BICompFLPRConfig",
     "METHODS",
     "SHORTCUTS",
     "algorithm_name",
@@ -43,10 +60,15 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
+#: the optimizers of mask scores: also App. B's mirror descent (BICompFL)
+MASK_OPTIMIZERS = (*OPTIMIZERS, "mirror")
 
 
 def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
-    """``sgd``, ``momentum`` (0.9) or ``adam``."""
+    """``sgd``, ``momentum`` (0.9), ``adam``, or (mask scores only) ``mirror``: plain SGD in logit space on
+    the gradient w.r.t. the keep-probabilities (:func:`sidejax.algorithms.mirror.mirror_descent`)."""
+    if name == "mirror":
+        return mirror_descent(lr)
     if name == "sgd":
         return optax.sgd(lr)
     if name == "momentum":
@@ -375,9 +397,163 @@ class SGLDConfig(LangevinConfig):
         return sgld(loss_fn, coder=coder, **self._langevin(num_clients, clients_per_round))
 
 
+# BICompFL's uplink as the spec's CPU profile: Fixed blocks of 128 with 16 candidates, 1/32 bit per parameter
+_BICOMPFL_FIXED = {"adaptive": False, "block_size": 128, "log2_num_candidates": 4}
+
+
+@dataclass(frozen=True)
+class BICompFLConfig(LocalTrainingConfig):
+    """Base of the BICompFL methods (:mod:`sidejax.algorithms.bicompfl`): FedPM mask training (Adam 0.1 on the
+    scores, 3 local epochs of batch 128 [P]; ``mirror`` for App. B's mirror descent) and ``n_UL`` uplink
+    samples coded with ``[coder]`` (``klms``: Fixed or Adaptive blocks; ``klms_avg``: Adaptive-Avg)
+    against the receiver's prior.
+
+    Attributes:
+      estimator: the mask gradient, fedpm (FedPM's rule) or ste.
+      num_uplink_samples: n_UL, IS samples per client per round.
+    """
+
+    coders: ClassVar[tuple[str, ...]] = ("klms", "klms_avg")
+    default_coder: ClassVar[str] = "klms"
+    coder_defaults: ClassVar = {"klms": _BICOMPFL_FIXED}
+
+    local_epochs: int | None = 3
+    batch_size: int = 128
+    client_optimizer: str = choice("adam", MASK_OPTIMIZERS)
+    client_lr: float = 0.1
+    estimator: str = choice("fedpm", ("fedpm", "ste"))
+    num_uplink_samples: int = 1
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.num_uplink_samples >= 1, "num_uplink_samples", "must be >= 1")
+
+    def _common(self) -> dict[str, Any]:
+        local = self._local(0)["local"]
+        return dict(local=local, estimator=self.estimator, num_uplink_samples=self.num_uplink_samples)
+
+    def _full(self, num_clients: int, clients_per_round: int) -> None:
+        if clients_per_round != num_clients:
+            raise ValueError(
+                f"{self.label()}: {self.name} needs every client in every round (the paper: partial "
+                f"participation is incompatible with it); got {clients_per_round} of {num_clients} clients "
+                "per round: set data.participation = 1.0"
+            )
+
+
+@dataclass(frozen=True)
+class BICompFLGRConfig(BICompFLConfig):
+    """BICompFL-GR (:func:`sidejax.algorithms.bicompfl_gr`): global shared randomness; the federator relays
+    the clients' uplink streams and every client rebuilds the global model (Fixed, Adaptive, Adaptive-Avg
+    by the coder)."""
+
+    name: ClassVar[str] = "bicompfl_gr"
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        self._full(num_clients, clients_per_round)
+        return bicompfl_gr(loss_fn, num_clients=num_clients, coder=coder, **self._common())
+
+
+@dataclass(frozen=True)
+class _DownlinkConfig(BICompFLConfig):
+    """Base of the variants with an importance-sampled downlink (Fixed blocks).
+
+    Attributes:
+      downlink_block_size: b of the downlink's fixed blocks.
+      downlink_num_candidates: n_IS of the downlink (a power of two).
+      num_downlink_samples: n_DL (unset: n * n_UL, the paper's choice).
+    """
+
+    downlink_block_size: int = 128
+    downlink_num_candidates: int = 16
+    num_downlink_samples: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        k = self.downlink_num_candidates
+        self.require(
+            isinstance(k, int) and k >= 1 and k & (k - 1) == 0,
+            "downlink_num_candidates",
+            "must be a power of two (n_IS = 2^(bits per block index))",
+        )
+        self.require(self.downlink_block_size >= 1, "downlink_block_size", "must be >= 1")
+        self.require(
+            self.num_downlink_samples is None or self.num_downlink_samples >= 1, "num_downlink_samples", "must be >= 1"
+        )
+
+    def downlink(self) -> KLMSConfig:
+        """The downlink's Fixed-KLMS settings."""
+        return KLMSConfig(
+            log2_num_candidates=self.downlink_num_candidates.bit_length() - 1,
+            adaptive=False,
+            block_size=self.downlink_block_size,
+        )
+
+
+@dataclass(frozen=True)
+class BICompFLReconstConfig(_DownlinkConfig):
+    """BICompFL-GR-Reconst-Fixed (:func:`sidejax.algorithms.bicompfl_gr_reconst`): the federator
+    reconstructs the model and broadcasts n_DL importance samples of it."""
+
+    name: ClassVar[str] = "bicompfl_gr_reconst"
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        self._full(num_clients, clients_per_round)
+        return bicompfl_gr_reconst(
+            loss_fn,
+            num_clients=num_clients,
+            coder=coder,
+            downlink=self.downlink(),
+            num_downlink_samples=self.num_downlink_samples,
+            **self._common(),
+        )
+
+
+@dataclass(frozen=True)
+class BICompFLPRConfig(_DownlinkConfig):
+    """BICompFL-PR and PR-Fixed-SplitDL (:func:`sidejax.algorithms.bicompfl_pr`): private shared randomness;
+    per-client importance-sampled downlinks.
+
+    Attributes:
+      split_downlink: PR-Fixed-SplitDL: each client refreshes one rotating group of blocks per round.
+    """
+
+    name: ClassVar[str] = "bicompfl_pr"
+    split_downlink: bool = False
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return bicompfl_pr(
+            loss_fn,
+            num_clients=num_clients,
+            clients_per_round=clients_per_round,
+            coder=coder,
+            downlink=self.downlink(),
+            num_downlink_samples=self.num_downlink_samples,
+            split_downlink=self.split_downlink,
+            **self._common(),
+        )
+
+
 #: the method configs by ``[method] name``
 METHODS: dict[str, type[MethodConfig]] = {
-    m.name: m for m in (FedAvgConfig, FedPMConfig, QSGDConfig, SignSGDConfig, QLSDConfig, SGLDConfig)
+    m.name: m
+    for m in (
+        FedAvgConfig,
+        FedPMConfig,
+        QSGDConfig,
+        SignSGDConfig,
+        QLSDConfig,
+        SGLDConfig,
+        BICompFLGRConfig,
+        BICompFLReconstConfig,
+        BICompFLPRConfig,
+    )
 }
 
 #: the algorithm names of the results tables and plots: (method, coder) pairs
