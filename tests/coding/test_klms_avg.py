@@ -103,6 +103,30 @@ def test_streaming_encoder_chooses_the_oracles_indices_for_every_block_size():
         assert not np.asarray(indices)[M:].any() and int(fallback) == 0
 
 
+def _cond_branch_counts(jaxpr) -> list[int]:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(len(eqn.params["branches"]))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if hasattr(sub, "jaxpr"):
+                    out += _cond_branch_counts(sub.jaxpr)
+    return out
+
+
+def test_under_vmap_over_clients_only_the_row_bucket_of_the_shared_size_runs():
+    """The block size is part of the state every client shares, so vmapping the encoder over clients keeps
+    the row buckets a lax.switch (one branch runs), not a select over all of them."""
+    state = klms_avg_init(D, CFG)
+    keys = jax.vmap(lambda i: client_keys(round_key(jax.random.key(0), 0), i))(jnp.arange(3))
+    probs = jnp.stack([Q.probs] * 3)
+    batched = jax.make_jaxpr(jax.vmap(lambda k, q: klms_avg_encode(k, Bernoulli(q), P, state, CFG)))(
+        keys, probs
+    )
+    assert _cond_branch_counts(batched.jaxpr) == [len(row_buckets(48, 64))] == [3]
+
+
 def test_a_block_without_support_falls_back_to_a_uniform_index_and_is_counted():
     """q puts mass 1 on 1 where p is 1e-6 on the first block of 3: its candidates are all 0 with
     overwhelming probability, so every one has q = 0 and the index comes from the private uniform alone."""
