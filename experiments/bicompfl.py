@@ -5,7 +5,8 @@ Examples::
     # the reduced CPU setting (Fashion-MNIST, LeNet5, 10 iid clients): run every method, then tabulate
     python -m experiments.bicompfl table results/bicompfl_fmnist --setting fmnist_lenet5_cpu
     # the same with fewer rounds (a quick look), or only some methods
-    python -m experiments.bicompfl table results/quick --setting fmnist_lenet5_cpu --rounds 5 --only gr_fixed fedavg
+    python -m experiments.bicompfl table results/quick --setting fmnist_lenet5_cpu --rounds 5 \
+        --only gr_fixed fedavg
     # just tabulate the run folders under a directory
     python -m experiments.bicompfl table results/bicompfl_fmnist
     # rewrite the shipped presets from the definitions below (a test checks they are up to date)
@@ -51,7 +52,12 @@ __all__ = ["SETTINGS", "VARIANTS", "suite_config", "preset_name", "write_presets
 # --------------------------------------------------------------------------------------------------
 # settings: dataset, model, federation, rounds (spec §4.1)
 
-_PAPER_RUN = {"run.rounds": 200, "run.eval_every": 5, "run.eval_batch_size": 2000, "run.client_strategy": "auto"}
+_PAPER_RUN = {
+    "run.rounds": 200,
+    "run.eval_every": 5,
+    "run.eval_batch_size": 2000,
+    "run.client_strategy": "auto",
+}
 _IID = {"data.num_clients": 10, "data.participation": 1.0, "data.partition": "iid"}
 _DIR = {"data.num_clients": 10, "data.participation": 1.0, "data.partition": "dirichlet", "data.alpha": 0.1}
 
@@ -190,7 +196,7 @@ def preset_name(setting: str, variant: str) -> str:
 
 
 def suite_config(setting: str, variant: str) -> ExperimentConfig:
-    """The configuration of ``variant`` in ``setting`` (what preset ``bicompfl_<setting>_<variant>`` holds)."""
+    """The configuration of ``variant`` in ``setting`` (preset ``bicompfl_<setting>_<variant>``)."""
     if setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; settings: {', '.join(SETTINGS)}")
     if variant not in VARIANTS:
@@ -200,7 +206,9 @@ def suite_config(setting: str, variant: str) -> ExperimentConfig:
     values = dict(values)
     if not algorithm.startswith("bicompfl") and "method.local_epochs" not in values:
         values["method.local_epochs"] = 3  # every method: L = 3 local epochs [P]
-    return default_config(algorithm).override({**values, **extra(b, log2k)}, source=preset_name(setting, variant))
+    return default_config(algorithm).override(
+        {**values, **extra(b, log2k)}, source=preset_name(setting, variant)
+    )
 
 
 def write_presets(directory: Path = PRESET_DIR) -> list[Path]:
@@ -254,7 +262,15 @@ def collect(directory: Path) -> list[dict[str, Any]]:
         config = json.loads((sub / "config.json").read_text())
         rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
         summary = json.loads((sub / "summary.json").read_text())
-        runs.append({"name": sub.name, "label": variant_label(config), "config": config, "summary": summary, "rows": rows})
+        runs.append(
+            {
+                "name": sub.name,
+                "label": variant_label(config),
+                "config": config,
+                "summary": summary,
+                "rows": rows,
+            }
+        )
     runs.sort(key=lambda r: (_ORDER.index(r["label"]) if r["label"] in _ORDER else len(_ORDER), r["name"]))
     return runs
 
@@ -273,7 +289,9 @@ def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             {
                 "method": r["label"],
                 "acc (%)": f(None if s.get("best_accuracy") is None else 100 * s["best_accuracy"], ".2f"),
-                "last-5 acc (%)": f(None if s.get("tail_accuracy") is None else 100 * s["tail_accuracy"], ".2f"),
+                "last-5 acc (%)": f(
+                    None if s.get("tail_accuracy") is None else 100 * s["tail_accuracy"], ".2f"
+                ),
                 "bpp": f(None if up is None else up + down, ".4g"),
                 "bpp (BC)": f(_mean(rows, "broadcast_bpp"), ".4g"),
                 "uplink": f(up, ".4g"),
@@ -320,7 +338,9 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
     return path
 
 
-def _run_setting(directory: Path, setting: str, variants: list[str], rounds: int | None, force: bool, argv) -> int:
+def _run_setting(
+    directory: Path, setting: str, variants: list[str], rounds: int | None, force: bool, argv
+) -> int:
     from experiments.checkpoint import checkpoint_exists
     from experiments.driver import is_run_folder, run_experiment
 
@@ -340,7 +360,8 @@ def _run_setting(directory: Path, setting: str, variants: list[str], rounds: int
         except KeyboardInterrupt:
             given = [a for a in argv if a != "--force"]
             print(
-                f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished runs):\n"
+                f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
+                "runs):\n"
                 f"    python -m experiments.bicompfl {shlex.join(given)}",
                 file=sys.stderr,
             )
@@ -350,15 +371,25 @@ def _run_setting(directory: Path, setting: str, variants: list[str], rounds: int
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m experiments.bicompfl", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bicompfl", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_table = sub.add_parser("table", help="run a setting's presets (optional) and write the table and plot")
     p_table.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
     p_table.add_argument("--setting", choices=list(SETTINGS), help="run this setting's presets first")
-    p_table.add_argument("--only", nargs="*", choices=list(VARIANTS), help="only these variants (default: all)")
+    p_table.add_argument(
+        "--only", nargs="*", choices=list(VARIANTS), help="only these variants (default: all)"
+    )
     p_table.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
-    p_table.add_argument("--force", action="store_true", help="re-run from scratch (default: skip finished, resume interrupted)")
-    sub.add_parser("presets", help="rewrite experiments/presets/bicompfl_*.toml from this module's definitions")
+    p_table.add_argument(
+        "--force",
+        action="store_true",
+        help="re-run from scratch (default: skip finished, resume interrupted)",
+    )
+    sub.add_parser(
+        "presets", help="rewrite experiments/presets/bicompfl_*.toml from this module's definitions"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "presets":
@@ -369,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --rounds must be >= 1", file=sys.stderr)
         return 2
     if args.setting:
-        code = _run_setting(args.directory, args.setting, args.only or list(VARIANTS), args.rounds, args.force, argv)
+        code = _run_setting(
+            args.directory, args.setting, args.only or list(VARIANTS), args.rounds, args.force, argv
+        )
         if code:
             return code
     if not args.directory.is_dir():
@@ -377,7 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = collect(args.directory)
     if not runs:
-        print(f"error: no finished run folders (summary.json and config.json) in {args.directory}", file=sys.stderr)
+        print(
+            f"error: no finished run folders (summary.json and config.json) in {args.directory}",
+            file=sys.stderr,
+        )
         return 2
     rows = table_rows(runs)
     md = markdown(rows)
@@ -387,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     data = runs[0]["config"]["data"]
-    figure = plot(runs, args.directory / "accuracy_vs_total_bpp.png", title=f"{data['dataset']} / {data['model']}")
+    figure = plot(
+        runs, args.directory / "accuracy_vs_total_bpp.png", title=f"{data['dataset']} / {data['model']}"
+    )
     print(md)
     print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}, {figure}")
     return 0

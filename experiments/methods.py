@@ -33,8 +33,7 @@ from sidejax.algorithms import (
     signsgd,
 )
 from sidejax.algorithms.mirror import mirror_descent
-from sidejax.coding import KLMSConfig
-from sidejax.coding import Coder
+from sidejax.coding import Coder, KLMSConfig
 from sidejax.fl import Algorithm, LocalTraining
 
 __all__ = [
@@ -480,7 +479,9 @@ class _DownlinkConfig(BICompFLConfig):
         )
         self.require(self.downlink_block_size >= 1, "downlink_block_size", "must be >= 1")
         self.require(
-            self.num_downlink_samples is None or self.num_downlink_samples >= 1, "num_downlink_samples", "must be >= 1"
+            self.num_downlink_samples is None or self.num_downlink_samples >= 1,
+            "num_downlink_samples",
+            "must be >= 1",
         )
 
     def downlink(self) -> KLMSConfig:

@@ -1,7 +1,8 @@
 """Coders: every message a client or the server sends is built here, with its real length in bits.
 
 The contract is :class:`Coder` (:mod:`sidejax.coding.base`): transmit one sample of ``q`` using side
-information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation),
+information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation, Fixed and
+Adaptive blocks), :func:`klms_avg_coder` (BICompFL's Adaptive-Avg: equal blocks of one adaptive size),
 :func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
 baselines), and the combinator :func:`with_side_info`. :mod:`sidejax.coding.importance_law` holds the exact
 law of the importance-sampled Bernoulli (block size 1) and BICompFL's bounds on its bias.
@@ -80,6 +81,23 @@ from sidejax.coding.klms import (
     klms_receive,
     klms_server_update,
     prior_fingerprint,
+)
+from sidejax.coding.klms_avg import (
+    KLMSAvgClientInfo,
+    KLMSAvgConfig,
+    KLMSAvgDecoded,
+    KLMSAvgServerInfo,
+    KLMSAvgState,
+    equal_blocks,
+    equal_blocks_encode,
+    klms_avg_coder,
+    klms_avg_decode,
+    klms_avg_downlink,
+    klms_avg_encode,
+    klms_avg_frame,
+    klms_avg_init,
+    klms_avg_receive,
+    klms_avg_server_update,
 )
 from sidejax.coding.lossless import (
     elias_levels_decode,
@@ -162,6 +180,21 @@ __all__ = [
     "klms_init",
     "klms_receive",
     "klms_server_update",
+    "KLMSAvgClientInfo",
+    "KLMSAvgConfig",
+    "KLMSAvgDecoded",
+    "KLMSAvgServerInfo",
+    "KLMSAvgState",
+    "equal_blocks",
+    "equal_blocks_encode",
+    "klms_avg_coder",
+    "klms_avg_decode",
+    "klms_avg_downlink",
+    "klms_avg_encode",
+    "klms_avg_frame",
+    "klms_avg_init",
+    "klms_avg_receive",
+    "klms_avg_server_update",
     "SampleInfo",
     "elias_coder",
     "fixed_width_coder",

@@ -25,16 +25,19 @@ from helpers import tree_equal
 
 from sidejax.blocks import block_sizes
 from sidejax.coding import (
+    KLMSAvgConfig,
     KLMSConfig,
     elias_coder,
+    equal_blocks,
     fixed_width_coder,
     float32_coder,
+    klms_avg_coder,
     klms_coder,
     mask_coder,
     sent_words,
     with_side_info,
 )
-from sidejax.coding.importance import encode_bounded, importance_decode
+from sidejax.coding.importance import candidate_uniforms, candidates, encode_bounded, importance_decode
 from sidejax.distributions import Bernoulli, DiagGaussian, PointMass, Sign, StochasticLevels, Ternary
 from sidejax.keys import client_keys, round_key
 
@@ -132,6 +135,25 @@ def _klms_oracle(config):
     return oracle
 
 
+def _klms_avg_oracle(config):
+    def oracle(keys, q, p, state):
+        # what the encoder chose, without streaming: every [K, dim] candidate, the blocks' log-weights by one
+        # segment sum, and each block's index by inversion with its private uniform (uniform if q = 0 on all)
+        k = config.log2_num_candidates
+        y = candidates(keys.shared, p, k)
+        ids = jnp.arange(DIM) // state.block_size
+        logw = jax.ops.segment_sum((q.log_prob(y) - p.log_prob(y)).T, ids, num_segments=DIM)
+        m = jnp.arange(DIM)
+        u = candidate_uniforms(keys.private, m, jnp.zeros_like(m))
+        top = jnp.max(logw, axis=1, keepdims=True)
+        dead = top == -jnp.inf
+        cdf = jnp.cumsum(jnp.exp(jnp.where(dead, 0.0, logw - jnp.where(dead, 0.0, top))), axis=1)
+        indices = jnp.minimum(jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=1), 2**k - 1)
+        return importance_decode(keys.shared, p, equal_blocks(DIM, state.block_size), indices)
+
+    return oracle
+
+
 def _side_oracle(inner):
     def oracle(keys, q, p, state):
         inner_q, side = q
@@ -143,6 +165,11 @@ def _side_oracle(inner):
 _ADAPTIVE = KLMSConfig(log2_num_candidates=3, max_block_size=16, block_size=4)
 _FIXED = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=5)
 _CRC = KLMSConfig(log2_num_candidates=2, max_block_size=8, crc32=True)
+_AVG = KLMSAvgConfig(log2_num_candidates=3, block_size=2, max_block_size=16)
+# starts with an update round (the stream carries a proposal); blocks of 8 across chunks of 16 coordinates
+_AVG_UPDATE = KLMSAvgConfig(
+    log2_num_candidates=4, block_size=8, max_block_size=32, initial_update=True, chunk_size=16, crc32=True
+)
 
 # (id, coder, make(seed) -> (q, p), oracle)
 CASES = [
@@ -153,6 +180,8 @@ CASES = [
     ("klms-adaptive-bernoulli", klms_coder(_ADAPTIVE), _bernoulli, _klms_oracle(_ADAPTIVE)),
     ("klms-fixed-gaussian", klms_coder(_FIXED), _gauss, _klms_oracle(_FIXED)),
     ("klms-crc-signs", klms_coder(_CRC), _signs, _klms_oracle(_CRC)),
+    ("klms-avg-bernoulli", klms_avg_coder(_AVG), _bernoulli, _klms_avg_oracle(_AVG)),
+    ("klms-avg-update-crc-gaussian", klms_avg_coder(_AVG_UPDATE), _gauss, _klms_avg_oracle(_AVG_UPDATE)),
     (
         "elias+side",
         with_side_info(elias_coder(3), NUM_SIDE),
@@ -255,7 +284,11 @@ def test_protocol_state_round_trips_through_the_downlink(case):
     # The receivers know the protocol's flags but hold the partition of the round before: whatever is new
     # must come from the message.
     for _ in range(2):
-        known = new_state._replace(blocks=state.blocks) if hasattr(state, "blocks") else new_state
+        known = new_state
+        if hasattr(state, "blocks"):  # KLMS: the partition
+            known = new_state._replace(blocks=state.blocks)
+        elif hasattr(state, "block_size"):  # KLMS-Avg: the block size
+            known = new_state._replace(block_size=state.block_size)
         received = coder.receive(known, coder.downlink(new_state))
         assert tree_equal(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, new_state))
         state = new_state
