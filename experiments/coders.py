@@ -4,7 +4,8 @@
 - ``float32``: the uncompressed value, 32 bits per coordinate (:func:`sidejax.coding.float32_coder`);
 - ``signs``: one bit per sign (:func:`sidejax.coding.fixed_width_coder` over ``(-1, 1)``);
 - ``elias``: QSGD's Elias code of the levels (:func:`sidejax.coding.elias_coder`, ``s`` from the method);
-- ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`).
+- ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`);
+- ``klms_avg``: KLMS with BICompFL's Adaptive-Avg allocation (:func:`sidejax.coding.klms_avg_coder`).
 
 Which coders a method accepts is the method's choice (:attr:`experiments.methods.MethodConfig.coders`).
 """
@@ -17,10 +18,12 @@ from typing import TYPE_CHECKING, ClassVar
 from experiments.sections import Section, choice
 from sidejax.coding import (
     Coder,
+    KLMSAvgConfig,
     KLMSConfig,
     elias_coder,
     fixed_width_coder,
     float32_coder,
+    klms_avg_coder,
     klms_coder,
     mask_coder,
 )
@@ -36,6 +39,7 @@ __all__ = [
     "SignsCoderConfig",
     "EliasCoderConfig",
     "MaskCoderConfig",
+    "KLMSAvgCoderConfig",
     "CODERS",
 ]
 
@@ -152,8 +156,48 @@ class MaskCoderConfig(CoderConfig):
         return mask_coder()
 
 
+@dataclass(frozen=True)
+class KLMSAvgCoderConfig(CoderConfig):
+    """KLMS with BICompFL's Adaptive-Avg allocation (:class:`sidejax.coding.KLMSAvgConfig`): equal blocks of
+    one adaptive size, K* bits per block.
+
+    Attributes:
+      log2_num_candidates: K* = log2 n_IS, bits per block and the target KL per block.
+      block_size: the initial block size b_0.
+      max_block_size: b_max, a power of two (a size travels in log2 b_max bits).
+      trigger_factor: f > 1: a client requests an update when its mean block KL / K* leaves [1/f, f].
+      crc32: append a CRC-32 of (shared key data, prior fingerprint, stream) to every message (+32 bits).
+    """
+
+    name: ClassVar[str] = "klms_avg"
+    log2_num_candidates: int = 8
+    block_size: int = 256
+    max_block_size: int = 2048
+    trigger_factor: float = 3.0
+    crc32: bool = False
+
+    def check(self) -> None:
+        try:
+            self.config()
+        except ValueError as e:
+            raise ValueError(f"{self.label()}: {e}") from None
+
+    def config(self) -> KLMSAvgConfig:
+        return KLMSAvgConfig(**{name: getattr(self, name) for name in self.field_names()})
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return klms_avg_coder(self.config())
+
+
 #: the coder configs by ``[coder] name``
 CODERS: dict[str, type[CoderConfig]] = {
     c.name: c
-    for c in (KLMSCoderConfig, Float32CoderConfig, SignsCoderConfig, EliasCoderConfig, MaskCoderConfig)
+    for c in (
+        KLMSCoderConfig,
+        Float32CoderConfig,
+        SignsCoderConfig,
+        EliasCoderConfig,
+        MaskCoderConfig,
+        KLMSAvgCoderConfig,
+    )
 }

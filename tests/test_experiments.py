@@ -773,8 +773,10 @@ def test_every_preset_builds_the_run_it_built_before_the_sectioned_config(monkey
     from pathlib import Path
 
     want = json.loads((Path(__file__).parent / "data" / "preset_equivalence.json").read_text())
-    assert sorted(want) == list_presets()
-    for name in list_presets():
+    # every preset of that time still exists (presets added since, e.g. bicompfl_*, are held to their
+    # generator by tests/test_bicompfl_experiments.py)
+    assert set(want) <= set(list_presets())
+    for name in sorted(want):
         assert _effective_run(load_preset(name), monkeypatch) == want[name], name
     # the check sees a change: one KLMS field
     changed = load_preset("demo_digits_fedpm_klms").override({"coder.overhead_bits": 1.0})
