@@ -65,6 +65,27 @@ def test_labels_name_the_papers_rows():
         assert variant_label(json.loads(json.dumps(cfg.to_dict()))) == label, variant
 
 
+def test_mirror_descent_is_a_mask_optimizer():
+    """App. B's reading (plain SGD in logit space on the gradient w.r.t. theta) is a config choice for the
+    mask methods: the local optimizer is sidejax.algorithms.mirror.mirror_descent."""
+    import jax.numpy as jnp
+    import optax
+
+    from experiments.algorithms import build_algorithm
+    from sidejax.algorithms.mirror import kl_prox_step
+
+    cfg = default_config("bicompfl_gr+klms", **{"method.client_optimizer": "mirror", "method.client_lr": 0.5})
+    algo = build_algorithm(cfg, lambda *a: 0.0)
+    assert algo.clients_per_round == cfg.data.num_clients
+    opt = cfg.method._local(0)["local"].optimizer
+    s = jnp.array([-1.0, 0.3, 2.0])
+    g_theta = jnp.array([0.2, -0.4, 0.1])
+    theta = 1 / (1 + jnp.exp(-s))
+    updates, _ = opt.update(g_theta * theta * (1 - theta), opt.init(s), s)  # grads w.r.t. the scores
+    got = 1 / (1 + jnp.exp(-optax.apply_updates(s, updates)))
+    assert jnp.allclose(got, kl_prox_step(theta, g_theta, 0.5), rtol=1e-5)
+
+
 def test_bad_settings_say_what_to_do():
     with pytest.raises(ValueError, match="downlink_num_candidates must be a power of two"):
         default_config("bicompfl_pr+klms", **{"method.downlink_num_candidates": 100})
