@@ -157,6 +157,9 @@ VARIANTS: dict[str, tuple[str, str, Any]] = {
         "fedavg",
         lambda b, k: {**_DENSE, "method.server_optimizer": "sgd", "method.server_lr": 0.1},
     ),
+    # the same local training with plain averaging (server step 1): FedAvg as most readers know it, beside
+    # the paper's server lr 0.1, which makes it slow at a small number of rounds
+    "fedavg_avg": ("FedAvg (server lr 1)", "fedavg", lambda b, k: {**_DENSE}),
     "doublesqueeze": ("DoubleSqueeze", "doublesqueeze", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
     "memsgd": ("MemSGD", "memsgd", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
     "neolithic": ("Neolithic", "neolithic", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
@@ -238,6 +241,8 @@ def variant_label(config: dict[str, Any]) -> str:
     if method == "bicompfl_pr":
         name = "PR-" + ("Adaptive" if config["coder"].get("adaptive") else "Fixed")
         return name + ("-SplitDL" if config["method"].get("split_downlink") else "")
+    if method == "fedavg":
+        return "FedAvg" if config["method"].get("server_optimizer", "none") != "none" else "FedAvg (server lr 1)"
     for label, algorithm, _ in VARIANTS.values():
         if algorithm == method:
             return label
