@@ -3,6 +3,7 @@
 The contract is :class:`Coder` (:mod:`sidejax.coding.base`): transmit one sample of ``q`` using side
 information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation),
 :func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
+baselines), :func:`scaled_sign_coder` (the deterministic scaled-sign compressor of the error-feedback
 baselines), and the combinator :func:`with_side_info`.
 """
 
@@ -45,6 +46,7 @@ from sidejax.coding.bitstream import (
     unpack_fixed,
     write_codewords,
 )
+from sidejax.coding.compress import ScaledSignInfo, scaled_sign, scaled_sign_bits, scaled_sign_coder
 from sidejax.coding.importance import (
     ImportanceInfo,
     candidate_uniforms,
@@ -123,6 +125,10 @@ __all__ = [
     "sent_words",
     "trim_payload",
     "unpack_fixed",
+    "ScaledSignInfo",
+    "scaled_sign",
+    "scaled_sign_bits",
+    "scaled_sign_coder",
     "ImportanceInfo",
     "candidate_uniforms",
     "candidate_values",
