@@ -5,9 +5,21 @@
 - :func:`qsgd`: QSGD (Elias stream) and QSGD-KLMS.
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
 - :func:`qlsd`, :func:`sgld`: Bayesian FL with Langevin dynamics (QLSD; SGLD-KLMS).
+- :func:`memsgd`, :func:`doublesqueeze`, :func:`neolithic`, :func:`cser`: the non-stochastic
+  bi-directionally compressed baselines (error feedback, scaled-sign compressor).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 """
 
+from sidejax.algorithms.compressed import (
+    CompressedClientState,
+    CompressedServerInfo,
+    CompressedState,
+    ErrorFeedbackMethod,
+    cser,
+    doublesqueeze,
+    memsgd,
+    neolithic,
+)
 from sidejax.algorithms.dense import (
     DenseClientExtra,
     DenseMethod,
@@ -43,6 +55,14 @@ from sidejax.algorithms.qsgd import (
 from sidejax.algorithms.signsgd import sign_law, signsgd, stochastic_sign_probs
 
 __all__ = [
+    "CompressedClientState",
+    "CompressedServerInfo",
+    "CompressedState",
+    "ErrorFeedbackMethod",
+    "cser",
+    "doublesqueeze",
+    "memsgd",
+    "neolithic",
     "DenseClientExtra",
     "DenseMethod",
     "DenseServerInfo",
