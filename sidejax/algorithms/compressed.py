@@ -202,6 +202,12 @@ def _probe_keys(seed: int) -> ClientKeys:
     return ClientKeys(key, key)
 
 
+def _run_now(fn, *args):
+    """``fn(*args)`` compiled and run now, also while a caller is being traced (an AOT-compiled program runs
+    on concrete arguments; ``ensure_compile_time_eval`` would run it op by op, ~5x slower)."""
+    return jax.jit(fn).lower(*args).compile()(*args)
+
+
 def _encode_probe(coder: Coder, seed: int, v: jax.Array) -> Message:
     p = PointMass(jnp.zeros(v.shape[0], jnp.float32))
     message, _ = coder.encode(_probe_keys(seed), PointMass(v), p, coder.init(v.shape[0]))
@@ -209,21 +215,32 @@ def _encode_probe(coder: Coder, seed: int, v: jax.Array) -> Message:
 
 
 @functools.cache
+def _zero_message(coder: Coder, dim: int) -> tuple[np.ndarray, int, bool]:
+    """The coder's message for the zero vector of ``dim`` coordinates (one compiled call, also while the
+    caller is traced): its words, its length, and whether it is all zero bits and decodes to zero."""
+
+    def probe(zeros):  # an argument, not a constant: XLA would constant-fold the whole coder, slowly
+        message = _encode_probe(coder, 0, zeros)
+        decoded, _ = coder.decode(_probe_keys(0).shared, PointMass(zeros), coder.init(dim), message)
+        return message.payload, message.num_bits, jnp.all(decoded == 0)
+
+    words, bits, decodes_to_zero = _run_now(probe, np.zeros(dim, np.float32))
+    words = np.asarray(words)
+    return words, int(bits), bool(decodes_to_zero) and not words.any()
+
+
 def message_bits(coder: Coder, dim: int) -> int:
     """The (static) length of one message of ``coder`` for a vector of ``dim`` coordinates, measured from
-    the stream it writes for the zero vector (one compiled call, also at trace time; a compressor's length
-    depends only on ``dim``, :func:`check_compressor`). The scaled-sign coder: ``32 + dim``; float32:
-    ``32 dim``."""
-    with jax.ensure_compile_time_eval():
-        bits = jax.jit(lambda: _encode_probe(coder, 0, jnp.zeros(dim, jnp.float32)).num_bits)()
-    return int(bits)
+    the stream it writes for the zero vector (a compressor's length depends only on ``dim``,
+    :func:`check_compressor`). The scaled-sign coder: ``32 + dim``; float32: ``32 dim``."""
+    return _zero_message(coder, dim)[1]
 
 
 @functools.cache
 def _probe(coder: Coder) -> str | None:
     dim = 41
     rng = np.random.default_rng(0)
-    a, b = (jnp.asarray(rng.standard_normal(dim), jnp.float32) for _ in range(2))
+    a, b = (rng.standard_normal(dim).astype(np.float32) for _ in range(2))
 
     def run(a, b):
         p = PointMass(jnp.zeros(dim, jnp.float32))
@@ -233,8 +250,7 @@ def _probe(coder: Coder) -> str | None:
         same = jnp.all(m1.payload == m2.payload) & (m1.num_bits == m2.num_bits) & jnp.all(x1 == x2)
         return same, m1.num_bits == m3.num_bits
 
-    with jax.ensure_compile_time_eval():
-        same, fixed = jax.jit(run)(a, b)
+    same, fixed = _run_now(run, a, b)
     if not bool(same):
         return "its messages depend on the keys (a deterministic compressor is needed)"
     if not bool(fixed):
@@ -301,6 +317,8 @@ def _split(message: Message, rounds: int, bits: int) -> tuple[Message, jax.Array
     words = jnp.asarray(message.payload, jnp.uint32)
     sent = words.shape[0]
     words, ok = mask_to_length(_fit(words, sent_words(rounds * bits)), message.num_bits, num_sent_words=sent)
+    if rounds == 1:
+        return Message(words[None], jnp.full((1,), bits, jnp.float32)), ok
     padded = jnp.pad(words, (0, part_words + 1))
     offsets = jnp.arange(rounds, dtype=jnp.int32) * bits
     payload = jax.vmap(lambda off: unpack_fixed(padded, part_words, 32, bit_offset=off))(offsets)
@@ -360,6 +378,21 @@ def _server_keys(key) -> ClientKeys:
     return ClientKeys(key, key)
 
 
+def _initial_downlink(coder: Coder, key, dim: int, rounds: int) -> tuple[Message, jax.Array]:
+    """:math:`C_R(0)` and the server memory :math:`0 - C_R(0)`. When the coder's message of the zero vector is
+    all zero bits and decodes to zero (the scaled sign: scale 0, signs +; float32), every part is that
+    message and the stream is ``rounds * bits`` zero bits, so no program is compiled for it."""
+    words, bits, zero = _zero_message(coder, dim)
+    if zero:
+        payload = jnp.zeros(sent_words(rounds * bits), jnp.uint32)
+        return Message(payload, jnp.float32(rounds * bits)), jnp.zeros(dim, jnp.float32)
+    zeros = jnp.zeros(dim, jnp.float32)
+    message, c, _ = jax.jit(compress, static_argnames=("coder", "rounds"))(
+        coder, _server_keys(key), zeros, rounds
+    )
+    return message, zeros - c
+
+
 def compressed_init(method: ErrorFeedbackMethod, key, params: Params, num_clients: int) -> RoundState:
     """The initial state: the model; zero error memories; with a compressed downlink, every client's copy of
     the initial model (not sent, spec §8 #17), a zero server memory and the first broadcast,
@@ -378,10 +411,8 @@ def compressed_init(method: ErrorFeedbackMethod, key, params: Params, num_client
     dim = flat.shape[0]
     errors = jnp.zeros((num_clients, dim), jnp.float32)
     if method.downlink_rounds:
-        zeros = jnp.zeros(dim, jnp.float32)
-        compressed = jax.jit(compress, static_argnames=("coder", "rounds"))  # one program, not op by op
-        message, _, _ = compressed(method.coder, _server_keys(key), zeros, method.downlink_rounds)
-        server = CompressedState(params, zeros, message, jnp.int32(0))
+        message, residual = _initial_downlink(method.coder, key, dim, method.downlink_rounds)
+        server = CompressedState(params, residual, message, jnp.int32(0))
         clients = CompressedClientState(jnp.broadcast_to(flat, (num_clients, dim)), errors)
     else:
         server = CompressedState(params, EmptyState(), EmptyState(), jnp.int32(0))
@@ -535,11 +566,14 @@ def _count(value, name: str, minimum: int) -> int:
     return int(value)
 
 
+_SCALED_SIGN = scaled_sign_coder()  # one instance: its probe and message lengths are computed once
+
+
 def _method(name: str, coder, server_lr, clients_per_round, **fields) -> ErrorFeedbackMethod:
-    coder = check_compressor(scaled_sign_coder() if coder is None else coder)
     if isinstance(server_lr, bool) or not isinstance(server_lr, numbers.Real) or not server_lr > 0:
         raise ValueError(f"server_lr must be a number > 0, got {server_lr!r}")
     clients_per_round = _count(clients_per_round, "clients_per_round", 1)
+    coder = check_compressor(_SCALED_SIGN if coder is None else coder)
     return ErrorFeedbackMethod(name, coder, float(server_lr), clients_per_round, **fields)
 
 
