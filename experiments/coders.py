@@ -4,7 +4,9 @@
 - ``float32``: the uncompressed value, 32 bits per coordinate (:func:`sidejax.coding.float32_coder`);
 - ``signs``: one bit per sign (:func:`sidejax.coding.fixed_width_coder` over ``(-1, 1)``);
 - ``elias``: QSGD's Elias code of the levels (:func:`sidejax.coding.elias_coder`, ``s`` from the method);
-- ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`).
+- ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`);
+- ``scaled_sign``: the deterministic scaled sign, a float32 scale and one bit per coordinate
+  (:func:`sidejax.coding.scaled_sign_coder`), the error-feedback baselines' compressor.
 
 Which coders a method accepts is the method's choice (:attr:`experiments.methods.MethodConfig.coders`).
 """
@@ -23,6 +25,7 @@ from sidejax.coding import (
     float32_coder,
     klms_coder,
     mask_coder,
+    scaled_sign_coder,
 )
 from sidejax.coding.klms import TRIGGERS
 
@@ -36,6 +39,7 @@ __all__ = [
     "SignsCoderConfig",
     "EliasCoderConfig",
     "MaskCoderConfig",
+    "ScaledSignCoderConfig",
     "CODERS",
 ]
 
@@ -152,8 +156,26 @@ class MaskCoderConfig(CoderConfig):
         return mask_coder()
 
 
+@dataclass(frozen=True)
+class ScaledSignCoderConfig(CoderConfig):
+    """The deterministic scaled sign (||v||_1 / d) sign(v): a float32 scale, then one bit per coordinate
+    (no fields)."""
+
+    name: ClassVar[str] = "scaled_sign"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return scaled_sign_coder()
+
+
 #: the coder configs by ``[coder] name``
 CODERS: dict[str, type[CoderConfig]] = {
     c.name: c
-    for c in (KLMSCoderConfig, Float32CoderConfig, SignsCoderConfig, EliasCoderConfig, MaskCoderConfig)
+    for c in (
+        KLMSCoderConfig,
+        Float32CoderConfig,
+        SignsCoderConfig,
+        EliasCoderConfig,
+        MaskCoderConfig,
+        ScaledSignCoderConfig,
+    )
 }
