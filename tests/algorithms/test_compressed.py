@@ -27,6 +27,7 @@ from sidejax.algorithms.compressed import (
 from sidejax.coding import (
     ERR_LENGTH,
     ERR_PARSE,
+    EmptyState,
     Message,
     elias_coder,
     encode_float32,
@@ -185,6 +186,20 @@ def test_error_feedback_is_exact(rounds):
         r = v - first
         np.testing.assert_allclose(c, first + np.where(r < 0, -1.0, 1.0) * np.abs(r).mean(), rtol=1e-5)
         assert np.linalg.norm(v - c) < np.linalg.norm(v - first)  # the second round reduces the error
+
+
+def test_non_finite_training_is_reported():
+    """A NaN in the local change is never silent: the client is reported not finite, and its stream invalid
+    (the coder saw a non-finite input)."""
+    dim = 33
+    start = jnp.zeros(dim, jnp.float32)
+    change = jnp.zeros(dim, jnp.float32).at[4].set(jnp.nan)
+    method = ErrorFeedbackMethod("test", CODER, 1.0, 1)
+    update = jax.jit(functools.partial(compressed_client_update, method, _fake_trainer({"w": change})))
+    received = CompressedReceived({"w": start}, jnp.int32(0), jnp.asarray(False))
+    cstate = CompressedClientState(EmptyState(), jnp.zeros(dim, jnp.float32))
+    _, _, info = update(client_keys(round_key(BASE, 0), 0), received, cstate, None)
+    assert not bool(info.finite) and not bool(info.valid)
 
 
 def test_same_key_same_run(runs, small_model, federation):
