@@ -1,5 +1,5 @@
 """The error-feedback baselines in the experiment layer: their [method] sections, the scaled_sign coder, and
-that each builds through an ExperimentConfig (and runs a round) with its paper defaults."""
+that each builds through an ExperimentConfig with its paper defaults, and one runs a round."""
 
 from __future__ import annotations
 
@@ -22,43 +22,39 @@ from sidejax.keys import round_key
 
 BASELINES = {"memsgd": MemSGDConfig, "doublesqueeze": DoubleSqueezeConfig, "neolithic": NeolithicConfig}
 BASELINES["cser"] = CSERConfig
-SMALL = {"data.num_clients": 3, "method.batch_size": 16, "method.local_steps": 1}
 
 
 @pytest.mark.parametrize("method", sorted(BASELINES))
-def test_each_baseline_builds_from_an_experiment_config(method, small_model, digits_fed):
+def test_each_baseline_builds_from_an_experiment_config(method, small_model):
     _, params, loss = small_model
     config = default_config(**{"method.name": method})
     # the paper's settings, the scaled sign by default
     assert isinstance(config.method, BASELINES[method]) and config.coder == ScaledSignCoderConfig()
-    assert config.algorithm == f"{method}+scaled_sign" and parse_algorithm(config.algorithm) == (
-        method,
-        "scaled_sign",
-    )
+    assert config.algorithm == f"{method}+scaled_sign"
+    assert parse_algorithm(config.algorithm) == (method, "scaled_sign")
     m = config.method
-    assert (m.client_optimizer, m.client_lr, m.local_epochs, m.batch_size, m.server_lr) == (
-        "adam",
-        3e-4,
-        3,
-        128,
-        0.1,
-    )
-    assert isinstance(build_algorithm(config, loss), Algorithm)
-    # a round on 10 clients (full participation), one local step: real messages of the expected lengths
-    config = default_config(f"{method}+scaled_sign", **{"method.local_steps": 1, "method.batch_size": 16})
+    paper = ("adam", 3e-4, 3, 128, 0.1)
+    assert (m.client_optimizer, m.client_lr, m.local_epochs, m.batch_size, m.server_lr) == paper
     algo = build_algorithm(config, loss)
-    assert algo.clients_per_round == 10
+    assert isinstance(algo, Algorithm) and algo.clients_per_round == 10
     state = algo.init(jax.random.key(0), params, 10)
-    _, info = jax.jit(build_round_step(algo, client_map="map"))(
-        round_key(jax.random.key(1), 0), state, digits_fed
-    )
+    assert state.clients.error.shape == (10, sum(x.size for x in jax.tree.leaves(params)))
+
+
+def test_a_configured_baseline_runs_a_round(small_model, digits_fed):
+    """Neolithic from its section (compress_rounds 3, one local step): real messages of the expected lengths
+    (the algorithms themselves are tested in tests/algorithms/test_compressed.py)."""
+    _, params, loss = small_model
+    overrides = {"method.local_steps": 1, "method.batch_size": 16, "method.compress_rounds": 3}
+    algo = build_algorithm(default_config("neolithic+scaled_sign", **overrides), loss)
+    state = algo.init(jax.random.key(0), params, 10)
+    step = jax.jit(build_round_step(algo, client_map="map"))
+    _, info = step(round_key(jax.random.key(1), 0), state, digits_fed)
     d = sum(x.size for x in jax.tree.leaves(params))
-    parts = 2 if method == "neolithic" else 1
-    np.testing.assert_array_equal(info.uplink_bits, parts * (d + 32))
-    np.testing.assert_array_equal(
-        info.downlink_bits, 32 * d if method in ("memsgd", "cser") else parts * (d + 32)
-    )
+    np.testing.assert_array_equal(info.uplink_bits, 3 * (d + 32))
+    np.testing.assert_array_equal(info.downlink_bits, 3 * (d + 32))
     np.testing.assert_array_equal(info.uplink_errors, 0)
+    assert np.all(info.clients.valid) and np.all(info.clients.finite)
 
 
 def test_fields_coders_and_checks():
