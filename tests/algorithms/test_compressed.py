@@ -27,7 +27,6 @@ from sidejax.algorithms.compressed import (
 from sidejax.coding import (
     ERR_LENGTH,
     ERR_PARSE,
-    EmptyState,
     Message,
     elias_coder,
     encode_float32,
@@ -137,15 +136,18 @@ def test_client_copies_equal_the_server_model_bit_for_bit(runs, name):
         assert not np.array_equal(np.asarray(step), 0.0)  # the model moves
 
 
-def _fake_trainer(delta_tree):
-    """A local 'training' that adds a known change (so the client's v is known exactly on the host)."""
+def _fake_train(key, params, data):
+    """A local 'training' that adds a known change, passed as the client's data (so the client's v is known
+    exactly on the host)."""
+    del key
+    moved = jax.tree.map(lambda a, d: a + d, params, data)
+    return moved, LocalInfo(jnp.float32(0.0), jnp.int32(1), jnp.asarray(True))
 
-    def train(key, params, data):
-        del key, data
-        moved = jax.tree.map(lambda a, d: a + d, params, delta_tree)
-        return moved, LocalInfo(jnp.float32(0.0), jnp.int32(1), jnp.asarray(True))
 
-    return train
+@functools.cache
+def _client_update(rounds: int):
+    method = ErrorFeedbackMethod("test", CODER, 1.0, 1, uplink_rounds=rounds, downlink_rounds=rounds)
+    return jax.jit(functools.partial(compressed_client_update, method, _fake_train))
 
 
 @pytest.mark.parametrize("rounds", [1, 2])
@@ -161,12 +163,10 @@ def test_error_feedback_is_exact(rounds):
     change = (0.01 * rng.standard_normal(dim)).astype(np.float32)
     e_old = (0.003 * rng.standard_normal(dim)).astype(np.float32)
     params = {"w": jnp.asarray(start)}
-    method = ErrorFeedbackMethod("test", CODER, 1.0, 1, uplink_rounds=rounds, downlink_rounds=rounds)
-    update = jax.jit(functools.partial(compressed_client_update, method, _fake_trainer({"w": change})))
     keys = client_keys(round_key(BASE, 0), 0)
     received = CompressedReceived(params, jnp.int32(0), jnp.asarray(False))
     cstate = CompressedClientState(jnp.asarray(start), jnp.asarray(e_old))
-    new_state, message, info = update(keys, received, cstate, None)
+    new_state, message, info = _client_update(rounds)(keys, received, cstate, {"w": jnp.asarray(change)})
     assert bool(info.valid) and bool(info.finite)
     assert float(message.num_bits) == rounds * (dim + 32)
     v = ((start + change) - start) + e_old  # the client's v, in float32 on the host
@@ -191,14 +191,12 @@ def test_error_feedback_is_exact(rounds):
 def test_non_finite_training_is_reported():
     """A NaN in the local change is never silent: the client is reported not finite, and its stream invalid
     (the coder saw a non-finite input)."""
-    dim = 33
+    dim = 203  # the shapes of test_error_feedback_is_exact: the same compiled update
     start = jnp.zeros(dim, jnp.float32)
     change = jnp.zeros(dim, jnp.float32).at[4].set(jnp.nan)
-    method = ErrorFeedbackMethod("test", CODER, 1.0, 1)
-    update = jax.jit(functools.partial(compressed_client_update, method, _fake_trainer({"w": change})))
     received = CompressedReceived({"w": start}, jnp.int32(0), jnp.asarray(False))
-    cstate = CompressedClientState(EmptyState(), jnp.zeros(dim, jnp.float32))
-    _, _, info = update(client_keys(round_key(BASE, 0), 0), received, cstate, None)
+    cstate = CompressedClientState(start, jnp.zeros(dim, jnp.float32))
+    _, _, info = _client_update(1)(client_keys(round_key(BASE, 0), 0), received, cstate, {"w": change})
     assert not bool(info.finite) and not bool(info.valid)
 
 
