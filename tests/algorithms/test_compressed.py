@@ -27,10 +27,12 @@ from sidejax.algorithms.compressed import (
 from sidejax.coding import (
     ERR_LENGTH,
     ERR_PARSE,
+    KLMSConfig,
     Message,
     elias_coder,
     encode_float32,
     float32_coder,
+    klms_coder,
     scaled_sign_coder,
     stateless_coder,
 )
@@ -292,6 +294,8 @@ def test_bad_arguments(small_model):
         doublesqueeze(loss, local, clients_per_round=2, coder=_keyed_coder())
     with pytest.raises(ValueError, match="length depends on the values"):
         neolithic(loss, local, clients_per_round=2, coder=elias_coder(3))
+    with pytest.raises(ValueError, match="cannot code a point mass"):
+        memsgd(loss, local, clients_per_round=2, coder=klms_coder(KLMSConfig(log2_num_candidates=2)))
     # float32 qualifies (error feedback without compression): 32 bits per coordinate
     assert message_bits(float32_coder(), 10) == 320
     memsgd(loss, local, clients_per_round=2, coder=float32_coder())
