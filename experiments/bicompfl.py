@@ -242,7 +242,9 @@ def variant_label(config: dict[str, Any]) -> str:
         name = "PR-" + ("Adaptive" if config["coder"].get("adaptive") else "Fixed")
         return name + ("-SplitDL" if config["method"].get("split_downlink") else "")
     if method == "fedavg":
-        return "FedAvg" if config["method"].get("server_optimizer", "none") != "none" else "FedAvg (server lr 1)"
+        return (
+            "FedAvg" if config["method"].get("server_optimizer", "none") != "none" else "FedAvg (server lr 1)"
+        )
     for label, algorithm, _ in VARIANTS.values():
         if algorithm == method:
             return label

@@ -5,7 +5,9 @@
 - ``signs``: one bit per sign (:func:`sidejax.coding.fixed_width_coder` over ``(-1, 1)``);
 - ``elias``: QSGD's Elias code of the levels (:func:`sidejax.coding.elias_coder`, ``s`` from the method);
 - ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`);
-- ``klms_avg``: KLMS with BICompFL's Adaptive-Avg allocation (:func:`sidejax.coding.klms_avg_coder`).
+- ``klms_avg``: KLMS with BICompFL's Adaptive-Avg allocation (:func:`sidejax.coding.klms_avg_coder`);
+- ``scaled_sign``: the deterministic scaled sign, a float32 scale and one bit per coordinate
+  (:func:`sidejax.coding.scaled_sign_coder`), the error-feedback baselines' compressor.
 
 Which coders a method accepts is the method's choice (:attr:`experiments.methods.MethodConfig.coders`).
 """
@@ -26,6 +28,7 @@ from sidejax.coding import (
     klms_avg_coder,
     klms_coder,
     mask_coder,
+    scaled_sign_coder,
 )
 from sidejax.coding.klms import TRIGGERS
 
@@ -40,6 +43,7 @@ __all__ = [
     "EliasCoderConfig",
     "MaskCoderConfig",
     "KLMSAvgCoderConfig",
+    "ScaledSignCoderConfig",
     "CODERS",
 ]
 
@@ -189,6 +193,16 @@ class KLMSAvgCoderConfig(CoderConfig):
         return klms_avg_coder(self.config())
 
 
+class ScaledSignCoderConfig(CoderConfig):
+    """The deterministic scaled sign (||v||_1 / d) sign(v): a float32 scale, then one bit per coordinate
+    (no fields)."""
+
+    name: ClassVar[str] = "scaled_sign"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return scaled_sign_coder()
+
+
 #: the coder configs by ``[coder] name``
 CODERS: dict[str, type[CoderConfig]] = {
     c.name: c
@@ -199,5 +213,6 @@ CODERS: dict[str, type[CoderConfig]] = {
         EliasCoderConfig,
         MaskCoderConfig,
         KLMSAvgCoderConfig,
+        ScaledSignCoderConfig,
     )
 }

@@ -25,8 +25,12 @@ from sidejax.algorithms import (
     bicompfl_gr,
     bicompfl_gr_reconst,
     bicompfl_pr,
+    cser,
+    doublesqueeze,
     fedavg,
     fedpm,
+    memsgd,
+    neolithic,
     qlsd,
     qsgd,
     sgld,
@@ -52,6 +56,12 @@ __all__ = [
     "BICompFLGRConfig",
     "BICompFLReconstConfig",
     "BICompFLPRConfig",
+    "ErrorFeedbackConfig",
+    "MemSGDConfig",
+    "DoubleSqueezeConfig",
+    "NeolithicConfig",
+    "CSERConfig",
+    "ERROR_FEEDBACK_METHODS",
     "METHODS",
     "SHORTCUTS",
     "algorithm_name",
@@ -396,6 +406,129 @@ class SGLDConfig(LangevinConfig):
         return sgld(loss_fn, coder=coder, **self._langevin(num_clients, clients_per_round))
 
 
+# --- the non-stochastic error-feedback baselines of the BICompFL paper (sidejax.algorithms.compressed) ---
+
+
+@dataclass(frozen=True)
+class ErrorFeedbackConfig(LocalTrainingConfig):
+    """Base of the error-feedback baselines (:mod:`sidejax.algorithms.compressed`): the deterministic scaled
+    sign (``scaled_sign``; ``float32``: error feedback without compression). The defaults are the BICompFL
+    paper's settings: Adam 3e-4 for 3 epochs of batches of 128, server learning rate 0.1.
+
+    Attributes:
+      server_lr: server learning rate eta_S (its step along the mean decoded change).
+    """
+
+    coders: ClassVar[tuple[str, ...]] = ("scaled_sign", "float32")
+    default_coder: ClassVar[str] = "scaled_sign"
+
+    local_epochs: int | None = 3
+    batch_size: int = 128
+    client_optimizer: str = choice("adam", OPTIMIZERS)
+    client_lr: float = 3e-4
+    server_lr: float = 0.1
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.server_lr > 0, "server_lr", "must be > 0")
+
+    def _common(self, coder: Coder, clients_per_round: int) -> dict[str, Any]:
+        return dict(server_lr=self.server_lr, coder=coder, **self._local(clients_per_round))
+
+
+class _FullParticipation:
+    """A method whose downlink is a compressed model change: every client must get every broadcast."""
+
+    def _check_full(self, num_clients: int, clients_per_round: int) -> None:
+        if clients_per_round != num_clients:
+            raise ValueError(
+                f"{self.label()} broadcasts compressed model changes, which a client that misses a round "
+                f"cannot follow: it needs every client in every round (data.participation = 1), got "
+                f"{clients_per_round} of {num_clients} clients per round"
+            )
+
+
+@dataclass(frozen=True)
+class MemSGDConfig(ErrorFeedbackConfig):
+    """Mem-SGD (:func:`sidejax.algorithms.memsgd`): client error feedback, compressed uplink, float32 model
+    downlink."""
+
+    name: ClassVar[str] = "memsgd"
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return memsgd(loss_fn, **self._common(coder, clients_per_round))
+
+
+@dataclass(frozen=True)
+class DoubleSqueezeConfig(_FullParticipation, ErrorFeedbackConfig):
+    """DoubleSqueeze (:func:`sidejax.algorithms.doublesqueeze`): error-compensated compression on the
+    clients and on the server (needs every client in every round)."""
+
+    name: ClassVar[str] = "doublesqueeze"
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        self._check_full(num_clients, clients_per_round)
+        return doublesqueeze(loss_fn, **self._common(coder, clients_per_round))
+
+
+@dataclass(frozen=True)
+class NeolithicConfig(_FullParticipation, ErrorFeedbackConfig):
+    """Neolithic (:func:`sidejax.algorithms.neolithic`): DoubleSqueeze with compress_rounds rounds of
+    compressing the residual, both ways (needs every client in every round).
+
+    Attributes:
+      compress_rounds: rounds R of compressing the residual, C(v) + C(v - C(v)) + ... (R messages each way).
+    """
+
+    name: ClassVar[str] = "neolithic"
+
+    compress_rounds: int = 2
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.compress_rounds >= 1, "compress_rounds", "must be >= 1")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        self._check_full(num_clients, clients_per_round)
+        return neolithic(
+            loss_fn, compress_rounds=self.compress_rounds, **self._common(coder, clients_per_round)
+        )
+
+
+@dataclass(frozen=True)
+class CSERConfig(ErrorFeedbackConfig):
+    """CSER (:func:`sidejax.algorithms.cser`): the residual stays in each client's model, with a compressed
+    error reset every period rounds; float32 model downlink.
+
+    Attributes:
+      period: rounds between CSER's error resets.
+    """
+
+    name: ClassVar[str] = "cser"
+
+    period: int = 50
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.period >= 1, "period", "must be >= 1")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return cser(loss_fn, period=self.period, **self._common(coder, clients_per_round))
+
+
+#: the error-feedback baselines' configs
+ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
+# --- end of the error-feedback baselines ---
+
+
 # BICompFL's uplink as the spec's CPU profile: Fixed blocks of 128 with 16 candidates, 1/32 bit per parameter
 _BICOMPFL_FIXED = {"adaptive": False, "block_size": 128, "log2_num_candidates": 4}
 
@@ -554,6 +687,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         BICompFLGRConfig,
         BICompFLReconstConfig,
         BICompFLPRConfig,
+        *ERROR_FEEDBACK_METHODS,
     )
 }
 

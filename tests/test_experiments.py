@@ -547,7 +547,10 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
     assert "--method.name NAME" in text and "--coder.name NAME" in text and "float32, signs, elias" in text
     assert "--resume" in text and "--overwrite" in text
     # method and coder flags say who has them and the defaults, per method
-    assert "(methods fedavg, qsgd, signsgd; default unset for fedavg; 1.0 for qsgd; 0.02 for signsgd)" in text
+    assert (
+        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser; default unset for fedavg; "
+        "1.0 for qsgd; 0.02 for signsgd; 0.1 for memsgd, doublesqueeze, neolithic, cser)" in text
+    )
     assert (
         "(coders klms; default 2; without a preset, as tuned for the method: 8 for fedpm, qsgd, signsgd"
         in text
@@ -810,8 +813,8 @@ def _write_preset(directory, name, text):
         (
             "[method]\nname = 'fedpm'\nserver_lr = 0.1\n",
             r"\[method\] key 'server_lr' is not a field of method 'fedpm' \(methods with it: fedavg, qsgd, "
-            r"signsgd\); valid keys: name, local_epochs, local_steps, batch_size, client_optimizer, "
-            r"client_lr, estimator$",
+            r"signsgd, memsgd, doublesqueeze, neolithic, cser\); valid keys: name, local_epochs, "
+            r"local_steps, batch_size, client_optimizer, client_lr, estimator$",
         ),
         ("[method]\nname = 'fedpm'\nclient_lrr = 0.1\n", r"\[method\] unknown key 'client_lrr' for method"),
         ("[method]\nname = 'qsgd'\nlevels = 2.0\n", r"\[method\] key 'levels' must be int, got 2.0"),
@@ -903,7 +906,7 @@ def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
     assert cli_main(["fedpm", "--method.server_lr", "0.1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
-    assert "(methods with it: fedavg, qsgd, signsgd)" in err
+    assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser)" in err
     assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
     assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms)" in capsys.readouterr().err
     # the same flag is fine once the coder is one that has it; "none" unsets an optional field

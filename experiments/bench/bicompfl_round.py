@@ -155,7 +155,6 @@ def _child(args) -> dict:
     import jax
     import numpy as np
 
-
     try:
         import torch
 

@@ -7,12 +7,24 @@
 - :func:`qlsd`, :func:`sgld`: Bayesian FL with Langevin dynamics (QLSD; SGLD-KLMS).
 - :func:`bicompfl_gr`, :func:`bicompfl_gr_reconst`, :func:`bicompfl_pr`: BICompFL, bi-directional
   importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL).
+- :func:`memsgd`, :func:`doublesqueeze`, :func:`neolithic`, :func:`cser`: the non-stochastic
+  bi-directionally compressed baselines (error feedback, scaled-sign compressor).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 - :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
   (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
 """
 
 from sidejax.algorithms.bicompfl import bicompfl_gr, bicompfl_gr_reconst, bicompfl_pr, fixed_rates
+from sidejax.algorithms.compressed import (
+    CompressedClientState,
+    CompressedServerInfo,
+    CompressedState,
+    ErrorFeedbackMethod,
+    cser,
+    doublesqueeze,
+    memsgd,
+    neolithic,
+)
 from sidejax.algorithms.dense import (
     DenseClientExtra,
     DenseMethod,
@@ -58,6 +70,14 @@ __all__ = [
     "bicompfl_gr_reconst",
     "bicompfl_pr",
     "fixed_rates",
+    "CompressedClientState",
+    "CompressedServerInfo",
+    "CompressedState",
+    "ErrorFeedbackMethod",
+    "cser",
+    "doublesqueeze",
+    "memsgd",
+    "neolithic",
     "DenseClientExtra",
     "DenseMethod",
     "DenseServerInfo",

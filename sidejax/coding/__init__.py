@@ -4,6 +4,7 @@ The contract is :class:`Coder` (:mod:`sidejax.coding.base`): transmit one sample
 information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation, Fixed and
 Adaptive blocks), :func:`klms_avg_coder` (BICompFL's Adaptive-Avg: equal blocks of one adaptive size),
 :func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
+baselines), :func:`scaled_sign_coder` (the deterministic scaled-sign compressor of the error-feedback
 baselines), and the combinator :func:`with_side_info`. :mod:`sidejax.coding.importance_law` holds the exact
 law of the importance-sampled Bernoulli (block size 1) and BICompFL's bounds on its bias.
 """
@@ -47,6 +48,7 @@ from sidejax.coding.bitstream import (
     unpack_fixed,
     write_codewords,
 )
+from sidejax.coding.compress import ScaledSignInfo, scaled_sign, scaled_sign_bits, scaled_sign_coder
 from sidejax.coding.importance import (
     ImportanceInfo,
     candidate_uniforms,
@@ -151,6 +153,10 @@ __all__ = [
     "sent_words",
     "trim_payload",
     "unpack_fixed",
+    "ScaledSignInfo",
+    "scaled_sign",
+    "scaled_sign_bits",
+    "scaled_sign_coder",
     "ImportanceInfo",
     "candidate_uniforms",
     "candidate_values",

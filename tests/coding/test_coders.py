@@ -34,6 +34,7 @@ from sidejax.coding import (
     klms_avg_coder,
     klms_coder,
     mask_coder,
+    scaled_sign_coder,
     sent_words,
     with_side_info,
 )
@@ -101,6 +102,13 @@ def _with_side(make):
 def _sample_oracle(keys, q, p, state):
     del p, state
     return q.sample(keys.private)
+
+
+def _scaled_sign_oracle(keys, q, p, state):
+    # the deterministic compressor (not a sample of q): (||v||_1 / d) * sign(v), sign(0) = +1
+    del keys, p, state
+    scale = jnp.sum(jnp.abs(q.value)) / q.value.shape[0]
+    return jnp.where(q.value < 0, -scale, scale)
 
 
 def _klms_oracle(config):
@@ -177,6 +185,7 @@ CASES = [
     ("signs", fixed_width_coder((-1.0, 1.0)), _signs, _sample_oracle),
     ("elias", elias_coder(3), _levels, _sample_oracle),
     ("mask", mask_coder(), _bernoulli, _sample_oracle),
+    ("scaled-sign", scaled_sign_coder(), _point, _scaled_sign_oracle),
     ("klms-adaptive-bernoulli", klms_coder(_ADAPTIVE), _bernoulli, _klms_oracle(_ADAPTIVE)),
     ("klms-fixed-gaussian", klms_coder(_FIXED), _gauss, _klms_oracle(_FIXED)),
     ("klms-crc-signs", klms_coder(_CRC), _signs, _klms_oracle(_CRC)),
