@@ -160,10 +160,18 @@ VARIANTS: dict[str, tuple[str, str, Any]] = {
     # the same local training with plain averaging (server step 1): FedAvg as most readers know it, beside
     # the paper's server lr 0.1, which makes it slow at a small number of rounds
     "fedavg_avg": ("FedAvg (server lr 1)", "fedavg", lambda b, k: {**_DENSE}),
-    "doublesqueeze": ("DoubleSqueeze", "doublesqueeze", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
-    "memsgd": ("MemSGD", "memsgd", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
-    "neolithic": ("Neolithic", "neolithic", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
-    "cser": ("CSER", "cser", lambda b, k: {**_DENSE, "method.server_lr": 0.1, "method.period": 50}),
+    "doublesqueeze": (
+        "DoubleSqueeze",
+        "doublesqueeze+scaled_sign",
+        lambda b, k: {**_DENSE, "method.server_lr": 0.1},
+    ),
+    "memsgd": ("MemSGD", "memsgd+scaled_sign", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
+    "neolithic": ("Neolithic", "neolithic+scaled_sign", lambda b, k: {**_DENSE, "method.server_lr": 0.1}),
+    "cser": (
+        "CSER",
+        "cser+scaled_sign",
+        lambda b, k: {**_DENSE, "method.server_lr": 0.1, "method.period": 50},
+    ),
     "gr_adaptive": (
         "GR-Adaptive",
         "bicompfl_gr+klms",
@@ -246,7 +254,7 @@ def variant_label(config: dict[str, Any]) -> str:
             "FedAvg" if config["method"].get("server_optimizer", "none") != "none" else "FedAvg (server lr 1)"
         )
     for label, algorithm, _ in VARIANTS.values():
-        if algorithm == method:
+        if algorithm.split("+")[0] == method:
             return label
     return f"{method}+{coder}"
 

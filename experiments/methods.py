@@ -140,7 +140,8 @@ class LocalTrainingConfig(MethodConfig):
         line unsets the other).
       local_steps: local optimizer steps per round, instead of epochs.
       batch_size: local minibatch size.
-      client_optimizer: sgd, momentum (SGD with momentum 0.9) or adam.
+      client_optimizer: sgd, momentum (SGD with momentum 0.9) or adam; the BICompFL methods also take mirror
+        (App. B: mirror descent on the mask, plain SGD in logit space on the gradient w.r.t. theta).
       client_lr: local learning rate.
     """
 

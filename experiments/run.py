@@ -217,9 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
         for name, owners in _owners_of(table).items():
             kinds = [field_type(cls, name) for cls in owners.values()]
-            bases, choices = {b for b, _ in kinds}, {cls.choices(name) for cls in owners.values()}
-            assert len(bases) == 1 and len(choices) == 1, f"{table}.{name} differs between its owners"
-            (base,), (choice,), optional = bases, choices, any(o for _, o in kinds)
+            bases, choices = {b for b, _ in kinds}, [cls.choices(name) for cls in owners.values()]
+            assert len(bases) == 1, f"{table}.{name} has different types in its owners"
+            assert len({bool(c) for c in choices}) == 1, f"{table}.{name} is a choice in some owners only"
+            # the union of the owners' choices (e.g. client_optimizer: the mask methods also take
+            # "mirror"); the chosen section checks its own
+            choice = tuple(dict.fromkeys(c for cs in choices if cs for c in cs)) or choices[0]
+            (base,), optional = bases, any(o for _, o in kinds)
             owner_names = {k: v for k, v in owners.items() if k} or owners
             text = docs[f"{table}.{name}"]
             if choice and not all(c in text for c in choice):

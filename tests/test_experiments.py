@@ -552,7 +552,8 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
         "1.0 for qsgd; 0.02 for signsgd; 0.1 for memsgd, doublesqueeze, neolithic, cser)" in text
     )
     assert (
-        "(coders klms; default 2; without a preset, as tuned for the method: 8 for fedpm, qsgd, signsgd"
+        "(coders klms, klms_avg; default 2 for klms; 8 for klms_avg; without a preset, as tuned for the "
+        "method: 8 for fedpm, qsgd, signsgd"
         in text
     )
     assert cli_main(["fedavg", "--data.model", "nope"]) == 2  # not a choice: argparse's error, no traceback
@@ -822,7 +823,7 @@ def _write_preset(directory, name, text):
         ("[method]\nname = 'qsgd'\nlevels = 2\n[coder]\nname = 'klms'\n", r"needs levels = 1"),
         (
             "[method]\nname = 'fedpm'\n[coder]\nname = 'mask'\nblock_size = 4\n",
-            r"\[coder\] key 'block_size' is not a field of coder 'mask' \(coders with it: klms\); "
+            r"\[coder\] key 'block_size' is not a field of coder 'mask' \(coders with it: klms, klms_avg\); "
             r"valid keys: name$",
         ),
         (
@@ -908,7 +909,7 @@ def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
     assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
     assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser)" in err
     assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
-    assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms)" in capsys.readouterr().err
+    assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms, klms_avg)" in capsys.readouterr().err
     # the same flag is fine once the coder is one that has it; "none" unsets an optional field
     argv = ["--preset", "demo_digits_fedpm", "--coder.name", "klms", "--coder.log2_num_candidates", "4"]
     assert resolve(build_parser().parse_args(argv))[0].algorithm == "fedpm_klms"
