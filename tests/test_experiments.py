@@ -909,7 +909,8 @@ def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
     assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
     assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser)" in err
     assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
-    assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms, klms_avg)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms, klms_avg)" in err
     # the same flag is fine once the coder is one that has it; "none" unsets an optional field
     argv = ["--preset", "demo_digits_fedpm", "--coder.name", "klms", "--coder.log2_num_candidates", "4"]
     assert resolve(build_parser().parse_args(argv))[0].algorithm == "fedpm_klms"
