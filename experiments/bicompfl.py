@@ -325,14 +325,16 @@ def markdown(rows: list[dict[str, str]]) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) -> Path:
-    """Test accuracy against cumulative total bits per parameter per client (log x), one line per run."""
+    """Test accuracy against cumulative total bits per parameter per client (log x), one line per run
+    (solid: BICompFL, dashed: the baselines)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in runs:
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(runs):
         total, xs, ys = 0.0, [], []
         for row in r["rows"]:
             total += row["uplink_bpp"] + row["downlink_bpp"]
@@ -340,7 +342,9 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
                 xs.append(total)
                 ys.append(100 * row["test_accuracy"])
         if xs:
-            ax.plot(xs, ys, marker=".", label=r["label"])
+            ours = r["config"]["method"]["name"].startswith("bicompfl")  # solid: BICompFL; dashed: baselines
+            style = "-" if ours else "--"
+            ax.plot(xs, ys, style, marker=".", color=colors[(2 * i) % 20 + (i // 10) % 2], label=r["label"])
     ax.set_xscale("log")
     ax.set_xlabel("cumulative bits per parameter per client (uplink + downlink)")
     ax.set_ylabel("test accuracy (%)")
