@@ -274,9 +274,14 @@ def collect(directory: Path) -> list[dict[str, Any]]:
     for sub in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
         if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
             continue
-        config = json.loads((sub / "config.json").read_text())
-        rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
-        summary = json.loads((sub / "summary.json").read_text())
+        try:
+            config = json.loads((sub / "config.json").read_text())
+            rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
+            summary = json.loads((sub / "summary.json").read_text())
+            config["method"]["name"], config["coder"]["name"]  # noqa: B018 (the fields the label needs)
+        except (ValueError, KeyError, TypeError) as e:  # a damaged folder is reported, not fatal
+            print(f"warning: skipped {sub}: unreadable results ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
         runs.append(
             {
                 "name": sub.name,

@@ -138,3 +138,9 @@ def test_table_command_runs_the_methods_and_writes_the_papers_columns(tmp_path, 
     # the broadcast channel: every stream sent once to all 4 clients
     assert rows[1]["broadcast_bpp"] == pytest.approx(want["uplink"] + 4 * want["uplink"] / 4, rel=1e-9)
     assert main(["table", str(tmp_path / "nothing")]) == 2
+    # a damaged results folder is skipped with a warning naming it; the table is written from the others
+    capsys.readouterr()
+    (run / "summary.json").write_text("{not json")
+    assert main(["table", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped {run}" in captured.err and "| GR-Fixed |" not in (tmp_path / "table.md").read_text()
