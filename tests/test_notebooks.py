@@ -15,7 +15,9 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # Smaller sizes, run right after each notebook's `parameters` cell: enough to execute every cell and check the
 # notebooks' own assertions (coder law within 5 standard errors, KLMS far below FedPM's bits, accuracy
 # rising), not to reproduce the committed figures. 02_klms: one K per regime for the coder law, the toy's
-# smallest and largest K and N, a few protocol and federated rounds.
+# smallest and largest K and N, a few protocol and federated rounds. 03_bicompfl: the coder law at two n_IS,
+# two block sizes at two n_IS, two federated rounds of each of the six methods (most of its time is
+# compiling their round programs).
 TEST_PARAMETERS = {
     "01_quickstart.ipynb": "ROUNDS = 5",  # label shards, 50% participation: round 3 dips below round 1
     "02_klms.ipynb": "\n".join(
@@ -28,6 +30,16 @@ TEST_PARAMETERS = {
             "THM_TRIALS = 500",
             "PROTOCOL_ROUNDS = 4",
             "FL_ROUNDS = 3",
+        ]
+    ),
+    "03_bicompfl.ipynb": "\n".join(
+        [
+            "MC_TRIALS = 20_000",
+            "MC_LOG2_NS = (0, 4)",
+            "BLOCK_SIZES = (1, 64)",
+            "BLOCK_LOG2_NS = (4, 6)",
+            "BLOCK_KEYS = 2",
+            "FL_ROUNDS = 2",
         ]
     ),
 }
