@@ -84,7 +84,14 @@ from sidejax.coding.base import (
     Message,
     stream_errors,
 )
-from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import (
+    crc32_words,
+    mask_to_length,
+    pack_fixed,
+    received_words,
+    sent_words,
+    unpack_fixed,
+)
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
 from sidejax.distributions import check_dims, is_valid
 from sidejax.keys import ClientKeys
@@ -501,22 +508,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     dim, mb = blocks0.dim, blocks0.max_blocks
     _check_dims(dim, p=p)
     b, L = config.log2_num_candidates, config.length_bits
-    payload = message.payload
-    if jnp.ndim(payload) != 1:
-        raise ValueError(f"message.payload must be a 1-D word array, got shape {jnp.shape(payload)}")
-    n = payload.shape[0]
-    if is_concrete((payload, message.num_bits)):
-        want = sent_words(message.num_bits)
-        if n != want:
-            raise ValueError(
-                f"KLMS message length mismatch: the payload has {n} words but num_bits="
-                f"{float(message.num_bits):.0f} means ceil(num_bits / 32) = {want} words were sent "
-                f"({'truncated' if n < want else 'too long'}); pass exactly the words sent "
-                "(sidejax.coding.trim_payload cuts a capacity buffer)"
-            )
-    cap = config.capacity_words(dim)
-    words = jnp.pad(jnp.asarray(payload, jnp.uint32), (0, max(0, cap - n)))
-    words, ok_length = mask_to_length(words, message.num_bits, num_sent_words=n)
+    words, ok_length = received_words(message, config.capacity_words(dim), "KLMS")
     offset = jnp.int32(0)
     ok_partition = jnp.asarray(True)
     if config.adaptive:

@@ -93,7 +93,14 @@ import jax.numpy as jnp
 
 from sidejax.blocks import Blocks
 from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PARSE, ERR_PRIOR, Coder, Message, stream_errors
-from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import (
+    mask_to_length,
+    num_words,
+    pack_fixed,
+    received_words,
+    sent_words,
+    unpack_fixed,
+)
 from sidejax.coding.importance import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     _pad,
@@ -559,22 +566,7 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     dim = dist_dim(p)
     _check_state(state, config, dim)
     k, L = config.log2_num_candidates, config.length_bits
-    payload = message.payload
-    if jnp.ndim(payload) != 1:
-        raise ValueError(f"message.payload must be a 1-D word array, got shape {jnp.shape(payload)}")
-    n = payload.shape[0]
-    if is_concrete((payload, message.num_bits)):
-        want = sent_words(message.num_bits)
-        if n != want:
-            raise ValueError(
-                f"KLMS-Avg message length mismatch: the payload has {n} words but num_bits="
-                f"{float(message.num_bits):.0f} means ceil(num_bits / 32) = {want} words were sent "
-                f"({'truncated' if n < want else 'too long'}); pass exactly the words sent "
-                "(sidejax.coding.trim_payload cuts a capacity buffer)"
-            )
-    cap = config.capacity_words(dim)
-    words = jnp.pad(jnp.asarray(payload, jnp.uint32), (0, max(0, cap - n)))
-    words, ok_length = mask_to_length(words, message.num_bits, num_sent_words=n)
+    words, ok_length = received_words(message, config.capacity_words(dim), "KLMS-Avg")
     b = state.block_size.astype(jnp.int32)
     update = jnp.asarray(state.update, bool)
     M = _num_blocks(dim, b)
