@@ -68,7 +68,7 @@ from sidejax.algorithms.fedpm import (
     ESTIMATORS,
     MASK_CLIP,
     fedpm_eval_params,
-    signed_constant_init,
+    mask_model_init,
     train_mask,
 )
 from sidejax.blocks import blocks_from_starts
@@ -87,16 +87,12 @@ from sidejax.distributions import Bernoulli
 from sidejax.fl.base import Algorithm, ClientInfo, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import (
-    EVAL,
-    SCORES,
     ClientKeys,
     canonicalize_key,
     client_streams,
     downlink_keys,
     draw_key,
-    stream_key,
 )
-from sidejax.layout import flat_layout
 from sidejax.types import Params
 from sidejax.utils import is_concrete
 
@@ -304,12 +300,8 @@ def _kl_bits(a, b) -> jax.Array:
 
 
 def _init_common(coder: Coder, key, params: Params):
-    weights = signed_constant_init(key, params)
-    layout = flat_layout(params)
-    scores = jax.random.normal(stream_key(key, SCORES), (layout.dim,))
-    theta = jnp.clip(jax.nn.sigmoid(scores), CLIP, 1 - CLIP)
-    u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
-    return weights, theta, u, coder.init(layout.dim)
+    weights, theta, u = mask_model_init(key, params)
+    return weights, theta, u, coder.init(theta.shape[0])
 
 
 def _stack(tree, n: int):

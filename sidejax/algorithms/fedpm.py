@@ -72,6 +72,7 @@ __all__ = [
     "bernoulli_mask",
     "bayes_agg",
     "masked_network",
+    "mask_model_init",
     "train_mask",
     "fedpm_init",
     "fedpm_broadcast",
@@ -193,17 +194,23 @@ def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.
     return alpha, beta, theta
 
 
-def fedpm_init(coder: Coder, key, params: Params, num_clients: int) -> RoundState:
-    """The initial state: the frozen signed-constant network, mask scores :math:`s \\sim N(0, 1)` [C] with
-    :math:`\\theta = \\sigma(s)` clipped like every later :math:`\\theta`, the evaluation uniforms and the
-    coder's state."""
+def mask_model_init(key, params: Params) -> tuple[Params, jax.Array, jax.Array]:
+    """The shared start of every mask method (FedPM, BICompFL): ``(weights, theta, eval_uniforms)``, the
+    frozen signed-constant network, :math:`\\theta = \\sigma(s)` for mask scores :math:`s \\sim N(0, 1)`
+    [C] clipped like every later :math:`\\theta`, and the evaluation-mask uniforms (keys: ``SIGNS``,
+    ``SCORES``, ``EVAL`` under ``key``)."""
     weights = signed_constant_init(key, params)
-    layout = flat_layout(params)
-    scores = jax.random.normal(stream_key(key, SCORES), (layout.dim,))
+    dim = flat_layout(params).dim
+    scores = jax.random.normal(stream_key(key, SCORES), (dim,))
     theta = jnp.clip(jax.nn.sigmoid(scores), MASK_CLIP, 1 - MASK_CLIP)
-    u = jax.random.uniform(stream_key(key, EVAL), (layout.dim,))
-    ones = jnp.ones(layout.dim, jnp.float32)
-    state = FedPMState(weights, theta, ones, ones, u, coder.init(layout.dim))
+    return weights, theta, jax.random.uniform(stream_key(key, EVAL), (dim,))
+
+
+def fedpm_init(coder: Coder, key, params: Params, num_clients: int) -> RoundState:
+    """The initial state: :func:`mask_model_init`, BayesAgg's Beta counts and the coder's state."""
+    weights, theta, u = mask_model_init(key, params)
+    ones = jnp.ones_like(theta)
+    state = FedPMState(weights, theta, ones, ones, u, coder.init(theta.shape[0]))
     return initial_round_state(state, EmptyState(), num_clients)
 
 
