@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sidejax.types import PyTree
 
-__all__ = ["is_concrete", "tree_all_finite"]
+__all__ = ["is_concrete", "tree_all_finite", "check_count"]
 
 
 def is_concrete(tree: PyTree) -> bool:
@@ -30,3 +32,13 @@ def tree_all_finite(tree: PyTree) -> jax.Array:
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
     ]
     return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+def check_count(value, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]``; else ``ValueError``
+    naming ``name`` and the valid range. For the counts builders take (clients, samples, rounds)."""
+    bad = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    return int(value)

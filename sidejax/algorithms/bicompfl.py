@@ -94,7 +94,7 @@ from sidejax.keys import (
     draw_key,
 )
 from sidejax.types import Params
-from sidejax.utils import is_concrete
+from sidejax.utils import check_count, is_concrete
 
 __all__ = [
     "CLIP",
@@ -320,19 +320,13 @@ def _check_common(name, coder, estimator, num_uplink_samples, num_clients) -> No
         )
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
-    if (
-        isinstance(num_uplink_samples, bool)
-        or not isinstance(num_uplink_samples, int)
-        or num_uplink_samples < 1
-    ):
-        raise ValueError(f"num_uplink_samples must be an int >= 1, got {num_uplink_samples!r}")
+    check_count(num_uplink_samples, "num_uplink_samples")
     if num_uplink_samples > 1 and coder.frame is None:
         raise ValueError(
             f"num_uplink_samples={num_uplink_samples} puts several samples in one stream, which needs a "
             f"self-delimiting coder (Coder.frame); {coder.name!r} has none"
         )
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-        raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}")
+    check_count(num_clients, "num_clients")
 
 
 def _check_init_clients(name: str, want: int, got: int) -> None:
@@ -954,13 +948,7 @@ def bicompfl_gr_reconst(
 def _num_dl(num_downlink_samples, num_clients, num_uplink_samples) -> int:
     if num_downlink_samples is None:
         return num_clients * num_uplink_samples
-    if (
-        isinstance(num_downlink_samples, bool)
-        or not isinstance(num_downlink_samples, int)
-        or num_downlink_samples < 1
-    ):
-        raise ValueError(f"num_downlink_samples must be None or an int >= 1, got {num_downlink_samples!r}")
-    return num_downlink_samples
+    return check_count(num_downlink_samples, "num_downlink_samples")
 
 
 def bicompfl_pr(
@@ -1007,8 +995,7 @@ def bicompfl_pr(
     config = _check_downlink(downlink)
     n_dl = _num_dl(num_downlink_samples, num_clients, num_uplink_samples)
     cpr = num_clients if clients_per_round is None else clients_per_round
-    if isinstance(cpr, bool) or not isinstance(cpr, int) or not 1 <= cpr <= num_clients:
-        raise ValueError(f"clients_per_round must be an int in [1, num_clients={num_clients}], got {cpr!r}")
+    cpr = check_count(cpr, "clients_per_round", 1, num_clients)
     groups = num_clients if split_downlink else 1
     n_ul = num_uplink_samples
     return Algorithm(

@@ -84,6 +84,7 @@ from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initia
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
+from sidejax.utils import check_count
 
 __all__ = [
     "ErrorFeedbackMethod",
@@ -564,19 +565,13 @@ def compressed_algorithm(method: ErrorFeedbackMethod, local: LocalTraining, loss
 # builders
 
 
-def _count(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
 _SCALED_SIGN = scaled_sign_coder()  # one instance: its probe and message lengths are computed once
 
 
 def _method(name: str, coder, server_lr, clients_per_round, **fields) -> ErrorFeedbackMethod:
     if isinstance(server_lr, bool) or not isinstance(server_lr, numbers.Real) or not server_lr > 0:
         raise ValueError(f"server_lr must be a number > 0, got {server_lr!r}")
-    clients_per_round = _count(clients_per_round, "clients_per_round", 1)
+    clients_per_round = check_count(clients_per_round, "clients_per_round", 1)
     coder = check_compressor(_SCALED_SIGN if coder is None else coder)
     return ErrorFeedbackMethod(name, coder, float(server_lr), clients_per_round, **fields)
 
@@ -635,7 +630,7 @@ def neolithic(
 
     Args: as :func:`memsgd`, and ``compress_rounds`` (:math:`R \\ge 1`; [P]: 2).
     """
-    rounds = _count(compress_rounds, "compress_rounds", 1)
+    rounds = check_count(compress_rounds, "compress_rounds", 1)
     method = _method(
         "neolithic", coder, server_lr, clients_per_round, uplink_rounds=rounds, downlink_rounds=rounds
     )
@@ -657,6 +652,6 @@ def cser(
 
     Args: as :func:`memsgd`, and ``period`` (rounds between error resets, >= 1; [P]: 50).
     """
-    period = _count(period, "period", 1)
+    period = check_count(period, "period", 1)
     method = _method("cser", coder, server_lr, clients_per_round, reset_period=period)
     return compressed_algorithm(method, local, loss_fn)
