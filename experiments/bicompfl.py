@@ -46,6 +46,7 @@ from typing import Any
 
 from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
 from experiments.driver import read_jsonl
+from experiments.table import run_configs
 
 __all__ = ["SETTINGS", "VARIANTS", "suite_config", "preset_name", "write_presets", "variant_label", "main"]
 
@@ -365,32 +366,17 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
 def _run_setting(
     directory: Path, setting: str, variants: list[str], rounds: int | None, force: bool, argv
 ) -> int:
-    from experiments.checkpoint import checkpoint_exists
-    from experiments.driver import is_run_folder, run_experiment
-
+    runs = []
     for variant in variants:
         name = preset_name(setting, variant)
         config = load_preset(name)
         if rounds:
             config = config.override({"run.rounds": rounds}, source="--rounds")
-        out = directory / name
-        if (out / "summary.json").is_file() and not force:
-            print(f"{name}: finished run found in {out}, skipped (use --force to re-run)")
-            continue
-        resume = not force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
-        print(f"\n=== {name}" + (" (resuming the interrupted run)" if resume else ""))
-        try:
-            run_experiment(config, out, label=VARIANTS[variant][0], resume=resume, overwrite=not resume)
-        except KeyboardInterrupt:
-            given = [a for a in argv if a != "--force"]
-            print(
-                f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
-                "runs):\n"
-                f"    python -m experiments.bicompfl {shlex.join(given)}",
-                file=sys.stderr,
-            )
-            return 130
-    return 0
+        runs.append((name, config, VARIANTS[variant][0]))
+    given = [a for a in argv if a != "--force"]
+    return run_configs(
+        directory, runs, force=force, resume_command=f"python -m experiments.bicompfl {shlex.join(given)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 from experiments.algorithms import KLMS_HOSTS
 from experiments.driver import plot_runs, read_jsonl, tail_accuracy
 
-__all__ = ["collect_runs", "run_identity", "results_table", "comparison_plots", "main"]
+__all__ = ["collect_runs", "run_identity", "results_table", "comparison_plots", "run_configs", "main"]
 
 COLUMNS = (
     "run",
@@ -142,6 +142,34 @@ def _markdown(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_configs(directory: Path, runs, *, force: bool, resume_command: str) -> int:
+    """Runs each ``(name, config, label)`` into ``directory/name``: a finished run (``summary.json``) is
+    skipped unless ``force``, an interrupted one (a checkpoint, no summary) is resumed, anything else run
+    from scratch. Ctrl-C stops it, prints ``resume_command`` (which resumes it and skips finished runs) and
+    returns 130; otherwise 0. Shared by the table commands (:mod:`experiments.bicompfl`)."""
+    from experiments.checkpoint import checkpoint_exists
+    from experiments.driver import is_run_folder, run_experiment
+
+    for name, config, label in runs:
+        out = directory / name
+        if (out / "summary.json").is_file() and not force:
+            print(f"{name}: finished run found in {out}, skipped (use --force to re-run)")
+            continue
+        # an interrupted run (a checkpoint but no summary) is continued unless --force
+        resume = not force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
+        print(f"\n=== {name}" + (" (resuming the interrupted run)" if resume else ""))
+        try:
+            run_experiment(config, out, label=label, resume=resume, overwrite=not resume)
+        except KeyboardInterrupt:
+            print(
+                f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
+                f"runs):\n    {resume_command}",
+                file=sys.stderr,
+            )
+            return 130
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.table", description=__doc__.split("\n")[0])
     parser.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
@@ -155,31 +183,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.run:
-        from experiments.checkpoint import checkpoint_exists
         from experiments.config import load_preset
-        from experiments.driver import is_run_folder, run_experiment
 
+        runs = []
         for preset in args.run:
             config = load_preset(preset)
             if args.rounds:
                 config = config.override({"run.rounds": args.rounds}, source="--rounds")
-            out = args.directory / preset
-            if (out / "summary.json").is_file() and not args.force:
-                print(f"{preset}: finished run found in {out}, skipped (use --force to re-run)")
-                continue
-            # an interrupted run (a checkpoint but no summary) is continued unless --force
-            resume = not args.force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
-            print(f"\n=== {preset}" + (" (resuming the interrupted run)" if resume else ""))
-            try:
-                run_experiment(config, out, label=preset, resume=resume, overwrite=not resume)
-            except KeyboardInterrupt:
-                given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]
-                print(
-                    f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
-                    f"runs):\n    python -m experiments.table {shlex.join(given)}",
-                    file=sys.stderr,
-                )
-                return 130
+            runs.append((preset, config, preset))
+        given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]
+        code = run_configs(
+            args.directory,
+            runs,
+            force=args.force,
+            resume_command=f"python -m experiments.table {shlex.join(given)}",
+        )
+        if code:
+            return code
     if not args.directory.is_dir():
         print(f"error: {args.directory} is not a directory", file=sys.stderr)
         return 2
