@@ -21,6 +21,7 @@ ALLOWED = {
     "blocks": BASE,
     "layout": BASE,
     "metrics": BASE,
+    "lattices": {"types", "utils"},
     "coding": BASE | {"distributions", "blocks", "layout"},
     "data": BASE,
     "models": BASE,
