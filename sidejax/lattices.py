@@ -39,6 +39,7 @@ integer coordinates of ``Q_s(x)`` equal those of ``Q_1(x / s)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -218,10 +219,17 @@ class Lattice:
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(jnp.result_type(float))
-        coords = _DECODERS[self.kind](x / jnp.asarray(self.scale, x.dtype))
-        gen = jnp.asarray(self.generator, x.dtype)
-        point = jnp.einsum("ij,...j->...i", gen, coords.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-        return point, coords
+        return _nearest(self, x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _nearest(lattice: Lattice, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:meth:`Lattice.nearest` after validation, compiled once per (lattice, shape, dtype) so eager calls
+    do not dispatch op by op (a jit inside an outer ``jit``/``vmap`` is inlined)."""
+    coords = _DECODERS[lattice.kind](x / jnp.asarray(lattice.scale, x.dtype))
+    gen = jnp.asarray(lattice.generator, x.dtype)
+    point = jnp.einsum("ij,...j->...i", gen, coords.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+    return point, coords
 
 
 def _check_scale(scale) -> float:
