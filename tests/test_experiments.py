@@ -553,8 +553,7 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
     )
     assert (
         "(coders klms, klms_avg; default 2 for klms; 8 for klms_avg; without a preset, as tuned for the "
-        "method: 8 for fedpm, qsgd, signsgd"
-        in text
+        "method: 8 for fedpm, qsgd, signsgd" in text
     )
     assert cli_main(["fedavg", "--data.model", "nope"]) == 2  # not a choice: argparse's error, no traceback
 
