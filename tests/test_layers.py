@@ -22,11 +22,11 @@ ALLOWED = {
     "layout": BASE,
     "metrics": BASE,
     "lattices": {"types", "utils"},
-    "coding": BASE | {"distributions", "blocks", "layout"},
+    "coding": BASE | {"distributions", "blocks", "layout", "lattices"},
     "data": BASE,
     "models": BASE,
-    "fl": BASE | {"distributions", "blocks", "layout", "metrics", "coding"},
-    "algorithms": BASE | {"distributions", "blocks", "layout", "metrics", "coding", "fl"},
+    "fl": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding"},
+    "algorithms": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding", "fl"},
     "__init__": None,  # the package root re-exports everything
 }
 
