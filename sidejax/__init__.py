@@ -5,10 +5,23 @@ of the papers), :mod:`sidejax.fl` (round engine, local training, evaluation), :m
 (FedAvg, FedPM, QSGD, SignSGD, QLSD/SGLD, each with a ``coder=``), :mod:`sidejax.coding` (the Coder
 contract and coders), :mod:`sidejax.keys` (the key schedule), :mod:`sidejax.bits` (code lengths),
 :mod:`sidejax.layout` (flat parameter layouts), :mod:`sidejax.metrics` (accuracy, NLL, ECE, predictive
-averaging).
+averaging), :mod:`sidejax.lattices` (Z^n, A2, D4, E8 with nearest-point search).
 """
 
-from sidejax import algorithms, bits, blocks, coding, data, distributions, fl, keys, layout, metrics, models
+from sidejax import (
+    algorithms,
+    bits,
+    blocks,
+    coding,
+    data,
+    distributions,
+    fl,
+    keys,
+    lattices,
+    layout,
+    metrics,
+    models,
+)
 
 __version__ = "0.1.0"
 
@@ -23,6 +36,7 @@ __all__ = [
     "distributions",
     "fl",
     "keys",
+    "lattices",
     "models",
     "__version__",
 ]

@@ -21,11 +21,12 @@ ALLOWED = {
     "blocks": BASE,
     "layout": BASE,
     "metrics": BASE,
-    "coding": BASE | {"distributions", "blocks", "layout"},
+    "lattices": {"types", "utils"},
+    "coding": BASE | {"distributions", "blocks", "layout", "lattices"},
     "data": BASE,
     "models": BASE,
-    "fl": BASE | {"distributions", "blocks", "layout", "metrics", "coding"},
-    "algorithms": BASE | {"distributions", "blocks", "layout", "metrics", "coding", "fl"},
+    "fl": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding"},
+    "algorithms": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding", "fl"},
     "__init__": None,  # the package root re-exports everything
 }
 
