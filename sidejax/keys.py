@@ -16,6 +16,8 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
           ├─ SERVER                    the server's noise (QLSD)
           └─ CLIENTS ─ client i        i = global client id
              ├─ SHARED                 candidates, dithers (the server re-derives it)
+             │  ├─ LAYERS ─ block j    CEPAM: the latent scale U_j of lattice block j
+             │  └─ DITHERS ─ block j   the dither family of block j; trial i: DRAWS ─ draw i
              └─ PRIVATE
                 ├─ SAMPLE              the message: index choice, quantisation, mask sample
                 └─ TRAIN ─ EPOCHS ─ epoch e
@@ -81,6 +83,8 @@ __all__ = [
     "DRAWS",
     "MODEL",
     "RECIPIENTS",
+    "LAYERS",
+    "DITHERS",
     "TAGS",
     "ClientKeys",
     "ClientStreams",
@@ -96,6 +100,8 @@ __all__ = [
     "leaf_key",
     "draw_key",
     "downlink_keys",
+    "BlockKeys",
+    "block_keys",
     "record_keys",
 ]
 
@@ -122,6 +128,8 @@ EVAL = 19  # FedPM init key -> the evaluation-mask uniforms
 DRAWS = 20  # any key -> a family of independent draws (index: draw j), e.g. evaluation masks
 MODEL = 21  # init key -> the model's parameters (flax folds its module-path hashes in below this tag)
 RECIPIENTS = 22  # downlink key -> the family of per-recipient downlink keys (index: global client id i)
+LAYERS = 23  # shared key -> the family of lattice-block latent keys (index: block j; CEPAM's U_j)
+DITHERS = 24  # shared key -> the family of lattice-block dither keys (index: block j; trial i = draw i)
 
 #: name of every tag (what :func:`record_keys` reports for a tag derivation)
 TAGS = {
@@ -149,9 +157,11 @@ TAGS = {
         DRAWS=DRAWS,
         MODEL=MODEL,
         RECIPIENTS=RECIPIENTS,
+        LAYERS=LAYERS,
+        DITHERS=DITHERS,
     ).items()
 }
-assert len(TAGS) == 22, "tag values must be distinct"
+assert len(TAGS) == 24, "tag values must be distinct"
 
 
 class ClientKeys(NamedTuple):
@@ -321,3 +331,23 @@ def downlink_keys(downlink_key: PRNGKey, recipient=None) -> ClientKeys:
     """
     k = downlink_key if recipient is None else _indexed(downlink_key, RECIPIENTS, recipient, "recipient")
     return ClientKeys(shared=stream_key(k, SHARED), private=stream_key(k, PRIVATE))
+
+
+class BlockKeys(NamedTuple):
+    """The two shared streams of one lattice block (CEPAM, spec §2.9): ``layer`` draws the latent scale
+    ``U_j``, ``dither`` is the family of the block's dithers (trial ``i`` uses ``draw_key(dither, i)``)."""
+
+    layer: PRNGKey
+    dither: PRNGKey
+
+
+def block_keys(shared_key: PRNGKey, block) -> BlockKeys:
+    """Keys of lattice block ``block`` (a traced int or an int array, e.g. ``jnp.arange(N)`` under ``vmap``)
+    of a message encoded with the shared key ``shared_key`` (client ``i``, round ``t``):
+    ``layer = fold_in(fold_in(shared, LAYERS), j)``, ``dither = fold_in(fold_in(shared, DITHERS), j)``.
+    The encoder and the decoder both derive them; they are never sent. Separate streams for the latent and
+    the dithers, one pair per (client, round, block)."""
+    return BlockKeys(
+        layer=_indexed(shared_key, LAYERS, block, "block"),
+        dither=_indexed(shared_key, DITHERS, block, "block"),
+    )

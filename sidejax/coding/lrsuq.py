@@ -214,7 +214,9 @@ def sdq_decode(dither_key: PRNGKey, coords: jax.Array, lattice: Lattice, dtype=N
     return _point(lattice, coords, dtype) + sample_dither(dither_key, lattice, dtype)
 
 
-def lrsuq_latent(layer_key: PRNGKey, lattice: Lattice, noise, dtype=None) -> tuple[jax.Array, jax.Array]:
+def lrsuq_latent(
+    layer_key: PRNGKey, lattice: Lattice, noise, dtype=None, level=None
+) -> tuple[jax.Array, jax.Array]:
     """The shared latent of an LRSUQ block: the radius ``r`` of the superlevel set and the scale ``β = r/ρ``.
 
     Gaussian ``N(0, σ²I_n)``: ``U ~ χ²_{n+2}`` (drawn as ``2·Gamma(n/2 + 1, 1)``), ``r = σ√U``. Laplace
@@ -226,6 +228,8 @@ def lrsuq_latent(layer_key: PRNGKey, lattice: Lattice, noise, dtype=None) -> tup
         lattice: the lattice (its packing radius ``ρ``).
         noise: :class:`GaussianNoise` or :class:`LaplaceNoise` (the latter with ``lattice.dim == 1``).
         dtype: float dtype (default: the default float dtype).
+        level: optional (traced) noise level replacing ``noise.sigma`` / ``noise.b`` (a client's own level,
+            CEPAM's privacy adaptability); ``None`` uses the noise's.
 
     Returns:
         ``(r, beta)``, scalars.
@@ -239,10 +243,12 @@ def lrsuq_latent(layer_key: PRNGKey, lattice: Lattice, noise, dtype=None) -> tup
     tiny = jnp.finfo(dtype).tiny
     if isinstance(noise, GaussianNoise):
         u = 2.0 * jax.random.gamma(layer_key, lattice.dim / 2.0 + 1.0, dtype=dtype)
-        r = noise.sigma * jnp.sqrt(jnp.maximum(u, tiny))
+        scale = noise.sigma if level is None else jnp.asarray(level, dtype)
+        r = scale * jnp.sqrt(jnp.maximum(u, tiny))
     else:
         u = jax.random.gamma(layer_key, 2.0, dtype=dtype)
-        r = noise.b * jnp.maximum(u, tiny)
+        scale = noise.b if level is None else jnp.asarray(level, dtype)
+        r = scale * jnp.maximum(u, tiny)
     return r, r / lattice.packing_radius
 
 
@@ -261,7 +267,8 @@ def acceptance_probability(lattice: Lattice, noise) -> float:
         return 1.0
     n = lattice.dim
     ball = math.pi ** (n / 2.0) / math.gamma(n / 2.0 + 1.0) * lattice.packing_radius**n
-    return ball / lattice.volume
+    p = ball / lattice.volume
+    return 1.0 if abs(p - 1.0) < 1e-12 else p  # Z^1: the ball is the cell (exactly 1, not 1 ± ulp)
 
 
 def lrsuq_encode(
@@ -292,13 +299,14 @@ def lrsuq_encode(
     return h, coords
 
 
-def _lrsuq_encode(layer_key, dither_key, x, lattice, noise):
-    """:func:`lrsuq_encode` plus the encoder's own reconstruction ``β(M_h + V_h)`` (for tests)."""
+def _lrsuq_encode(layer_key, dither_key, x, lattice, noise, level=None):
+    """:func:`lrsuq_encode` plus the encoder's own reconstruction ``β(M_h + V_h)`` (for tests); ``level``
+    as in :func:`lrsuq_latent`."""
     _check_lattice(lattice)
     _check_noise(noise, lattice)
     x = _check_x(x, lattice)
     dtype = x.dtype
-    r, beta = lrsuq_latent(layer_key, lattice, noise, dtype)
+    r, beta = lrsuq_latent(layer_key, lattice, noise, dtype, level)
     del r  # r/β = ρ
     rho2 = lattice.packing_radius**2
     xs = x / beta
@@ -340,6 +348,7 @@ def lrsuq_decode(
     lattice: Lattice,
     noise,
     dtype=None,
+    level=None,
 ) -> jax.Array:
     """LRSUQ decoder of one block: ``x̂ = β (M_h + V_h)`` with ``β`` regenerated from ``layer_key`` and
     ``V_h`` from ``draw_key(dither_key, h)``; ``x̂ − x`` has the law of ``noise``, independent of ``x``.
@@ -352,6 +361,7 @@ def lrsuq_decode(
         lattice: the encoder's lattice.
         noise: the encoder's noise.
         dtype: float dtype of ``x̂`` (default: the default float dtype; use the encoder input's dtype).
+        level: the encoder's ``level`` (:func:`lrsuq_latent`).
 
     Returns:
         ``x̂ [n]``.
@@ -366,6 +376,6 @@ def lrsuq_decode(
     if h.shape != () or not jnp.issubdtype(h.dtype, jnp.integer):
         raise ValueError(f"h must be an integer scalar, got {h.dtype}{list(h.shape)}")
     dtype = jnp.result_type(float) if dtype is None else dtype
-    _, beta = lrsuq_latent(layer_key, lattice, noise, dtype)
+    _, beta = lrsuq_latent(layer_key, lattice, noise, dtype, level)
     v = sample_dither(keys.draw_key(dither_key, h), lattice, dtype)
     return _reconstruct(lattice, beta, coords, v, h)
