@@ -459,7 +459,9 @@ def cepam_gaussian_sensitivity(
       for reproducing (16).
     * ``'dp'``: Δ2 = 2γ/K, the replace-one sensitivity when each client clips its update to ℓ2 norm γ with
       no rescaling at the server (the released average of clipped updates then has the noise the proof
-      assumes). This is the DP-correct mode.
+      assumes). This is the DP-correct mode. It is still evaluated through (14), i.e. with the group
+      factor; since clipping bounds the whole update, any number of appearances moves the average by at
+      most 2γ/K, so a tighter accountant could drop the group factor (not done here: not in the paper).
 
     Args:
         tau: local steps (>= 1).
@@ -984,8 +986,8 @@ def compose_naive(guarantee: PrivacyGuarantee, rounds: int) -> PrivacyGuarantee:
         rounds: R >= 1.
 
     Returns:
-        The composed :class:`PrivacyGuarantee` (``vacuous`` if Rδ >= the composed trivial δ or >= 1/n_k is
-        inherited from the per-round flag).
+        The composed :class:`PrivacyGuarantee`; ``vacuous`` if the per-round guarantee was, or if
+        Rδ >= 1 − (1 − p)^R.
     """
     r = check_count(rounds, "rounds", 1)
     if not isinstance(guarantee, PrivacyGuarantee):
