@@ -39,8 +39,20 @@ from sidejax.coding import (
     with_side_info,
 )
 from sidejax.coding.importance import candidate_uniforms, candidates, encode_bounded, importance_decode
+from sidejax.coding.lattice import (
+    additive_noise_coder,
+    clip_update,
+    lrsuq_coder,
+    lrsuq_quantize,
+    lrsuq_reconstruct,
+    sdq_coder,
+    sdq_quantize,
+    sdq_reconstruct,
+)
+from sidejax.coding.lrsuq import GaussianNoise
 from sidejax.distributions import Bernoulli, DiagGaussian, PointMass, Sign, StochasticLevels, Ternary
-from sidejax.keys import client_keys, round_key
+from sidejax.keys import client_keys, draw_key, round_key
+from sidejax.lattices import hexagonal, integer_lattice
 
 DIM = 203  # not a multiple of 32
 NUM_SIDE = 3
@@ -170,6 +182,30 @@ def _side_oracle(inner):
     return oracle
 
 
+def _lrsuq_oracle(lattice, noise, gamma):
+    def oracle(keys, q, p, state):
+        # Algorithms 2/3 by hand: X = q - p normalised to norm gamma, LRSUQ per block, rescaled by ||X||/gamma
+        del state
+        x = q.value - p.value
+        norm = jnp.linalg.norm(x)
+        h, coords = lrsuq_quantize(keys.shared, gamma * x / norm, lattice, noise)
+        return p.value + (norm / gamma) * lrsuq_reconstruct(keys.shared, h, coords, lattice, noise, DIM)
+
+    return oracle
+
+
+def _noisy_sdq_oracle(sigma, lattice):
+    def oracle(keys, q, p, state):
+        # clip to norm 1, add the private Gaussian noise, then SDQ with the shared dithers
+        del state
+        x = q.value - p.value
+        x = x * jnp.minimum(1.0, 1.0 / jnp.linalg.norm(x))
+        x = x + sigma * jax.random.normal(draw_key(keys.private, 0), x.shape)
+        return p.value + sdq_reconstruct(keys.shared, sdq_quantize(keys.shared, x, lattice), lattice, DIM)
+
+    return oracle
+
+
 _ADAPTIVE = KLMSConfig(log2_num_candidates=3, max_block_size=16, block_size=4)
 _FIXED = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=5)
 _CRC = KLMSConfig(log2_num_candidates=2, max_block_size=8, crc32=True)
@@ -191,6 +227,20 @@ CASES = [
     ("klms-crc-signs", klms_coder(_CRC), _signs, _klms_oracle(_CRC)),
     ("klms-avg-bernoulli", klms_avg_coder(_AVG), _bernoulli, _klms_avg_oracle(_AVG)),
     ("klms-avg-update-crc-gaussian", klms_avg_coder(_AVG_UPDATE), _gauss, _klms_avg_oracle(_AVG_UPDATE)),
+    (
+        "cepam-gauss-A2",
+        clip_update(lrsuq_coder(hexagonal(), GaussianNoise(0.05))),
+        _point,
+        _lrsuq_oracle(hexagonal(), GaussianNoise(0.05), 1.0),
+    ),
+    (
+        "gauss+sdq",
+        clip_update(
+            additive_noise_coder(GaussianNoise(0.1), sdq_coder(integer_lattice(1, 0.01))), mode="clip"
+        ),
+        _point,
+        _noisy_sdq_oracle(0.1, integer_lattice(1, 0.01)),
+    ),
     (
         "elias+side",
         with_side_info(elias_coder(3), NUM_SIDE),
