@@ -1,0 +1,328 @@
+"""Benchmark: throughput of CEPAM's LRSUQ (quantization whose error *is* the Gaussian / Laplace DP noise)
+per lattice, against plain noise addition (the same output law, without compression).
+
+For a vector ``x`` of ``--dim`` coordinates (default 25,818, the CEPAM MLP; several sizes may be given),
+``x ~ N(0, I/d)`` normalised to norm 1, and the paper's noise levels ``σ = b = 0.1``, each case (a lattice
+and a noise family) times, jitted, after a warm-up call, in one process, interleaved over cases and best
+of ``--repeats``:
+
+- ``quantize``: :func:`sidejax.coding.lattice.lrsuq_quantize` ``(shared_key, x, lattice, noise) ->
+  (h, coords)`` (a ``lax.while_loop`` per block under ``vmap``);
+- ``reconstruct``: :func:`sidejax.coding.lattice.lrsuq_reconstruct` (the decoder's regeneration of the
+  latents and the accepted dithers);
+- ``encode`` / ``decode``: the full coder with real bitstreams,
+  ``c = clip_update(lrsuq_coder(lattice, noise), gamma=1.0)``, ``c.encode(keys, PointMass(x),
+  PointMass(0), c.init(d))`` and ``c.decode(keys.shared, PointMass(0), c.init(d), message)``;
+  ``round_trip`` is their sum (bits per coordinate ``num_bits / d`` and the mean trial index reported);
+- ``baseline``: ``x + σ·N(0, 1)`` (``jax.random.normal``) or ``x + b·Lap(0, 1)`` (``jax.random.laplace``),
+  what a user who does not compress runs to get the same output law.
+
+Lattices ``Z^1, Z^2, Z^3, A2, D4, E8`` with ``GaussianNoise(σ)``; ``LaplaceNoise(b)`` on ``Z^1`` only
+(LRSUQ's Laplace layering needs a one-dimensional lattice). Reported: coordinates per second of each step,
+and ``slowdown`` = LRSUQ time / baseline time (how many times slower than plain noise addition). Both wall
+and process CPU time (all threads) are recorded. The run fails loudly (``RuntimeError``) unless every
+decoded stream is valid and the decoded error has mean ≈ 0 and std ≈ ``σ`` (Gaussian) or ``√2·b``
+(Laplace), within 5 standard errors of the sample std.
+
+Writes JSON (default ``results/bench/cepam_quantize.json``) with the machine (``jax.devices()``, CPU
+count), the sizes and every case's wall and CPU seconds, and prints a table.
+
+Run: ``python -m experiments.bench.cepam_quantize [--dim 25818 ...] [--repeats 5]``.
+
+Measured (2-core shared CPU, d = 25,818, best of 5 interleaved, wall time; Mcoord/s = million coordinates
+per second; slowdown vs. plain noise addition):
+
+::
+
+    case           h mean h max bits/c err std        quantize     reconstruct      round trip noise add
+    ----------------------------------------------------------------------------------------------------
+    Z^1-gaussian     1.00     1   0.18  0.0994    1.42 (  40x)    1.41 (  40x)    0.55 ( 103x)      56.9
+    Z^1-laplace      1.00     1   0.21  0.1401    2.18 (  28x)    2.27 (  27x)    0.74 (  84x)      61.8
+    Z^2-gaussian     1.27     7   0.69  0.1000    0.94 (  47x)    1.61 (  27x)    0.28 ( 155x)      44.0
+    Z^3-gaussian     1.89    12   0.64  0.1002    1.95 (  29x)    7.81 (   7x)    0.47 ( 120x)      56.6
+    A2-gaussian      1.10     5   0.64  0.0997    1.00 (  50x)    1.61 (  31x)    0.29 ( 172x)      50.2
+    D4-gaussian      1.61     9   0.42  0.1000    1.20 (  35x)    3.91 (  11x)    0.42 (  99x)      41.7
+    E8-gaussian      3.93    32   0.41  0.0996    0.49 ( 113x)   12.46 (   4x)    0.38 ( 145x)      55.8
+
+    Seconds (wall; CPU time equal within 1%: XLA runs these single-threaded):
+
+    case            quantize reconstr.    encode    decode noise add
+    Z^1-gaussian     18.13ms   18.26ms   21.74ms   24.96ms    0.45ms
+    Z^1-laplace      11.82ms   11.40ms   15.84ms   19.27ms    0.42ms
+    Z^2-gaussian     27.40ms   16.08ms   30.84ms   60.25ms    0.59ms
+    Z^3-gaussian     13.25ms    3.30ms   16.85ms   37.74ms    0.46ms
+    A2-gaussian      25.85ms   16.03ms   29.60ms   58.86ms    0.51ms
+    D4-gaussian      21.56ms    6.60ms   25.24ms   36.27ms    0.62ms
+    E8-gaussian      52.49ms    2.07ms   55.37ms   11.79ms    0.46ms
+
+No case is pathological; the costs are (profiled at d = 25,818 on the same machine, prototypes outside the
+library, see the i15-bench report):
+
+- the per-block latent ``jax.random.gamma`` (a rejection loop, vmapped over blocks, so every block pays for
+  the slowest): 16 of the 18 ms of ``Z^1`` quantize and reconstruct. Drawing ``U ~ χ²_{n+2}`` as the sum of
+  ``n + 2`` squared normals (Laplace: ``Gamma(2, 1) = −log(u₁u₂)``), the same law, gives ``Z^1`` quantize
+  18.4 -> 3.4 ms and reconstruct 18.5 -> 2.1 ms (``Z^2`` reconstruct 30 -> 11 ms);
+- the vmapped ``while_loop`` over blocks runs ``max h`` trials for every block (32 for ``E8`` against a mean
+  of 3.9): a loop capped at ``T0`` trials for all blocks, then the unaccepted ones gathered (static
+  capacity, a full-loop fallback) and finished, gives bit-identical ``(h, coords)`` with ``E8`` 52 -> 30 ms,
+  ``D4`` 21 -> 13.5 ms, ``Z^3`` 21 -> 12 ms; with the cheaper latent ``Z^2`` 28 -> 10 ms, ``A2`` 26 -> 9 ms;
+- the decoder parses every bit position of the static buffer, which the trial indices' slack (64 bits per
+  block) makes 3x larger than the coordinates need (1.25 Mbit for ``Z^2``, stream 17.7 kbit):
+  ``decode_lattice_stream`` takes 41 ms there and 9 ms with 8 bits of slack per block (same output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+DEFAULT_DIM = 25_818  # the CEPAM MLP
+LATTICES = ("z1", "z2", "z3", "a2", "d4", "e8")
+STEPS = ("quantize", "reconstruct", "encode", "decode", "round_trip", "baseline")
+# excess kurtosis + 2 = E[z^4]/σ^4 − 1: the sample variance has variance (that)·σ^4/d
+_KURTOSIS_MINUS_ONE = {"gaussian": 2.0, "laplace": 5.0}
+
+
+def _lattice(name: str):
+    from sidejax import lattices
+
+    return {
+        "z1": lambda: lattices.integer_lattice(1),
+        "z2": lambda: lattices.integer_lattice(2),
+        "z3": lambda: lattices.integer_lattice(3),
+        "a2": lattices.hexagonal,
+        "d4": lattices.d4,
+        "e8": lattices.e8,
+    }[name]()
+
+
+def _timed(fn, *args):
+    """``(wall seconds, process CPU seconds)`` of one call (waited for)."""
+    import jax
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _check_error(name: str, err, family: str, level: float) -> tuple[float, float, float]:
+    """``(mean, std, expected std)`` of a decoded error; raises ``RuntimeError`` when the mean is not
+    ≈ 0 or the std not ≈ the noise's (5 standard errors, the sample std's SE being
+    ``std·sqrt((E z^4/σ^4 − 1)/d)/2``)."""
+    import numpy as np
+
+    err = np.asarray(err, np.float64)
+    d = err.shape[0]
+    target = level if family == "gaussian" else math.sqrt(2.0) * level
+    mean, std = float(err.mean()), float(err.std())
+    std_tol = 5.0 * target * math.sqrt(_KURTOSIS_MINUS_ONE[family] / d) / 2.0
+    mean_tol = 5.0 * target / math.sqrt(d)
+    if not (np.all(np.isfinite(err)) and abs(std - target) <= std_tol and abs(mean) <= mean_tol):
+        raise RuntimeError(
+            f"{name}: decoded error is not {family} noise of std {target:.4g}: mean {mean:.4g} "
+            f"(tolerance {mean_tol:.3g}), std {std:.4g} (tolerance {std_tol:.3g}), "
+            f"finite {bool(np.all(np.isfinite(err)))}"
+        )
+    return mean, std, target
+
+
+def _case_fns(lattice, noise, d: int, sigma_or_b: float, family: str):
+    """The jitted functions of one case."""
+    import jax
+    import jax.numpy as jnp
+
+    from sidejax.coding.lattice import clip_update, lrsuq_coder, lrsuq_quantize, lrsuq_reconstruct
+    from sidejax.distributions import PointMass
+
+    coder = clip_update(lrsuq_coder(lattice, noise), gamma=1.0)
+    zeros = PointMass(jnp.zeros((d,), jnp.float32))
+    state = coder.init(d)
+    draw = jax.random.normal if family == "gaussian" else jax.random.laplace
+    return {
+        "quantize": jax.jit(lambda key, x: lrsuq_quantize(key, x, lattice, noise)),
+        "reconstruct": jax.jit(lambda key, h, c: lrsuq_reconstruct(key, h, c, lattice, noise, d)),
+        "encode": jax.jit(lambda keys, x: coder.encode(keys, PointMass(x), zeros, state)),
+        "decode": jax.jit(lambda key, message: coder.decode(key, zeros, state, message)),
+        "baseline": jax.jit(lambda key, x: x + sigma_or_b * draw(key, x.shape, jnp.float32)),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench.cepam_quantize", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--dim", type=int, nargs="+", default=[DEFAULT_DIM], help="vector size(s) (default 25818)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions of each step (best kept)")
+    parser.add_argument("--sigma", type=float, default=0.1, help="Gaussian noise std (default 0.1)")
+    parser.add_argument("--b", type=float, default=0.1, help="Laplace noise scale (default 0.1)")
+    parser.add_argument(
+        "--lattices",
+        nargs="+",
+        choices=LATTICES,
+        default=list(LATTICES),
+        help="lattices to run (default all)",
+    )
+    parser.add_argument("--out", default="results/bench/cepam_quantize.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if any(d < 1 for d in args.dim):
+        parser.error(f"--dim must be >= 1, got {args.dim}")
+    if not (math.isfinite(args.sigma) and args.sigma > 0 and math.isfinite(args.b) and args.b > 0):
+        parser.error("--sigma and --b must be finite and > 0")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sidejax.coding.lattice import num_blocks
+    from sidejax.coding.lrsuq import GaussianNoise, LaplaceNoise, acceptance_probability
+    from sidejax.keys import client_keys, draw_key, round_key
+
+    keys = client_keys(round_key(jax.random.key(0), 0), 0)
+    noise_key = draw_key(keys.private, 0)  # the baseline's private noise (as additive_noise_coder draws it)
+    specs = []
+    for name in args.lattices:
+        specs.append((name, "gaussian", GaussianNoise(args.sigma), args.sigma))
+        if name == "z1":
+            specs.append((name, "laplace", LaplaceNoise(args.b), args.b))
+
+    results = {}
+    for d in args.dim:
+        x = jax.random.normal(jax.random.key(1), (d,), jnp.float32) / math.sqrt(d)
+        x = x / jnp.linalg.norm(x)
+        cases = {}
+        fns = {}
+        for lname, family, noise, level in specs:
+            lattice = _lattice(lname)
+            cname = f"{lattice.name}-{family}"
+            f = fns[cname] = _case_fns(lattice, noise, d, level, family)
+            first = {}
+            first["quantize"], _ = _timed(f["quantize"], keys.shared, x)
+            h, coords = f["quantize"](keys.shared, x)
+            first["reconstruct"], _ = _timed(f["reconstruct"], keys.shared, h, coords)
+            x_hat = f["reconstruct"](keys.shared, h, coords)
+            first["encode"], _ = _timed(f["encode"], keys, x)
+            message, info = f["encode"](keys, x)
+            first["decode"], _ = _timed(f["decode"], keys.shared, message)
+            y, decoded = f["decode"](keys.shared, message)
+            first["baseline"], _ = _timed(f["baseline"], noise_key, x)
+            z = f["baseline"](noise_key, x)
+            if not (bool(jnp.all(h > 0)) and bool(info.valid) and bool(decoded.valid)):
+                raise RuntimeError(
+                    f"{cname}: invalid encoding (all h > 0: {bool(jnp.all(h > 0))}, encoder valid "
+                    f"{bool(info.valid)}, decoder valid {bool(decoded.valid)}, errors {int(decoded.errors)})"
+                )
+            q_mean, q_std, target = _check_error(f"{cname} quantize/reconstruct", x_hat - x, family, level)
+            _, c_std, _ = _check_error(f"{cname} coder round trip", y - x, family, level)
+            _, b_std, _ = _check_error(f"{cname} baseline", z - x, family, level)
+            p = acceptance_probability(lattice, noise)
+            cases[cname] = {
+                "lattice": lattice.name,
+                "lattice_dim": lattice.dim,
+                "noise": family,
+                "level": level,
+                "blocks": num_blocks(d, lattice),
+                "acceptance_probability": p,
+                "expected_mean_trials": 1.0 / p,
+                "mean_trials": float(info.inner.mean_trials),
+                "max_trials": int(jnp.max(h)),
+                "bits_per_coordinate": float(message.num_bits) / d,
+                "expected_error_std": target,
+                "error_mean": q_mean,
+                "error_std": q_std,
+                "round_trip_error_std": c_std,
+                "baseline_error_std": b_std,
+                "first_call_wall_seconds": first,
+                "_args": {
+                    "quantize": (keys.shared, x),
+                    "reconstruct": (keys.shared, h, coords),
+                    "encode": (keys, x),
+                    "decode": (keys.shared, message),
+                    "baseline": (noise_key, x),
+                },
+            }
+        inf = (float("inf"), float("inf"))
+        best = {c: {s: inf for s in STEPS if s != "round_trip"} for c in cases}
+        for _ in range(args.repeats):
+            for cname, case in cases.items():  # interleaved, so load changes hit every case alike
+                for step, step_args in case["_args"].items():
+                    best[cname][step] = tuple(
+                        map(min, best[cname][step], _timed(fns[cname][step], *step_args))
+                    )
+        for cname, case in cases.items():
+            del case["_args"]
+            for i, clock in enumerate(("wall", "cpu")):
+                sec = {s: v[i] for s, v in best[cname].items()}
+                sec["round_trip"] = sec["encode"] + sec["decode"]
+                case[f"{clock}_seconds"] = sec
+                case[f"{clock}_coords_per_second"] = {s: d / t if t > 0 else None for s, t in sec.items()}
+                case[f"{clock}_slowdown_vs_baseline"] = {
+                    s: sec[s] / sec["baseline"] if sec["baseline"] > 0 else None
+                    for s in ("quantize", "reconstruct", "round_trip")
+                }
+        results[str(d)] = cases
+
+    result = {
+        "machine": {
+            "devices": [str(dev) for dev in jax.devices()],
+            "backend": jax.default_backend(),
+            "cpu_count": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(),
+            "jax_version": jax.__version__,
+            "numpy_version": np.__version__,
+        },
+        "dims": list(args.dim),
+        "sigma": args.sigma,
+        "b": args.b,
+        "gamma": 1.0,
+        "repeats": args.repeats,
+        "lattices": list(args.lattices),
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    print(f"wrote {out}")
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The readable table of a result (wall time; Mcoord/s and slowdown vs. noise addition)."""
+    lines = []
+    for d, cases in result["results"].items():
+        lines.append(
+            f"d = {int(d):,}: wall time, best of {result['repeats']}; Mcoord/s (slowdown vs. noise addition)"
+        )
+        head = (
+            f"{'case':<14} {'h mean':>6} {'h max':>5} {'bits/c':>6} {'err std':>7} "
+            f"{'quantize':>15} {'reconstruct':>15} {'round trip':>15} {'noise add':>9}"
+        )
+        lines.append(head)
+        lines.append("-" * len(head))
+        for cname, c in cases.items():
+            rate = c["wall_coords_per_second"]
+            slow = c["wall_slowdown_vs_baseline"]
+
+            def cell(step, rate=rate, slow=slow):
+                return f"{rate[step] / 1e6:7.2f} ({slow[step]:4.0f}x)"
+
+            lines.append(
+                f"{cname:<14} {c['mean_trials']:6.2f} {c['max_trials']:5d} {c['bits_per_coordinate']:6.2f} "
+                f"{c['error_std']:7.4f} {cell('quantize'):>15} {cell('reconstruct'):>15} "
+                f"{cell('round_trip'):>15} {rate['baseline'] / 1e6:9.1f}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""experiments.bench.cepam_quantize at a tiny size: runs, checks the decoded noise law, writes the JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+
+def test_cepam_quantize_bench_tiny(tmp_path, capsys):
+    from experiments.bench import cepam_quantize
+
+    out = tmp_path / "bench.json"
+    d = 3001
+    report = cepam_quantize.main(["--dim", str(d), "--repeats", "2", "--lattices", "z1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "Z^1-gaussian" in printed and "Z^1-laplace" in printed and f"wrote {out}" in printed
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert saved["dims"] == [d] and saved["repeats"] == 2 and saved["sigma"] == 0.1 and saved["b"] == 0.1
+    machine = saved["machine"]
+    assert machine["cpu_count"] >= 1 and len(machine["devices"]) >= 1 and machine["backend"]
+    cases = saved["results"][str(d)]
+    assert set(cases) == {"Z^1-gaussian", "Z^1-laplace"}
+    for name, case in cases.items():
+        laplace = name.endswith("laplace")
+        assert case["noise"] == ("laplace" if laplace else "gaussian")
+        assert case["blocks"] == d and case["lattice_dim"] == 1
+        # Z^1: every block accepts at the first trial (p = 1 exactly), so no trial index is sent
+        assert case["acceptance_probability"] == 1.0
+        assert case["mean_trials"] == 1.0 and case["max_trials"] == 1
+        assert 0.0 < case["bits_per_coordinate"] < 16.0
+        target = math.sqrt(2.0) * 0.1 if laplace else 0.1
+        assert case["expected_error_std"] == pytest.approx(target)
+        tol = 5.0 * target * math.sqrt((5.0 if laplace else 2.0) / d) / 2.0
+        for key in ("error_std", "round_trip_error_std", "baseline_error_std"):
+            assert abs(case[key] - target) <= tol, (name, key, case[key])
+        for clock in ("wall", "cpu"):
+            sec = case[f"{clock}_seconds"]
+            assert set(sec) == set(cepam_quantize.STEPS)
+            assert sec["round_trip"] == pytest.approx(sec["encode"] + sec["decode"])
+            rate = case[f"{clock}_coords_per_second"]
+            slow = case[f"{clock}_slowdown_vs_baseline"]
+            assert set(slow) == {"quantize", "reconstruct", "round_trip"}
+            for step in ("quantize", "reconstruct", "round_trip"):
+                if sec["baseline"] > 0 and sec[step] > 0:
+                    assert rate[step] == pytest.approx(d / sec[step])
+                    assert slow[step] == pytest.approx(sec[step] / sec["baseline"])
+        assert all(v > 0 for v in case["wall_seconds"].values())
+        assert set(case["first_call_wall_seconds"]) == set(cepam_quantize.STEPS) - {"round_trip"}
+
+
+def test_cepam_quantize_check_fails_loudly():
+    import numpy as np
+
+    from experiments.bench import cepam_quantize
+
+    rng = np.random.default_rng(0)
+    err = 0.1 * rng.standard_normal(20_000)
+    mean, std, target = cepam_quantize._check_error("ok", err, "gaussian", 0.1)
+    assert target == 0.1 and abs(std - 0.1) < 0.005
+    with pytest.raises(RuntimeError, match="not gaussian noise of std 0.1"):
+        cepam_quantize._check_error("bad", 1.1 * err, "gaussian", 0.1)
+    with pytest.raises(RuntimeError, match="not laplace noise"):
+        cepam_quantize._check_error("bad", err, "laplace", 0.1)  # std 0.1, not sqrt(2)·0.1
+
+
+def test_cepam_quantize_rejects_bad_arguments():
+    from experiments.bench import cepam_quantize
+
+    with pytest.raises(SystemExit):
+        cepam_quantize.main(["--repeats", "0"])
+    with pytest.raises(SystemExit):
+        cepam_quantize.main(["--dim", "0"])
+    with pytest.raises(SystemExit):
+        cepam_quantize.main(["--lattices", "z4"])
