@@ -5,7 +5,8 @@ of the papers), :mod:`sidejax.fl` (round engine, local training, evaluation), :m
 (FedAvg, FedPM, QSGD, SignSGD, QLSD/SGLD, each with a ``coder=``), :mod:`sidejax.coding` (the Coder
 contract and coders), :mod:`sidejax.keys` (the key schedule), :mod:`sidejax.bits` (code lengths),
 :mod:`sidejax.layout` (flat parameter layouts), :mod:`sidejax.metrics` (accuracy, NLL, ECE, predictive
-averaging), :mod:`sidejax.lattices` (Z^n, A2, D4, E8 with nearest-point search).
+averaging), :mod:`sidejax.lattices` (Z^n, A2, D4, E8 with nearest-point search), :mod:`sidejax.privacy`
+(CEPAM's (epsilon, delta) accountant).
 """
 
 from sidejax import (
@@ -21,6 +22,7 @@ from sidejax import (
     layout,
     metrics,
     models,
+    privacy,
 )
 
 __version__ = "0.1.0"
@@ -38,5 +40,6 @@ __all__ = [
     "keys",
     "lattices",
     "models",
+    "privacy",
     "__version__",
 ]

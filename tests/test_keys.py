@@ -12,7 +12,10 @@ import numpy as np
 import optax
 
 from sidejax.algorithms import LangevinSettings, bicompfl_pr, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms.cepam import cepam
 from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.coding.lattice import clip_update, lrsuq_coder
+from sidejax.coding.lrsuq import GaussianNoise
 from sidejax.coding.toy import distributed_mean
 from sidejax.fl import LocalTraining, build_round_step
 from sidejax.keys import (
@@ -24,6 +27,7 @@ from sidejax.keys import (
     round_key,
     run_keys,
 )
+from sidejax.lattices import integer_lattice
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,6 +114,13 @@ def _all_algorithms(loss):
             split_downlink=True,
             **common,
         ),
+        # CEPAM: the per-block latent and dither families (LAYERS, DITHERS) of the LRSUQ uplink
+        "cepam": cepam(
+            loss,
+            coder=clip_update(lrsuq_coder(integer_lattice(2), GaussianNoise(0.1))),
+            local_steps=3,
+            **common,
+        ),
     }
 
 
@@ -127,6 +138,13 @@ _EXPECTED = {
 for _host in ("fedpm", "qsgd", "signsgd"):
     _EXPECTED[_host + "_klms"] = _EXPECTED[_host]
 _EXPECTED["sgld_klms"] = _EXPECTED["qlsd"] - {"SERVER"}
+_EXPECTED["cepam"] = (_ROUND | {"TRAIN", "EPOCHS", "epoch", "ORDER", "STEPS", "step", "SAMPLE"}) | {
+    "LAYERS",
+    "DITHERS",
+    "block",
+    "DRAWS",
+    "draw",
+}
 _EXPECTED["bicompfl_pr_splitdl"] = _EXPECTED["fedpm"] | {"DRAWS", "draw", "RECIPIENTS", "recipient"}
 
 

@@ -22,11 +22,13 @@ ALLOWED = {
     "layout": BASE,
     "metrics": BASE,
     "lattices": {"types", "utils"},
+    "privacy": {"types", "utils"},
     "coding": BASE | {"distributions", "blocks", "layout", "lattices"},
     "data": BASE,
     "models": BASE,
     "fl": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding"},
-    "algorithms": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding", "fl"},
+    "algorithms": BASE
+    | {"distributions", "blocks", "layout", "metrics", "lattices", "privacy", "coding", "fl"},
     "__init__": None,  # the package root re-exports everything
 }
 

@@ -9,12 +9,15 @@
   importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL).
 - :func:`memsgd`, :func:`doublesqueeze`, :func:`neolithic`, :func:`cser`: the non-stochastic
   bi-directionally compressed baselines (error feedback, scaled-sign compressor).
+- :func:`cepam`: CEPAM's FedAvg around a privacy mechanism coder (LRSUQ, additive noise, SDQ), with
+  per-client noise levels.
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 - :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
   (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
 """
 
 from sidejax.algorithms.bicompfl import bicompfl_gr, bicompfl_gr_reconst, bicompfl_pr, fixed_rates
+from sidejax.algorithms.cepam import CepamClient, CepamServer, cepam, sampled_sgd
 from sidejax.algorithms.compressed import (
     CompressedClientState,
     CompressedServerInfo,
@@ -66,6 +69,10 @@ from sidejax.algorithms.qsgd import (
 from sidejax.algorithms.signsgd import sign_law, signsgd, stochastic_sign_probs
 
 __all__ = [
+    "cepam",
+    "sampled_sgd",
+    "CepamServer",
+    "CepamClient",
     "bicompfl_gr",
     "bicompfl_gr_reconst",
     "bicompfl_pr",

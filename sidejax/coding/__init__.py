@@ -5,7 +5,10 @@ information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel 
 Adaptive blocks), :func:`klms_avg_coder` (BICompFL's Adaptive-Avg: equal blocks of one adaptive size),
 :func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
 baselines), :func:`scaled_sign_coder` (the deterministic scaled-sign compressor of the error-feedback
-baselines), and the combinator :func:`with_side_info`. :mod:`sidejax.coding.importance_law` holds the exact
+baselines), and the combinator :func:`with_side_info`. CEPAM's mechanisms: :func:`lrsuq_coder` (quantization
+noise that is exactly Gaussian or Laplace), :func:`sdq_coder`, :func:`additive_noise_coder` and the update
+normalisation :func:`clip_update` (:mod:`sidejax.coding.lattice`, per-block quantizers in
+:mod:`sidejax.coding.lrsuq`). :mod:`sidejax.coding.importance_law` holds the exact
 law of the importance-sampled Bernoulli (block size 1) and BICompFL's bounds on its bias.
 """
 
@@ -101,6 +104,18 @@ from sidejax.coding.klms_avg import (
     klms_avg_receive,
     klms_avg_server_update,
 )
+from sidejax.coding.lattice import (
+    LatticeInfo,
+    NoisePrior,
+    additive_noise_coder,
+    clip_update,
+    lrsuq_coder,
+    lrsuq_quantize,
+    lrsuq_reconstruct,
+    sdq_coder,
+    sdq_quantize,
+    sdq_reconstruct,
+)
 from sidejax.coding.lossless import (
     elias_levels_decode,
     elias_levels_encode,
@@ -109,9 +124,22 @@ from sidejax.coding.lossless import (
     mask_decode,
     mask_encode,
 )
+from sidejax.coding.lrsuq import GaussianNoise, LaplaceNoise
 from sidejax.coding.sample import SampleInfo, elias_coder, fixed_width_coder, mask_coder
 
 __all__ = [
+    "LatticeInfo",
+    "NoisePrior",
+    "additive_noise_coder",
+    "clip_update",
+    "lrsuq_coder",
+    "lrsuq_quantize",
+    "lrsuq_reconstruct",
+    "sdq_coder",
+    "sdq_quantize",
+    "sdq_reconstruct",
+    "GaussianNoise",
+    "LaplaceNoise",
     "ERR_CRC",
     "ERR_INPUT",
     "ERR_LENGTH",
