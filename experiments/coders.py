@@ -6,6 +6,12 @@
 - ``elias``: QSGD's Elias code of the levels (:func:`sidejax.coding.elias_coder`, ``s`` from the method);
 - ``mask``: a Golomb-coded binary mask (:func:`sidejax.coding.mask_coder`);
 - ``klms_avg``: KLMS with BICompFL's Adaptive-Avg allocation (:func:`sidejax.coding.klms_avg_coder`);
+- ``lrsuq``: CEPAM's layered rejection-sampled universal quantizer, its error exactly Gaussian or Laplace
+  noise, with Algorithm 2's normalisation (:func:`sidejax.coding.lrsuq_coder` in
+  :func:`sidejax.coding.clip_update`);
+- ``noise``: the classic Gaussian / Laplace mechanism (private noise after the normalisation), sent as float32
+  or, with ``sdq_step > 0``, SDQ-quantized (:func:`sidejax.coding.additive_noise_coder`);
+- ``sdq``: subtractive dithered quantization of the update (:func:`sidejax.coding.sdq_coder`);
 - ``scaled_sign``: the deterministic scaled sign, a float32 scale and one bit per coordinate
   (:func:`sidejax.coding.scaled_sign_coder`), the error-feedback baselines' compressor.
 
@@ -20,17 +26,24 @@ from typing import TYPE_CHECKING, ClassVar
 from experiments.sections import Section, choice
 from sidejax.coding import (
     Coder,
+    GaussianNoise,
     KLMSAvgConfig,
     KLMSConfig,
+    LaplaceNoise,
+    additive_noise_coder,
+    clip_update,
     elias_coder,
     fixed_width_coder,
     float32_coder,
     klms_avg_coder,
     klms_coder,
+    lrsuq_coder,
     mask_coder,
     scaled_sign_coder,
+    sdq_coder,
 )
 from sidejax.coding.klms import TRIGGERS
+from sidejax.lattices import d4, e8, hexagonal, integer_lattice
 
 if TYPE_CHECKING:
     from experiments.methods import MethodConfig
@@ -44,6 +57,10 @@ __all__ = [
     "MaskCoderConfig",
     "KLMSAvgCoderConfig",
     "ScaledSignCoderConfig",
+    "LRSUQCoderConfig",
+    "NoiseCoderConfig",
+    "SDQCoderConfig",
+    "LATTICES",
     "CODERS",
 ]
 
@@ -203,6 +220,125 @@ class ScaledSignCoderConfig(CoderConfig):
         return scaled_sign_coder()
 
 
+#: CEPAM's lattices by name (``[coder] lattice``)
+LATTICES = {
+    "z1": lambda: integer_lattice(1),
+    "z2": lambda: integer_lattice(2),
+    "z3": lambda: integer_lattice(3),
+    "a2": hexagonal,
+    "d4": d4,
+    "e8": e8,
+}
+_NOISES = ("gauss", "laplace")
+_CLIP_MODES = ("normalise", "clip")
+
+
+def _noise(kind: str, level: float):
+    return GaussianNoise(level) if kind == "gauss" else LaplaceNoise(level)
+
+
+@dataclass(frozen=True)
+class _MechanismConfig(CoderConfig):
+    """Fields shared by the privacy mechanisms.
+
+    Attributes:
+      noise: gauss (N(0, level^2) per coordinate) or laplace (Lap(0, level)).
+      level: the noise level sigma or b (> 0), in the units of the normalised update.
+      gamma: the normalisation scale: the update is normalised (or clipped) to norm gamma before the noise.
+      clip: normalise (the paper: X gamma/||X||, ||X|| sent as float32, the server rescales) or clip
+        (DP-correct: X min(1, gamma/||X||), no rescaling).
+    """
+
+    noise: str = choice("gauss", _NOISES)
+    level: float = 0.1
+    gamma: float = 1.0
+    clip: str = choice("normalise", _CLIP_MODES)
+
+    def check(self) -> None:
+        self.require(self.level > 0, "level", "must be > 0 (sigma or b)")
+        self.require(self.gamma > 0, "gamma", "must be > 0")
+
+
+@dataclass(frozen=True)
+class LRSUQCoderConfig(_MechanismConfig):
+    """CEPAM: LRSUQ on a lattice, the quantization error exactly the noise (spec cepam.md §2.5-2.8).
+
+    Attributes:
+      lattice: z1, z2, z3 (the paper), a2, d4 or e8 (higher packing density: fewer trials); laplace needs z1.
+      capacity_bits_per_coordinate: static stream buffer per coordinate (an update that needs more is
+        reported invalid and stops the run, naming this field).
+    """
+
+    name: ClassVar[str] = "lrsuq"
+    lattice: str = choice("z1", tuple(LATTICES))
+    capacity_bits_per_coordinate: int = 16
+
+    def check(self) -> None:
+        super().check()
+        self.require(
+            self.noise == "gauss" or self.lattice == "z1", "lattice", "must be z1 for laplace noise (n = 1)"
+        )
+        self.require(
+            4 <= self.capacity_bits_per_coordinate <= 96, "capacity_bits_per_coordinate", "must be in [4, 96]"
+        )
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        inner = lrsuq_coder(
+            LATTICES[self.lattice](),
+            _noise(self.noise, self.level),
+            capacity_bits_per_coordinate=self.capacity_bits_per_coordinate,
+        )
+        return clip_update(inner, gamma=self.gamma, mode=self.clip)
+
+
+@dataclass(frozen=True)
+class NoiseCoderConfig(_MechanismConfig):
+    """FL + Gaussian / Laplace mechanism: private noise added to the normalised update, sent as float32
+    (``sdq_step = 0``) or quantized by scalar SDQ with step sdq_step (FL + noise + SDQ).
+
+    Attributes:
+      sdq_step: 0 for float32, else the SDQ step Delta (> 0).
+    """
+
+    name: ClassVar[str] = "noise"
+    sdq_step: float = 0.0
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.sdq_step >= 0, "sdq_step", "must be >= 0 (0: float32)")
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        inner = sdq_coder(integer_lattice(1, self.sdq_step)) if self.sdq_step > 0 else None
+        return clip_update(
+            additive_noise_coder(_noise(self.noise, self.level), inner), gamma=self.gamma, mode=self.clip
+        )
+
+
+@dataclass(frozen=True)
+class SDQCoderConfig(CoderConfig):
+    """FL + SDQ: scalar subtractive dithered quantization of the raw update (no noise, no normalisation).
+
+    Attributes:
+      step: the quantization step Delta (> 0); the error is Unif[-Delta/2, Delta/2).
+      capacity_bits_per_coordinate: static stream buffer per coordinate.
+    """
+
+    name: ClassVar[str] = "sdq"
+    step: float = 1e-3
+    capacity_bits_per_coordinate: int = 16
+
+    def check(self) -> None:
+        self.require(self.step > 0, "step", "must be > 0")
+        self.require(
+            4 <= self.capacity_bits_per_coordinate <= 96, "capacity_bits_per_coordinate", "must be in [4, 96]"
+        )
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
+        return sdq_coder(
+            integer_lattice(1, self.step), capacity_bits_per_coordinate=self.capacity_bits_per_coordinate
+        )
+
+
 #: the coder configs by ``[coder] name``
 CODERS: dict[str, type[CoderConfig]] = {
     c.name: c
@@ -214,5 +350,8 @@ CODERS: dict[str, type[CoderConfig]] = {
         MaskCoderConfig,
         KLMSAvgCoderConfig,
         ScaledSignCoderConfig,
+        LRSUQCoderConfig,
+        NoiseCoderConfig,
+        SDQCoderConfig,
     )
 }

@@ -25,6 +25,7 @@ from sidejax.algorithms import (
     bicompfl_gr,
     bicompfl_gr_reconst,
     bicompfl_pr,
+    cepam,
     cser,
     doublesqueeze,
     fedavg,
@@ -61,6 +62,7 @@ __all__ = [
     "DoubleSqueezeConfig",
     "NeolithicConfig",
     "CSERConfig",
+    "CepamConfig",
     "ERROR_FEEDBACK_METHODS",
     "METHODS",
     "SHORTCUTS",
@@ -526,6 +528,53 @@ class CSERConfig(ErrorFeedbackConfig):
 
 
 #: the error-feedback baselines' configs
+@dataclass(frozen=True)
+class CepamConfig(MethodConfig):
+    """CEPAM's FedAvg (:func:`sidejax.algorithms.cepam`): tau single-sample steps drawn with replacement,
+    SGD with momentum, the update sent through a privacy mechanism (``lrsuq``: CEPAM; ``noise``: FL+Gaussian
+    / FL+Laplace, with SDQ if its sdq_step > 0; ``sdq``: FL+SDQ; ``float32``: FL). Defaults: the paper's
+    (spec cepam.md §3).
+
+    Attributes:
+      local_steps: tau, local steps per round.
+      batch_size: examples per step (with replacement).
+      client_lr: the clients' learning rate (constant; the paper halves it on a 10-round validation plateau).
+      momentum: SGD momentum (0: plain SGD).
+      persistent_momentum: keep each client's momentum buffer across rounds (the reference code).
+    """
+
+    name: ClassVar[str] = "cepam"
+    coders: ClassVar[tuple[str, ...]] = ("lrsuq", "noise", "sdq", "float32")
+    default_coder: ClassVar[str] = "lrsuq"
+    run_defaults: ClassVar = {"rounds": 80, "eval_every": 5}
+
+    local_steps: int = 15
+    batch_size: int = 1
+    client_lr: float = 0.01
+    momentum: float = 0.9
+    persistent_momentum: bool = True
+
+    def check(self) -> None:
+        self.require(self.local_steps >= 1, "local_steps", "must be >= 1")
+        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self.require(self.client_lr > 0, "client_lr", "must be > 0")
+        self.require(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        opt = optax.sgd(self.client_lr, momentum=self.momentum or None)
+        return cepam(
+            loss_fn,
+            clients_per_round=clients_per_round,
+            coder=coder,
+            optimizer=opt,
+            local_steps=self.local_steps,
+            batch_size=self.batch_size,
+            persistent_optimizer=self.persistent_momentum,
+        )
+
+
 ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
 # --- end of the error-feedback baselines ---
 
@@ -689,6 +738,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         BICompFLReconstConfig,
         BICompFLPRConfig,
         *ERROR_FEEDBACK_METHODS,
+        CepamConfig,
     )
 }
 

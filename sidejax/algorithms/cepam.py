@@ -136,8 +136,8 @@ def sampled_sgd(
 
 
 def _check_levels(noise_levels, num_clients: int) -> jax.Array:
-    if noise_levels is None:
-        return jnp.full((num_clients,), jnp.nan, jnp.float32)
+    if noise_levels is None:  # unused: every client takes the coder's own level
+        return jnp.zeros((num_clients,), jnp.float32)
     levels = np.asarray(noise_levels, np.float64)
     if levels.shape != (num_clients,):
         raise ValueError(

@@ -1,0 +1,337 @@
+"""CEPAM experiments: the paper's settings as presets, and its accuracy / privacy / rate table from runs.
+
+Examples::
+
+    # the reduced CPU setting (Fashion-MNIST, the small CNN, 30 clients x 1,666): run every scheme, tabulate
+    python -m experiments.cepam table results/cepam_fmnist --setting fmnist_cnn_cpu
+    # only some schemes, fewer rounds (a quick look)
+    python -m experiments.cepam table results/quick --setting fmnist_cnn_cpu --rounds 5 \
+        --only fl cepam_gauss_z1
+    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
+    python -m experiments.cepam presets
+
+A **setting** is a dataset, model and federation (:data:`SETTINGS`): the paper's MNIST MLP (784-32-16-10,
+25,818 parameters) and small CNN (6,422), 30 clients x 1,666 examples, tau = 15 single-sample steps, SGD with
+momentum 0.9 at lr 0.01, 80 rounds; and the reduced CPU setting on Fashion-MNIST (the CNN, 40 rounds). MNIST
+is read from local files or tensorflow-datasets (``sidejax.data``), never downloaded. A **scheme** is a row of
+the paper's Tables I/II (:data:`SCHEMES`): FL, FL+SDQ, FL+Gaussian, FL+Gaussian+SDQ, CEPAM-Gaussian on Z^1,
+Z^2, Z^3, and the Laplace rows. Preset ``cepam_<setting>_<scheme>``.
+
+The table (``table.md`` / ``table.csv``) has, per scheme:
+
+- ``acc``: the best test accuracy over the evaluations; ``final acc``: the last one;
+- ``epsilon``, ``delta``: the per-round guarantee of :func:`sidejax.privacy.cepam_guarantee` for the run's
+  noise level, at the paper's eps_tilde (5.9 Gaussian, 5000 Laplace), tau, K, gamma and n_k; ``vacuous``
+  marks a delta no better than the trivial (0, p) bound (spec §6 item 6: the paper's own Gaussian setting
+  is vacuous); ``-`` for schemes without noise;
+- ``uplink bpp``: the measured uplink bits per parameter per client per round (the length of the actual
+  streams, averaged over rounds), and ``ideal bpp`` (the encoders' ideal rate, labelled ideal).
+
+The plot ``accuracy_vs_round.png`` shows test accuracy against the round, one line per scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
+from experiments.driver import read_jsonl
+from experiments.table import run_configs
+from sidejax import privacy
+
+__all__ = ["SETTINGS", "SCHEMES", "suite_config", "preset_name", "write_presets", "guarantee", "main"]
+
+_FED = {
+    "data.num_clients": 30,
+    "data.participation": 1.0,
+    "data.partition": "fixed",
+    "data.examples_per_client": 1666,
+}
+_RUN = {"run.rounds": 80, "run.eval_every": 5, "run.eval_batch_size": 2000, "run.client_strategy": "auto"}
+
+#: setting -> (description, dotted overrides of [run] and [data])
+SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mnist_mlp": (
+        "paper Tables I/II: MNIST, MLP 784-32-16-10, 30 clients x 1,666, tau = 15, 80 rounds",
+        {**_RUN, **_FED, "data.dataset": "mnist", "data.model": "mlp_32_16"},
+    ),
+    "mnist_cnn": (
+        "paper Tables I/II: MNIST, the small CNN (6,422 parameters), 30 clients x 1,666, tau = 15, 80 rounds",
+        {**_RUN, **_FED, "data.dataset": "mnist", "data.model": "cepam_cnn"},
+    ),
+    "fmnist_cnn_cpu": (
+        "reduced CPU setting: Fashion-MNIST, the small CNN, 30 clients x 1,666, tau = 15, 40 rounds",
+        {**_RUN, **_FED, "run.rounds": 40, "data.dataset": "fashion_mnist", "data.model": "cepam_cnn"},
+    ),
+}
+
+_SIGMA = 0.1  # the paper's sigma = b = 0.1 (Var = n sigma^2, 2 b^2)
+_SDQ_STEP = 1e-3  # the paper-like fine SDQ step (spec §3)
+
+
+def _lrsuq(noise: str, lattice: str) -> dict[str, Any]:
+    return {"coder.noise": noise, "coder.level": _SIGMA, "coder.lattice": lattice}
+
+
+#: scheme -> (table label, coder name, coder overrides)
+SCHEMES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "fl": ("FL", "float32", {}),
+    "fl_sdq": ("FL+SDQ", "sdq", {"coder.step": _SDQ_STEP}),
+    "fl_gauss": ("FL+Gaussian", "noise", {"coder.noise": "gauss", "coder.level": _SIGMA}),
+    "fl_gauss_sdq": (
+        "FL+Gaussian+SDQ",
+        "noise",
+        {"coder.noise": "gauss", "coder.level": _SIGMA, "coder.sdq_step": _SDQ_STEP},
+    ),
+    "cepam_gauss_z1": ("CEPAM-Gaussian (n=1)", "lrsuq", _lrsuq("gauss", "z1")),
+    "cepam_gauss_z2": ("CEPAM-Gaussian (n=2)", "lrsuq", _lrsuq("gauss", "z2")),
+    "cepam_gauss_z3": ("CEPAM-Gaussian (n=3)", "lrsuq", _lrsuq("gauss", "z3")),
+    "fl_laplace": ("FL+Laplace", "noise", {"coder.noise": "laplace", "coder.level": _SIGMA}),
+    "fl_laplace_sdq": (
+        "FL+Laplace+SDQ",
+        "noise",
+        {"coder.noise": "laplace", "coder.level": _SIGMA, "coder.sdq_step": _SDQ_STEP},
+    ),
+    "cepam_laplace": ("CEPAM-Laplace", "lrsuq", _lrsuq("laplace", "z1")),
+}
+
+#: the paper's eps_tilde of each noise family (spec §3)
+EPS_TILDE = {"gauss": 5.9, "laplace": 5000.0}
+
+
+def preset_name(setting: str, scheme: str) -> str:
+    return f"cepam_{setting}_{scheme}"
+
+
+def suite_config(setting: str, scheme: str) -> ExperimentConfig:
+    """The configuration of ``scheme`` in ``setting`` (preset ``cepam_<setting>_<scheme>``)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown setting {setting!r}; settings: {', '.join(SETTINGS)}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; schemes: {', '.join(SCHEMES)}")
+    _, values = SETTINGS[setting]
+    _, coder, extra = SCHEMES[scheme]
+    return default_config(f"cepam+{coder}").override({**values, **extra}, source=preset_name(setting, scheme))
+
+
+def write_presets(directory: Path = PRESET_DIR) -> list[Path]:
+    """Writes every (setting, scheme) preset as canonical TOML; returns the paths."""
+    paths = []
+    for setting, (description, _) in SETTINGS.items():
+        for scheme, (label, _, _) in SCHEMES.items():
+            path = Path(directory) / f"{preset_name(setting, scheme)}.toml"
+            path.write_text(preset_toml(suite_config(setting, scheme), f"CEPAM {label}; {description}"))
+            paths.append(path)
+    return paths
+
+
+def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
+    """The per-round guarantee of a run from its ``config.json`` (None for a scheme without noise)."""
+    coder, method, data = config["coder"], config["method"], config["data"]
+    if coder["name"] not in ("lrsuq", "noise"):
+        return None
+    kind = coder["noise"]
+    common = dict(tau=method["local_steps"], gamma=coder["gamma"], n_k=data["examples_per_client"])
+    clip = "paper" if coder["clip"] == "normalise" else "dp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", privacy.VacuousPrivacyWarning)  # reported in the table instead
+        if kind == "gauss":
+            return privacy.cepam_guarantee(
+                "gaussian",
+                coder["level"],
+                EPS_TILDE[kind],
+                num_clients=data["num_clients"],
+                clip_mode=clip,
+                **common,
+            )
+        return privacy.cepam_guarantee("laplace", coder["level"], EPS_TILDE[kind], **common)
+
+
+def _label(config: dict[str, Any]) -> str:
+    for label, coder, extra in SCHEMES.values():
+        if coder != config["coder"]["name"]:
+            continue
+        if all(config[k.split(".")[0]].get(k.split(".")[1]) == v for k, v in extra.items()):
+            return label
+    return f"cepam+{config['coder']['name']}"
+
+
+_ORDER = [v[0] for v in SCHEMES.values()]
+COLUMNS = (
+    "scheme",
+    "acc (%)",
+    "final acc (%)",
+    "epsilon",
+    "delta",
+    "vacuous",
+    "uplink bpp",
+    "ideal bpp",
+    "rounds",
+    "run",
+)
+
+
+def collect(directory: Path) -> list[dict[str, Any]]:
+    """Every finished run folder under ``directory`` (a damaged one is skipped with a warning)."""
+    runs = []
+    for sub in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
+        if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
+            continue
+        try:
+            config = json.loads((sub / "config.json").read_text())
+            summary = json.loads((sub / "summary.json").read_text())
+            rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
+            label = _label(config)
+            g = guarantee(config)
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"warning: skipped {sub}: unreadable results ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
+        runs.append(
+            {"name": sub.name, "label": label, "config": config, "summary": summary, "rows": rows, "g": g}
+        )
+    runs.sort(key=lambda r: (_ORDER.index(r["label"]) if r["label"] in _ORDER else len(_ORDER), r["name"]))
+    return runs
+
+
+def _mean(rows, key):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    out = []
+    for r in runs:
+        rows, s, g = r["rows"], r["summary"], r["g"]
+        ideal = s.get("mean_uplink_ideal_bpp")
+        out.append(
+            {
+                "scheme": r["label"],
+                "acc (%)": f(None if s.get("best_accuracy") is None else 100 * s["best_accuracy"], ".2f"),
+                "final acc (%)": f(
+                    None if s.get("final_accuracy") is None else 100 * s["final_accuracy"], ".2f"
+                ),
+                "epsilon": f(None if g is None else g.epsilon, ".6g"),
+                "delta": f(None if g is None else g.delta, ".4g"),
+                "vacuous": "-" if g is None else ("yes" if g.vacuous else "no"),
+                "uplink bpp": f(_mean(rows, "uplink_bpp"), ".4g"),
+                "ideal bpp": f(None if ideal is None or ideal != ideal else ideal, ".4g"),
+                "rounds": str(s.get("rounds_run", len(rows))),
+                "run": r["name"],
+            }
+        )
+    return out
+
+
+def markdown(rows: list[dict[str, str]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) -> Path:
+    """Test accuracy against the round, one line per scheme (solid: CEPAM, dashed: the baselines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        pts = [
+            (row["round"], 100 * row["test_accuracy"])
+            for row in r["rows"]
+            if row.get("test_accuracy") is not None
+        ]
+        if pts:
+            style = "-" if r["label"].startswith("CEPAM") else "--"
+            ax.plot(*zip(*pts, strict=True), style, marker=".", label=r["label"])
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, bbox_inches="tight", dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m experiments.cepam", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_table = sub.add_parser("table", help="run a setting's presets (optional) and write the table and plot")
+    p_table.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
+    p_table.add_argument("--setting", choices=list(SETTINGS), help="run this setting's presets first")
+    p_table.add_argument("--only", nargs="*", choices=list(SCHEMES), help="only these schemes (default: all)")
+    p_table.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
+    p_table.add_argument(
+        "--force",
+        action="store_true",
+        help="re-run from scratch (default: skip finished, resume interrupted)",
+    )
+    sub.add_parser("presets", help="rewrite experiments/presets/cepam_*.toml from this module's definitions")
+    args = parser.parse_args(argv)
+
+    if args.command == "presets":
+        for path in write_presets():
+            print(path)
+        return 0
+    if args.rounds is not None and args.rounds < 1:
+        print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.setting:
+        runs = []
+        for scheme in args.only or list(SCHEMES):
+            name = preset_name(args.setting, scheme)
+            config = load_preset(name)
+            if args.rounds:
+                config = config.override({"run.rounds": args.rounds}, source="--rounds")
+            runs.append((name, config, SCHEMES[scheme][0]))
+        given = [a for a in argv if a != "--force"]
+        code = run_configs(
+            args.directory,
+            runs,
+            force=args.force,
+            resume_command=f"python -m experiments.cepam {shlex.join(given)}",
+        )
+        if code:
+            return code
+    if not args.directory.is_dir():
+        print(f"error: {args.directory} is not a directory", file=sys.stderr)
+        return 2
+    runs = collect(args.directory)
+    if not runs:
+        print(
+            f"error: no finished run folders (summary.json and config.json) in {args.directory}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = table_rows(runs)
+    md = markdown(rows)
+    (args.directory / "table.md").write_text(md)
+    with (args.directory / "table.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    data = runs[0]["config"]["data"]
+    figure = plot(
+        runs, args.directory / "accuracy_vs_round.png", title=f"{data['dataset']} / {data['model']}"
+    )
+    print(md)
+    print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}, {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
