@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from sidejax.bits import payload_bits
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
+from sidejax.distributions import dist_dim
 from sidejax.types import Bits, PyTree
 from sidejax.utils import is_concrete
 
@@ -292,6 +293,18 @@ class Float32Info(NamedTuple):
     ideal_bits: jax.Array
 
 
+def _known_dim(p) -> int | None:
+    """The vector length the receiver knows from ``p`` (a distribution's dimension, or the length of a
+    reference point ``p.center``), or ``None`` when ``p`` does not tell it."""
+    center = getattr(p, "center", None)
+    if center is not None:
+        return int(jnp.shape(center)[-1])
+    try:
+        return int(dist_dim(p))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 def float32_coder() -> Coder:
     """The uncompressed coder: the sender draws its sample of ``q`` with its private key (a point mass,
     :class:`sidejax.distributions.PointMass`, for FedAvg's parameters; a Gaussian for uncompressed SGLD)
@@ -303,9 +316,17 @@ def float32_coder() -> Coder:
         return encode_float32(value), Float32Info(jnp.all(jnp.isfinite(value)), jnp.float32(jnp.nan))
 
     def decode(shared_key, p, message):
-        del shared_key, p
+        del shared_key
         words = _words(message)
-        ok = jnp.asarray(message.num_bits, jnp.float32) == 32.0 * words.shape[0]
+        dim = _known_dim(p)
+        if dim is not None and words.shape[0] > dim:
+            # a static buffer longer than the vector (e.g. a stream cut out of a concatenation inside jit):
+            # the words past the vector must be zero, then they are dropped
+            words, ok_tail = mask_to_length(words, message.num_bits)
+            words = words[:dim]
+        else:
+            ok_tail = jnp.asarray(True)
+        ok = ok_tail & (jnp.asarray(message.num_bits, jnp.float32) == 32.0 * words.shape[0])
         errors = jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
         return decode_float32(Message(words, message.num_bits)), StreamCheck(ok, errors)
 
