@@ -155,7 +155,8 @@ def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
 
 
 def _label(config: dict[str, Any]) -> str:
-    for label, coder, extra in SCHEMES.values():
+    # the most specific scheme first (FL+Gaussian+SDQ before FL+Gaussian)
+    for label, coder, extra in sorted(SCHEMES.values(), key=lambda v: -len(v[2])):
         if coder != config["coder"]["name"]:
             continue
         if all(config[k.split(".")[0]].get(k.split(".")[1]) == v for k, v in extra.items()):

@@ -1,0 +1,99 @@
+"""The CEPAM experiment tooling (experiments.cepam): presets, the privacy columns, the table command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.cepam import SCHEMES, SETTINGS, guarantee, main, preset_name, suite_config, write_presets
+from experiments.config import PRESET_DIR, default_config, list_presets, load_preset
+
+_SMALL = {
+    "data.dataset": "digits",
+    "data.model": "mlp_32_16",
+    "data.num_clients": 4,
+    "data.examples_per_client": 100,
+    "run.rounds": 2,
+    "run.eval_every": 1,
+    "method.local_steps": 5,
+}
+
+
+def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
+    written = write_presets(tmp_path)
+    assert len(written) == len(SETTINGS) * len(SCHEMES)
+    for path in written:
+        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
+    names = set(list_presets())
+    assert {preset_name(s, v) for s in SETTINGS for v in SCHEMES} <= names
+    # the paper's setting (spec §3): 30 clients x 1,666, tau = 15, batch 1, momentum 0.9, lr 0.01, 80 rounds
+    cfg = load_preset("cepam_mnist_mlp_cepam_gauss_z3")
+    assert (cfg.data.dataset, cfg.data.model, cfg.data.num_clients, cfg.data.examples_per_client) == (
+        "mnist",
+        "mlp_32_16",
+        30,
+        1666,
+    )
+    assert (cfg.method.local_steps, cfg.method.batch_size, cfg.method.momentum, cfg.method.client_lr) == (
+        15,
+        1,
+        0.9,
+        0.01,
+    )
+    assert (cfg.run.rounds, cfg.coder.lattice, cfg.coder.level, cfg.coder.gamma) == (80, "z3", 0.1, 1.0)
+
+
+def test_privacy_columns_reproduce_the_papers_numbers():
+    """The paper's per-round guarantees (spec §4): Gaussian sigma = 0.1, eps_tilde = 5.9 -> (1.4502,
+    9.6887e-3), vacuous (delta >= p); Laplace b = 0.1, eps_tilde = 5000 -> eps = 4995.2857; none for FL."""
+    g = guarantee(suite_config("mnist_cnn", "cepam_gauss_z1").to_dict())
+    assert g.epsilon == pytest.approx(1.4501871413572687, rel=1e-9)
+    assert g.delta == pytest.approx(0.009688739711522966, rel=1e-9)
+    assert g.vacuous
+    assert guarantee(suite_config("mnist_cnn", "fl_gauss_sdq").to_dict()).delta == pytest.approx(
+        g.delta, rel=1e-12
+    )
+    lap = guarantee(suite_config("mnist_mlp", "cepam_laplace").to_dict())
+    assert lap.epsilon == pytest.approx(4995.285669800896, rel=1e-9) and lap.delta == 0
+    assert guarantee(suite_config("mnist_cnn", "fl").to_dict()) is None
+    assert guarantee(suite_config("mnist_cnn", "fl_sdq").to_dict()) is None
+
+
+def test_bad_settings_say_what_to_do():
+    with pytest.raises(ValueError, match="lattice"):
+        default_config("cepam+lrsuq", **{"coder.noise": "laplace", "coder.lattice": "z2"})
+    with pytest.raises(ValueError, match="level"):
+        default_config("cepam+noise", **{"coder.level": 0.0})
+    with pytest.raises(ValueError, match="unknown scheme"):
+        suite_config("mnist_cnn", "cepam")
+
+
+def test_table_command_runs_the_schemes_and_writes_the_columns(tmp_path, monkeypatch, capsys):
+    """End to end on digits (2 rounds, 4 clients): CEPAM on Z^2 and FL+Gaussian+SDQ run through the
+    driver (real streams under jit), a second call skips them, the table has accuracy, (epsilon, delta) and
+    the measured rate, and a damaged folder is skipped with a warning."""
+    import experiments.cepam as ce
+
+    chosen = ("cepam_gauss_z2", "fl_gauss_sdq")
+    small = {v: suite_config("fmnist_cnn_cpu", v).override(_SMALL) for v in chosen}
+    monkeypatch.setattr(ce, "load_preset", lambda name: small[name.split("_cpu_", 1)[1]])
+    args = ["table", str(tmp_path), "--setting", "fmnist_cnn_cpu", "--only", *chosen]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert main(args) == 0
+    assert "finished run found" in capsys.readouterr().out
+    md = (tmp_path / "table.md").read_text()
+    assert md.splitlines()[0].startswith("| scheme | acc (%) | final acc (%) | epsilon | delta | vacuous |")
+    assert "| CEPAM-Gaussian (n=2) |" in md and "| FL+Gaussian+SDQ |" in md and "| FL+Gaussian+SDQ |" in out
+    assert (tmp_path / "accuracy_vs_round.png").stat().st_size > 1000
+    run = tmp_path / preset_name("fmnist_cnn_cpu", "cepam_gauss_z2")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # a variable-length stream: far below 32 bits per parameter, above the 32-bit norm
+    assert all(0 < r["uplink_bpp"] < 4 for r in rows)
+    (run / "summary.json").write_text("{not json")
+    capsys.readouterr()
+    assert main(["table", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped {run}" in captured.err and "CEPAM-Gaussian" not in (tmp_path / "table.md").read_text()
+    assert main(["table", str(tmp_path / "nothing")]) == 2
