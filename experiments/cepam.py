@@ -21,8 +21,9 @@ The table (``table.md`` / ``table.csv``) has, per scheme:
 
 - ``acc``: the best test accuracy over the evaluations; ``final acc``: the last one;
 - ``epsilon``, ``delta``: the per-round guarantee of :func:`sidejax.privacy.cepam_guarantee` for the run's
-  noise level, at the paper's eps_tilde (5.9 Gaussian, 5000 Laplace), tau, K, gamma and n_k; ``vacuous``
-  marks a delta no better than the trivial (0, p) bound (spec §6 item 6: the paper's own Gaussian setting
+  noise level (per-client levels, ``[method] noise_levels``: the aggregate sqrt(sum sigma_k^2)/K for
+  Gaussian, the smallest b for Laplace), at the paper's eps_tilde (5.9 Gaussian, 5000 Laplace), tau, K,
+  gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound (spec §6 item 6: the paper's own Gaussian setting
   is vacuous); ``-`` for schemes without noise;
 - ``uplink bpp``: the measured uplink bits per parameter per client per round (the length of the actual
   streams, averaged over rounds), and ``ideal bpp`` (the encoders' ideal rate, labelled ideal).
@@ -139,19 +140,24 @@ def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
         return None
     kind = coder["noise"]
     common = dict(tau=method["local_steps"], gamma=coder["gamma"], n_k=data["examples_per_client"])
+    from experiments.methods import CepamConfig
+
+    levels = CepamConfig(noise_levels=method.get("noise_levels", "")).client_levels(data["num_clients"])
     clip = "paper" if coder["clip"] == "normalise" else "dp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", privacy.VacuousPrivacyWarning)  # reported in the table instead
         if kind == "gauss":
             return privacy.cepam_guarantee(
                 "gaussian",
-                coder["level"],
+                coder["level"] if levels is None else levels,  # K levels: sqrt(sum sigma_k^2)/K (§2.12)
                 EPS_TILDE[kind],
                 num_clients=data["num_clients"],
                 clip_mode=clip,
                 **common,
             )
-        return privacy.cepam_guarantee("laplace", coder["level"], EPS_TILDE[kind], **common)
+        # Laplace: the per-client guarantee of the client with the least noise
+        b = coder["level"] if levels is None else min(levels)
+        return privacy.cepam_guarantee("laplace", b, EPS_TILDE[kind], **common)
 
 
 def _label(config: dict[str, Any]) -> str:

@@ -541,6 +541,9 @@ class CepamConfig(MethodConfig):
       client_lr: the clients' learning rate (constant; the paper halves it on a 10-round validation plateau).
       momentum: SGD momentum (0: plain SGD).
       persistent_momentum: keep each client's momentum buffer across rounds (the reference code).
+      noise_levels: privacy adaptability: comma-separated noise levels (sigma or b, > 0) given to the
+        clients in turn (client i gets level i mod count), agreed with the server at initialisation; empty:
+        every client uses the coder's level.
     """
 
     name: ClassVar[str] = "cepam"
@@ -553,8 +556,25 @@ class CepamConfig(MethodConfig):
     client_lr: float = 0.01
     momentum: float = 0.9
     persistent_momentum: bool = True
+    noise_levels: str = ""
+
+    def client_levels(self, num_clients: int) -> list[float] | None:
+        """Every client's noise level from :attr:`noise_levels` (``None`` when it is empty)."""
+        if not self.noise_levels.strip():
+            return None
+        levels = [float(v) for v in self.noise_levels.split(",")]
+        return [levels[i % len(levels)] for i in range(num_clients)]
 
     def check(self) -> None:
+        try:
+            levels = self.client_levels(1)
+        except ValueError:
+            levels = [float("nan")]
+        self.require(
+            levels is None or all(v > 0 and v < float("inf") for v in levels),
+            "noise_levels",
+            "must be comma-separated numbers > 0 (e.g. '0.05,0.1,0.2'), or empty",
+        )
         self.require(self.local_steps >= 1, "local_steps", "must be >= 1")
         self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
         self.require(self.client_lr > 0, "client_lr", "must be > 0")
@@ -571,6 +591,7 @@ class CepamConfig(MethodConfig):
             optimizer=opt,
             local_steps=self.local_steps,
             batch_size=self.batch_size,
+            noise_levels=self.client_levels(num_clients),
             persistent_optimizer=self.persistent_momentum,
         )
 
