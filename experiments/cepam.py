@@ -23,8 +23,8 @@ The table (``table.md`` / ``table.csv``) has, per scheme:
 - ``epsilon``, ``delta``: the per-round guarantee of :func:`sidejax.privacy.cepam_guarantee` for the run's
   noise level (per-client levels, ``[method] noise_levels``: the aggregate sqrt(sum sigma_k^2)/K for
   Gaussian, the smallest b for Laplace), at the paper's eps_tilde (5.9 Gaussian, 5000 Laplace), tau, K,
-  gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound (spec §6 item 6: the paper's own Gaussian setting
-  is vacuous); ``-`` for schemes without noise;
+  gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound (spec §6 item 6: the
+  paper's own Gaussian setting is vacuous); ``-`` for schemes without noise;
 - ``uplink bpp``: the measured uplink bits per parameter per client per round (the length of the actual
   streams, averaged over rounds), and ``ideal bpp`` (the encoders' ideal rate, labelled ideal).
 
