@@ -317,38 +317,60 @@ def lrsuq_encode(
 
 def _lrsuq_encode(layer_key, dither_key, x, lattice, noise, level=None):
     """:func:`lrsuq_encode` plus the encoder's own reconstruction ``β(M_h + V_h)`` (for tests); ``level``
-    as in :func:`lrsuq_latent`."""
+    as in :func:`lrsuq_latent`. The per-block reference of the vector encoder
+    :func:`sidejax.coding.lattice.lrsuq_quantize` (which must return the same ``(h, coords)`` bit for bit)."""
     _check_lattice(lattice)
     _check_noise(noise, lattice)
     x = _check_x(x, lattice)
-    dtype = x.dtype
-    r, beta = lrsuq_latent(layer_key, lattice, noise, dtype, level)
-    del r  # r/β = ρ
-    rho2 = lattice.packing_radius**2
-    xs = x / beta
-    ok = jnp.all(jnp.isfinite(xs) & (jnp.abs(xs) < _COORD_LIMIT * lattice.scale))
-
-    def trial(i):
-        v = sample_dither(keys.draw_key(dither_key, i), lattice, dtype)
-        y = xs - v
-        _, coords = lattice.nearest(y)
-        e = _point(lattice, coords, dtype) - y
-        return coords, v, jnp.sum(jnp.square(e)) <= rho2
-
-    def cond(state):
-        _, _, _, accepted = state
-        return ~accepted
-
-    def body(state):
-        i, _, _, _ = state
-        coords, v, accepted = trial(i + 1)
-        return i + 1, coords, v, accepted
-
-    zeros = jnp.zeros((lattice.dim,), dtype)
-    init = (jnp.int32(0), jnp.zeros((lattice.dim,), jnp.int32), zeros, ~ok)
-    h, coords, v, _ = jax.lax.while_loop(cond, body, init)
+    beta, xs, ok = _scaled_input(layer_key, x, lattice, noise, level)
+    h, coords, v = _trial_loop(dither_key, xs, lattice, jnp.int32(0), ~ok)
     x_hat = _reconstruct(lattice, beta, coords, v, h)
     return h, coords, x_hat
+
+
+def _scaled_input(layer_key, x, lattice, noise, level):
+    """``(β, x/β, ok)`` of one block: the scale from :func:`lrsuq_latent`, the scaled input, and whether
+    trials can be tested (``x/β`` finite and within the int32 coordinate range)."""
+    _, beta = lrsuq_latent(layer_key, lattice, noise, x.dtype, level)
+    xs = x / beta
+    ok = jnp.all(jnp.isfinite(xs) & (jnp.abs(xs) < _COORD_LIMIT * lattice.scale))
+    return beta, xs, ok
+
+
+def _trial(dither_key, xs, i, lattice):
+    """Trial ``i`` of one block with scaled input ``xs = x/β``: ``(coords of M_i, V_i, accepted)`` with
+    ``V_i`` from ``draw_key(dither_key, i)``, ``M_i = Q(xs − V_i)`` and acceptance iff
+    ``Σ(M_i − (xs − V_i))² ≤ ρ²``."""
+    dtype = xs.dtype
+    v = sample_dither(keys.draw_key(dither_key, i), lattice, dtype)
+    y = xs - v
+    _, coords = lattice.nearest(y)
+    e = _point(lattice, coords, dtype) - y
+    return coords, v, jnp.sum(jnp.square(e)) <= lattice.packing_radius**2
+
+
+def _trial_loop(dither_key, xs, lattice, start, accepted):
+    """Trials ``start + 1, start + 2, …`` of one block until one accepts (a ``lax.while_loop`` with no
+    cap); none runs when ``accepted`` is already True. Returns ``(h, coords, V_h)``: the accepted trial's
+    index, coordinates and dither, or ``(start, 0, 0)`` when no trial ran."""
+    dtype = xs.dtype
+
+    def cond(state):
+        return ~state[3]
+
+    def body(state):
+        i = state[0] + 1
+        coords, v, ok = _trial(dither_key, xs, i, lattice)
+        return i, coords, v, ok
+
+    init = (
+        jnp.asarray(start, jnp.int32),
+        jnp.zeros((lattice.dim,), jnp.int32),
+        jnp.zeros((lattice.dim,), dtype),
+        jnp.asarray(accepted, bool),
+    )
+    h, coords, v, _ = jax.lax.while_loop(cond, body, init)
+    return h, coords, v
 
 
 def _reconstruct(lattice, beta, coords, v, h):

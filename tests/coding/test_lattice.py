@@ -4,6 +4,7 @@
   from the origin, on lattice points and random, and is uncorrelated with the input;
 - the trial indices are geometric with the spec's acceptance probabilities (χ² goodness of fit);
 - the decoder reproduces the encoder's reconstruction bit for bit (one program), a wrong key does not;
+- the two-phase vector quantizer returns the per-block reference loop's (h, coords) bit for bit;
 - the stream parses back exactly, corrupted or truncated streams are flagged, overflow is reported;
 - the normalise / clip pre-processing, per-client noise levels (NoisePrior), the additive-noise and SDQ
   baselines, padding when n does not divide d, and bad input.
@@ -27,10 +28,14 @@ from sidejax.coding import lrsuq as Q
 from sidejax.coding.base import float32_coder
 from sidejax.coding.lattice import (
     NoisePrior,
+    _block_keys,
+    _lrsuq_quantize_blocks,
+    _straggler_plan,
     additive_noise_coder,
     clip_update,
     decode_lattice_stream,
     encode_lattice_stream,
+    lattice_blocks,
     lattice_stream_capacity_words,
     lrsuq_coder,
     lrsuq_quantize,
@@ -151,6 +156,72 @@ def test_decoder_reproduces_the_encoder_bit_for_bit_and_a_wrong_key_does_not():
     assert int(errors) == 0
     np.testing.assert_array_equal(np.asarray(y), np.asarray(enc))
     assert np.mean(np.asarray(wrong) != np.asarray(y)) > 0.9
+
+
+@pytest.mark.parametrize(
+    "lattice", [L.integer_lattice(2), L.integer_lattice(3), L.d4(), L.e8()], ids=lambda lat: lat.name
+)
+def test_two_phase_quantizer_matches_the_plain_loop_bit_for_bit(lattice):
+    """lrsuq_quantize (T0 trials for all blocks, then the stragglers gathered into `cap` slots) returns
+    exactly the (h, coords) of the per-block reference loop, with its own plan, with a tiny cap that forces
+    many gather rounds, with T0 past every h (no stragglers), and under an outer vmap over two keys; blocks
+    that cannot be encoded (NaN, beyond the int32 range) keep h = 0."""
+    noise = Q.GaussianNoise(0.1)
+    d = 2_001
+    blocks = num_blocks(d, lattice)
+    t0, cap = _straggler_plan(Q.acceptance_probability(lattice, noise), blocks)
+    assert 1 <= t0 and 64 <= cap <= blocks
+
+    @jax.jit
+    def run(key, other, x):
+        xb = lattice_blocks(x, lattice)
+        bk = _block_keys(key, blocks)
+        ref = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[:2])(
+            bk.layer, bk.dither, xb
+        )
+        plans = [
+            _lrsuq_quantize_blocks(bk.layer, bk.dither, xb, lattice, noise, None, t, c)
+            for t, c in ((1, 2), (64, 1))
+        ]
+        batched = jax.vmap(lambda k: lrsuq_quantize(k, x, lattice, noise))(jnp.stack([key, other]))
+        ref_other = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[:2])(
+            *_block_keys(other, blocks), xb
+        )
+        return ref, lrsuq_quantize(key, x, lattice, noise), plans, batched, ref_other
+
+    x = np.random.default_rng(9).normal(0.0, 0.3, d)
+    x[5] = np.nan
+    x[-1] = 1e12  # x/β beyond the int32 coordinate range
+    key, other = _keys(0).shared, _keys(0, client=1).shared
+    (h, c), own, plans, (bh, bc), (oh, oc) = run(key, other, jnp.asarray(x, jnp.float32))
+    h, c = np.asarray(h), np.asarray(c)
+    assert h[5 // lattice.dim] == 0 and h[-1] == 0 and np.sum(h == 0) == 2
+    assert np.sum(h > 1) > 2  # the tiny cap (2 slots) needs several gather rounds
+    assert h.max() > t0  # the plan's own straggler phase runs
+    for hj, cj in (own, *plans):
+        np.testing.assert_array_equal(np.asarray(hj), h)
+        np.testing.assert_array_equal(np.asarray(cj), c)
+    np.testing.assert_array_equal(np.asarray(bh), np.stack([h, np.asarray(oh)]))
+    np.testing.assert_array_equal(np.asarray(bc), np.stack([c, np.asarray(oc)]))
+
+
+def test_straggler_plan():
+    """The documented plans at d = 25,818 and cap = min(N, ceil(2 N (1 - p)^T0) + 64)."""
+    d = 25_818
+    expected = {"Z^1": 1, "Z^2": 2, "Z^3": 4, "A2": 1, "D4": 3, "E8": 9}
+    for lat in (
+        L.integer_lattice(1),
+        L.integer_lattice(2),
+        L.integer_lattice(3),
+        L.hexagonal(),
+        L.d4(),
+        L.e8(),
+    ):
+        p, blocks = Q.acceptance_probability(lat, Q.GaussianNoise(1.0)), num_blocks(d, lat)
+        t0, cap = _straggler_plan(p, blocks)
+        assert t0 == expected[lat.name], lat.name
+        assert cap == min(blocks, math.ceil(2 * blocks * (1 - p) ** t0) + 64), lat.name
+    assert _straggler_plan(1.0, 10) == (1, 10)
 
 
 def test_stream_round_trip_and_corruption():
