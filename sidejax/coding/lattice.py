@@ -27,10 +27,20 @@ the nonzero density plus two bits per nonzero coordinate. ``num_bits`` is the ex
 plus ``N n`` times the order-0 empirical entropy of the coordinates (what an adaptive arithmetic coder
 approaches). The paper gives no measured rate (spec §2.10); both are real measurements here.
 
-**Capacity.** Inside ``jit`` a message lives in a static buffer of ``capacity_bits_per_coordinate`` bits per
-coordinate plus the worst case of the trial indices up to a quotient sum of 64 per block. A message that
-would not fit (a tiny noise level against a large update, or an astronomically long rejection run) is not
-truncated: the encoder reports ``valid = False`` and the error names the parameter to raise.
+**Capacity.** Inside ``jit`` a message lives in a static buffer (:func:`lattice_stream_capacity_words`):
+``capacity_bits_per_coordinate`` bits per coordinate, the two header fields, and the trial indices. The
+Golomb codeword of ``h_j − 1`` (parameter ``m = m_h``) has ``q_j + 1 + r_j`` bits with the quotient
+``q_j = ⌊(h_j − 1)/m⌋`` and ``r_j ≤ ⌈log₂ m⌉`` remainder bits. Since ``h_j − 1`` is geometric
+(``P(h_j − 1 ≥ k) = (1 − p)^k``), ``P(q_j ≥ k) = (1 − p)^{km}``: the quotients are iid geometric with
+success probability ``p' = 1 − (1 − p)^m``, and their sum over the ``N`` blocks is negative binomial
+``NB(N, p')``. The trial part of the buffer is ``T + N(1 + ⌈log₂ m⌉)`` bits with ``T`` the smallest
+integer with ``P(Σ_j q_j > T) ≤ 10^{−18}`` (the exact negative-binomial tail, ``scipy.stats.nbinom.logsf``,
+on the host; the Chernoff bound ``P(S ≥ t) ≤ min_s E[e^{sS}] e^{−st}`` gives a ``T`` within 1 % of it at
+these sizes). For ``d = 25,818`` that is 4,134 quotient bits for ``Z^2`` (mean 3,527) instead of the former
+flat 64 per block (826,176), and 4,942 for ``E8`` (mean 4,059). So a message overflows through its trial
+indices with probability at most ``10^{−18}``; a message that does not fit (that, or a tiny noise level
+against a large update filling the coordinate part) is never truncated: the encoder reports
+``valid = False`` and ``LatticeInfo.overflow``, and the error names the parameter to raise.
 
 **Coders.** ``q`` is the point mass at the vector to send, ``p`` the side information both ends know: a
 :class:`~sidejax.distributions.PointMass` at the reference point (the global model), or a
@@ -48,6 +58,7 @@ coder sends ``q − center`` and decodes to ``center + (decoded update)``.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -108,6 +119,7 @@ __all__ = [
     "sdq_reconstruct",
     "trial_golomb_parameter",
     "lattice_stream_capacity_words",
+    "trial_index_capacity_bits",
     "encode_lattice_stream",
     "decode_lattice_stream",
     "lrsuq_coder",
@@ -116,9 +128,9 @@ __all__ = [
     "clip_update",
 ]
 
-# per block, the Golomb quotients of the trial indices may sum to this much on average before a message
-# overflows its buffer (P(h > 64 m_h) < 1e-16 per block for every supported lattice)
-_TRIAL_SLACK = 64
+# a message overflows its buffer through its trial indices with at most this probability (module docstring,
+# "Capacity")
+_TRIAL_TAIL = 1e-18
 
 
 class NoisePrior(NamedTuple):
@@ -372,16 +384,30 @@ def _check_capacity_per_coordinate(value) -> int:
 
 
 def lattice_stream_capacity_words(
-    blocks: int, n: int, trial_m: int, capacity_bits_per_coordinate: int
+    blocks: int, n: int, trial_m: int, capacity_bits_per_coordinate: int, *, acceptance: float | None = None
 ) -> int:
     """Static word capacity of a lattice stream of ``blocks`` blocks of dimension ``n``.
 
+    ``capacity_bits_per_coordinate`` bits per coordinate, the header, and for the trial indices
+    (``trial_m > 0``) :func:`trial_index_capacity_bits` (overflow probability ``≤ 10^{−18}``, module
+    docstring "Capacity"), plus one spare word.
+
+    Args:
+      blocks: the number of blocks ``N``.
+      n: the lattice dimension.
+      trial_m: the Golomb parameter of ``h − 1`` (:func:`trial_golomb_parameter`); 0: no trial indices.
+      capacity_bits_per_coordinate: bits per coordinate, an integer in ``[4, 96]``.
+      acceptance: the acceptance probability ``p`` of the trials (``h ~ Geom(p)``); ``None``: the smallest
+        ``p`` for which ``trial_m`` is the optimal parameter (the heaviest quotient tail, a bound for every
+        such ``p``).
+
     Raises:
-      ValueError: beyond :data:`sidejax.coding.lossless.MAX_STREAM_BITS` (``num_bits`` is float32).
+      ValueError: on bad arguments, or beyond :data:`sidejax.coding.lossless.MAX_STREAM_BITS` (``num_bits``
+        is float32).
     """
     cap = _check_capacity_per_coordinate(capacity_bits_per_coordinate)
     width = (blocks * n).bit_length()
-    trials = 0 if trial_m == 0 else blocks * (_TRIAL_SLACK + 1 + max(trial_m - 1, 0).bit_length())
+    trials = trial_index_capacity_bits(blocks, trial_m, acceptance) if trial_m else 0
     bits = trials + 2 * width + blocks * n * cap
     if bits > MAX_STREAM_BITS:
         raise ValueError(
@@ -390,6 +416,75 @@ def lattice_stream_capacity_words(
             f"(now {cap}) or send the model in several messages"
         )
     return -(-bits // 32) + 1
+
+
+def trial_index_capacity_bits(blocks: int, trial_m: int, acceptance: float | None = None) -> int:
+    """Bits reserved for ``N = blocks`` Golomb-coded trial indices: ``T + N(1 + ⌈log₂ m⌉)`` with ``T`` the
+    smallest integer such that ``P(Σ_j q_j > T) ≤ 10^{−18}``, where the quotients
+    ``q_j = ⌊(h_j − 1)/m⌋`` of ``h_j ~ Geom(p)`` are iid geometric with success probability
+    ``p' = 1 − (1 − p)^m``, so ``Σ_j q_j ~ NB(N, p')`` (exact tail, ``scipy.stats.nbinom``; module docstring
+    "Capacity").
+
+    Args:
+      blocks: the number of trial indices ``N ≥ 1``.
+      trial_m: their Golomb parameter ``m ≥ 1``.
+      acceptance: the acceptance probability ``p ∈ (0, 1]``; ``None``: the smallest ``p`` for which ``m``
+        is optimal (Gallager and Van Voorhis: ``m`` is optimal iff ``q^m(1 + q) ≤ 1 < q^{m−1}(1 + q)``
+        with ``q = 1 − p``; at the largest such ``q``, ``q^m = 1/(1 + q)`` and ``p' = q/(1 + q)``, the
+        smallest quotient success probability over those ``p``).
+
+    Raises:
+      ValueError: if ``blocks < 1``, ``trial_m < 1`` or ``acceptance`` is not in ``(0, 1]``.
+    """
+    if isinstance(blocks, bool) or not isinstance(blocks, numbers.Integral) or blocks < 1:
+        raise ValueError(f"blocks must be an integer >= 1, got {blocks!r}")
+    if isinstance(trial_m, bool) or not isinstance(trial_m, numbers.Integral) or trial_m < 1:
+        raise ValueError(f"trial_m must be an integer >= 1, got {trial_m!r}")
+    if acceptance is None:
+        quotient_p = _worst_quotient_probability(int(trial_m))
+    else:
+        if (
+            isinstance(acceptance, bool)
+            or not isinstance(acceptance, numbers.Real)
+            or not (0.0 < acceptance <= 1.0)
+        ):
+            raise ValueError(f"acceptance must be a probability in (0, 1], got {acceptance!r}")
+        quotient_p = -math.expm1(int(trial_m) * math.log1p(-float(acceptance))) if acceptance < 1 else 1.0
+    quotients = _negative_binomial_bound(int(blocks), quotient_p)
+    return quotients + int(blocks) * (1 + (int(trial_m) - 1).bit_length())
+
+
+@functools.cache
+def _worst_quotient_probability(m: int) -> float:
+    """``q*/(1 + q*)`` with ``q*`` the root of ``q^m(1 + q) = 1`` in ``(0, 1)`` (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if mid**m * (1.0 + mid) < 1.0 else (lo, mid)
+    return lo / (1.0 + lo)
+
+
+@functools.cache
+def _negative_binomial_bound(blocks: int, quotient_p: float) -> int:
+    """The smallest ``T`` with ``P(S > T) ≤ 10^{−18}`` for ``S ~ NB(blocks, quotient_p)`` (the number of
+    failures before the ``blocks``-th success), by bisection on ``scipy.stats.nbinom.logsf``."""
+    from scipy import stats
+
+    if quotient_p >= 1.0:
+        return 0
+    target = math.log(_TRIAL_TAIL)
+
+    def small(t):
+        return stats.nbinom.logsf(t, blocks, quotient_p) <= target
+
+    hi = max(64, 2 * math.ceil(blocks * (1.0 - quotient_p) / quotient_p))
+    while not small(hi):
+        hi *= 2
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if small(mid) else (mid + 1, hi)
+    return lo
 
 
 def _runs(nonzero: jax.Array) -> jax.Array:
@@ -531,14 +626,24 @@ def _received(message: Message, capacity: int):
 
 
 def _vector_coder(
-    name, trial_m, blocks_of, quantize, reconstruct, ideal_trials, capacity_bits_per_coordinate, method
+    name,
+    trial_m,
+    acceptance,
+    blocks_of,
+    quantize,
+    reconstruct,
+    ideal_trials,
+    capacity_bits_per_coordinate,
+    method,
 ):
     """The shared encode/decode of the lattice coders: quantize ``q − center``, write the stream; parse,
     reconstruct, add the center."""
     cap_per = _check_capacity_per_coordinate(capacity_bits_per_coordinate)
 
     def capacity(dim):
-        return lattice_stream_capacity_words(blocks_of(dim), blocks_of.n, trial_m, cap_per)
+        return lattice_stream_capacity_words(
+            blocks_of(dim), blocks_of.n, trial_m, cap_per, acceptance=acceptance if trial_m else None
+        )
 
     def encode(keys, q, p):
         center, level = _center_level(p)
@@ -621,6 +726,7 @@ def lrsuq_coder(
     return _vector_coder(
         f"lrsuq-{kind}-{lattice.name}",
         trial_m,
+        p,
         blocks_of,
         quantize,
         reconstruct,
@@ -653,6 +759,7 @@ def sdq_coder(
     return _vector_coder(
         f"sdq-{lattice.name}-{lattice.scale:g}",
         0,
+        None,
         blocks_of,
         quantize,
         reconstruct,

@@ -42,6 +42,7 @@ from sidejax.coding.lattice import (
     num_blocks,
     sdq_coder,
     trial_golomb_parameter,
+    trial_index_capacity_bits,
 )
 from sidejax.distributions import PointMass
 from sidejax.keys import client_keys, round_key
@@ -222,6 +223,53 @@ def test_straggler_plan():
         assert t0 == expected[lat.name], lat.name
         assert cap == min(blocks, math.ceil(2 * blocks * (1 - p) ** t0) + 64), lat.name
     assert _straggler_plan(1.0, 10) == (1, 10)
+
+
+def _chernoff_quotient_bound(blocks: int, quotient_p: float, eps: float = 1e-18) -> int:
+    """Oracle: the smallest t with the Chernoff bound on P(S >= t + 1) <= eps, S ~ NB(blocks, quotient_p)
+    (E e^{sS} = (p'/(1 - (1 - p') e^s))^N, minimised at e^s = t/((N + t)(1 - p')))."""
+    q = 1.0 - quotient_p
+    t = math.ceil(blocks * q / quotient_p)
+    while True:
+        es = (t + 1) / ((blocks + t + 1) * q)
+        if es > 1 and blocks * math.log(quotient_p / (1 - q * es)) - (t + 1) * math.log(es) <= math.log(eps):
+            return t
+        t += 1
+
+
+def test_trial_index_capacity_from_the_negative_binomial_tail():
+    """T is the exact 1e-18 quantile of the quotient sum NB(N, 1 - (1 - p)^m), below the Chernoff bound and
+    far below the former 64 bits per block; the default (no p) bounds every p with that m; a stream at the
+    bound fits, one past the buffer is reported, not truncated."""
+    for blocks, p in ((12_909, math.pi / 4), (8_606, math.pi / 6), (3_228, math.pi**4 / 384), (1, 0.25367)):
+        m = trial_golomb_parameter(p)
+        qp = 1.0 - (1.0 - p) ** m
+        bits = trial_index_capacity_bits(blocks, m, p)
+        t = bits - blocks * (1 + (m - 1).bit_length())
+        assert stats.nbinom.sf(t, blocks, qp) <= 1e-18 < stats.nbinom.sf(t - 1, blocks, qp)
+        assert blocks * (1 - qp) / qp < t <= _chernoff_quotient_bound(blocks, qp)
+        if blocks > 1:
+            assert t < 0.1 * 64 * blocks  # the former slack: 64 quotient bits per block
+        for other in np.linspace(0.05, 0.999, 60):  # every p with the same parameter m: below the default
+            if trial_golomb_parameter(other) == m:
+                assert trial_index_capacity_bits(blocks, m, float(other)) <= trial_index_capacity_bits(
+                    blocks, m
+                )
+    assert trial_index_capacity_bits(5, 1, 1.0) == 5
+    # the bound is reached: quotient sum exactly T fits the coder's buffer, a stream past the buffer does not
+    blocks, n, p = 40, 2, math.pi / 4
+    cap = lattice_stream_capacity_words(blocks, n, 1, 4, acceptance=p)
+    t = trial_index_capacity_bits(blocks, 1, p) - blocks
+    encode = jax.jit(functools.partial(encode_lattice_stream, trial_m=1, capacity_words=cap))
+    coords = jnp.zeros((blocks, n), jnp.int32)
+    h = jnp.ones((blocks,), jnp.int32).at[0].set(1 + t)
+    _, _, fits = encode(h, coords)
+    assert bool(fits)
+    _, nb, fits = encode(h.at[1].set(1 + 32 * cap), coords)
+    assert not bool(fits) and float(nb) > 32 * (cap - 1)
+    for bad in ((0, 1, None), (3, 0, None), (3, 1, 0.0), (3, 1, 1.5)):
+        with pytest.raises(ValueError, match="blocks|trial_m|acceptance"):
+            trial_index_capacity_bits(*bad)
 
 
 def test_stream_round_trip_and_corruption():
