@@ -7,7 +7,8 @@ and a noise family) times, jitted, after a warm-up call, in one process, interle
 of ``--repeats``:
 
 - ``quantize``: :func:`sidejax.coding.lattice.lrsuq_quantize` ``(shared_key, x, lattice, noise) ->
-  (h, coords)`` (a ``lax.while_loop`` per block under ``vmap``);
+  (h, coords)`` (trials ``1 … T0`` for every block, then the stragglers gathered and finished by the
+  per-block ``lax.while_loop``);
 - ``reconstruct``: :func:`sidejax.coding.lattice.lrsuq_reconstruct` (the decoder's regeneration of the
   latents and the accepted dithers);
 - ``encode`` / ``decode``: the full coder with real bitstreams,
@@ -29,46 +30,50 @@ count), the sizes and every case's wall and CPU seconds, and prints a table.
 
 Run: ``python -m experiments.bench.cepam_quantize [--dim 25818 ...] [--repeats 5]``.
 
-Measured (2-core shared CPU, d = 25,818, best of 5 interleaved, wall time; Mcoord/s = million coordinates
-per second; slowdown vs. plain noise addition):
+Measured (2-core CPU, shared: other jobs may have been running; d = 25,818, best of 5 interleaved, wall
+time; Mcoord/s = million coordinates per second; slowdown vs. plain noise addition):
 
 ::
 
     case           h mean h max bits/c err std        quantize     reconstruct      round trip noise add
     ----------------------------------------------------------------------------------------------------
-    Z^1-gaussian     1.00     1   0.18  0.0994    1.42 (  40x)    1.41 (  40x)    0.55 ( 103x)      56.9
-    Z^1-laplace      1.00     1   0.21  0.1401    2.18 (  28x)    2.27 (  27x)    0.74 (  84x)      61.8
-    Z^2-gaussian     1.27     7   0.69  0.1000    0.94 (  47x)    1.61 (  27x)    0.28 ( 155x)      44.0
-    Z^3-gaussian     1.89    12   0.64  0.1002    1.95 (  29x)    7.81 (   7x)    0.47 ( 120x)      56.6
-    A2-gaussian      1.10     5   0.64  0.0997    1.00 (  50x)    1.61 (  31x)    0.29 ( 172x)      50.2
-    D4-gaussian      1.61     9   0.42  0.1000    1.20 (  35x)    3.91 (  11x)    0.42 (  99x)      41.7
-    E8-gaussian      3.93    32   0.41  0.0996    0.49 ( 113x)   12.46 (   4x)    0.38 ( 145x)      55.8
+    Z^1-gaussian     1.00     1   0.19  0.0998   10.87 (   7x)   11.60 (   6x)    1.86 (  38x)      71.3
+    Z^1-laplace      1.00     1   0.21  0.1405   11.88 (   7x)   13.54 (   6x)    2.01 (  40x)      81.1
+    Z^2-gaussian     1.27     8   0.68  0.1000    2.63 (  24x)    4.38 (  14x)    0.96 (  65x)      62.5
+    Z^3-gaussian     1.90    12   0.65  0.1001    4.13 (  16x)   18.60 (   4x)    1.52 (  45x)      67.9
+    A2-gaussian      1.10     5   0.65  0.0999    3.23 (  21x)    4.10 (  16x)    1.03 (  65x)      67.0
+    D4-gaussian      1.62     9   0.43  0.0998    2.75 (  27x)    5.93 (  13x)    0.98 (  77x)      75.3
+    E8-gaussian      3.93    29   0.41  0.1007    1.04 (  61x)   10.45 (   6x)    0.72 (  88x)      63.4
 
-    Seconds (wall; CPU time equal within 1%: XLA runs these single-threaded):
+    Seconds (wall; CPU time equal within 1% except E8 quantize, 4% below: XLA runs these single-threaded),
+    now and [before the three changes below, same machine and run protocol]:
 
-    case            quantize reconstr.    encode    decode noise add
-    Z^1-gaussian     18.13ms   18.26ms   21.74ms   24.96ms    0.45ms
-    Z^1-laplace      11.82ms   11.40ms   15.84ms   19.27ms    0.42ms
-    Z^2-gaussian     27.40ms   16.08ms   30.84ms   60.25ms    0.59ms
-    Z^3-gaussian     13.25ms    3.30ms   16.85ms   37.74ms    0.46ms
-    A2-gaussian      25.85ms   16.03ms   29.60ms   58.86ms    0.51ms
-    D4-gaussian      21.56ms    6.60ms   25.24ms   36.27ms    0.62ms
-    E8-gaussian      52.49ms    2.07ms   55.37ms   11.79ms    0.46ms
+    case            quantize          reconstr.         encode            decode            noise add
+    Z^1-gaussian     2.37 [18.25]ms    2.23 [18.65]ms    5.84 [22.33]ms    8.07 [25.34]ms   0.36ms
+    Z^1-laplace      2.17 [12.21]ms    1.91 [11.75]ms    5.38 [15.40]ms    7.50 [19.03]ms   0.32ms
+    Z^2-gaussian     9.82 [27.51]ms    5.90 [16.84]ms   13.56 [32.21]ms   13.21 [60.38]ms   0.41ms
+    Z^3-gaussian     6.25 [13.12]ms    1.39 [ 3.18]ms    8.57 [16.92]ms    8.44 [38.31]ms   0.38ms
+    A2-gaussian      7.99 [25.92]ms    6.29 [16.59]ms   11.57 [29.81]ms   13.45 [61.03]ms   0.39ms
+    D4-gaussian      9.39 [21.19]ms    4.35 [ 6.59]ms   14.75 [25.16]ms   11.69 [36.44]ms   0.34ms
+    E8-gaussian     24.75 [52.06]ms    2.47 [ 2.14]ms   26.09 [58.42]ms    9.80 [12.16]ms   0.41ms
 
-No case is pathological; the costs are (profiled at d = 25,818 on the same machine, prototypes outside the
-library, see the i15-bench report):
+The costs of the earlier profile and what was done about them (each change measured alone, d = 25,818):
 
-- the per-block latent ``jax.random.gamma`` (a rejection loop, vmapped over blocks, so every block pays for
-  the slowest): 16 of the 18 ms of ``Z^1`` quantize and reconstruct. Drawing ``U ~ χ²_{n+2}`` as the sum of
-  ``n + 2`` squared normals (Laplace: ``Gamma(2, 1) = −log(u₁u₂)``), the same law, gives ``Z^1`` quantize
-  18.4 -> 3.4 ms and reconstruct 18.5 -> 2.1 ms (``Z^2`` reconstruct 30 -> 11 ms);
-- the vmapped ``while_loop`` over blocks runs ``max h`` trials for every block (32 for ``E8`` against a mean
-  of 3.9): a loop capped at ``T0`` trials for all blocks, then the unaccepted ones gathered (static
-  capacity, a full-loop fallback) and finished, gives bit-identical ``(h, coords)`` with ``E8`` 52 -> 30 ms,
-  ``D4`` 21 -> 13.5 ms, ``Z^3`` 21 -> 12 ms; with the cheaper latent ``Z^2`` 28 -> 10 ms, ``A2`` 26 -> 9 ms;
-- the decoder parses every bit position of the static buffer, which the trial indices' slack (64 bits per
-  block) makes 3x larger than the coordinates need (1.25 Mbit for ``Z^2``, stream 17.7 kbit):
-  ``decode_lattice_stream`` takes 41 ms there and 9 ms with 8 bits of slack per block (same output).
+- the per-block latent was ``jax.random.gamma``, a rejection loop that under ``vmap`` makes every block pay
+  for the slowest (16 of 18 ms of ``Z^1``). :func:`sidejax.coding.lrsuq.lrsuq_latent` now draws
+  ``U ~ χ²_{n+2}`` as the sum of ``n + 2`` squared normals and ``Gamma(2, 1)`` as ``−log u₁ − log u₂``
+  (the same laws): ``Z^1`` quantize 18.3 -> 2.5 ms, reconstruct 18.7 -> 4.0 ms (Laplace 12 -> 2 ms),
+  ``Z^2`` and ``A2`` reconstruct 17 -> 10 and 6 ms; ``E8`` (shape 5, where the gamma sampler rarely
+  rejects) loses about 0.4 ms on its 10 normals per block;
+- the vmapped ``while_loop`` ran every block for ``max h`` trials (32 for ``E8`` against a mean of 3.9).
+  :func:`sidejax.coding.lattice.lrsuq_quantize` now runs ``T0`` trials for all blocks, then gathers the
+  unaccepted ones into a static buffer and finishes them with the uncapped loop (further rounds if more
+  are left), bit-identical ``(h, coords)``: quantize ``E8`` 55 -> 25 ms, ``D4`` 22 -> 11 ms, ``Z^3``
+  14 -> 5 ms, ``Z^2`` 21 -> 11 ms, ``A2`` 18 -> 8.5 ms;
+- the decoder parses every bit position of the static buffer, which a slack of 64 bits per block for the
+  trial indices made about 3x larger than needed. The trial part is now the ``10^{−18}`` quantile of the
+  negative-binomial sum of the Golomb quotients (:func:`sidejax.coding.lattice.trial_index_capacity_bits`):
+  decode ``Z^2`` 48 -> 13 ms, ``A2`` 50 -> 13 ms, ``Z^3`` 35 -> 8 ms, ``D4`` 33 -> 12 ms, ``E8`` 12 -> 10 ms.
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ independent of ``x``. Each trial accepts independently with probability ``p = μ
 density of ``Λ``, whatever ``x`` and ``U``), so ``h ~ Geom(p)`` and ``E[h] = 1/p``. The trial loop is a
 ``lax.while_loop`` without a cap. The two noises (spec §2.5, Lemmas 17/18):
 
-* :class:`GaussianNoise` ``N(0, σ² I_n)``, any ``n``: ``U ~ χ²_{n+2}``, ``r = σ√U``, ``β = σ√U / ρ``
-  (``2σ√U`` on ``Z^n``). Acceptance ``p = V_n ρ^n / μ(𝒫)``: 1 on ``Z^1``, ``π/4`` on ``Z^2``, ``π/6`` on
-  ``Z^3``, ``π/√12`` on ``A2``.
-* :class:`LaplaceNoise` ``Lap(0, b)`` (density ``e^{−|z|/b}/(2b)``), ``n = 1`` only: ``U ~ Gamma(2, 1)``,
-  ``r = bU``, ``β = bU/ρ`` (``2bU`` on ``Z^1``); the interval ``[−r, r]`` is ``β𝒫`` itself, so ``p = 1``.
+* :class:`GaussianNoise` ``N(0, σ² I_n)``, any ``n``: ``U ~ χ²_{n+2}`` (a sum of ``n + 2`` squared standard
+  normals), ``r = σ√U``, ``β = σ√U / ρ`` (``2σ√U`` on ``Z^n``). Acceptance ``p = V_n ρ^n / μ(𝒫)``: 1 on
+  ``Z^1``, ``π/4`` on ``Z^2``, ``π/6`` on ``Z^3``, ``π/√12`` on ``A2``.
+* :class:`LaplaceNoise` ``Lap(0, b)`` (density ``e^{−|z|/b}/(2b)``), ``n = 1`` only: ``U ~ Gamma(2, 1)``
+  (``−log u₁ − log u₂``, ``u_k`` uniform), ``r = bU``, ``β = bU/ρ`` (``2bU`` on ``Z^1``); the interval
+  ``[−r, r]`` is ``β𝒫`` itself, so ``p = 1``.
 
 Numerics: the coordinates are int32, so ``|x|/β`` must stay below ``2^31`` lattice steps; in float32 the
 error ``x̂ − x`` carries a rounding error of about ``eps·|x|``. An input for which no trial can be tested
@@ -51,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from sidejax import keys
+from sidejax.distributions import uniform_open
 from sidejax.lattices import Lattice
 from sidejax.types import PRNGKey
 
@@ -219,9 +221,23 @@ def lrsuq_latent(
 ) -> tuple[jax.Array, jax.Array]:
     """The shared latent of an LRSUQ block: the radius ``r`` of the superlevel set and the scale ``β = r/ρ``.
 
-    Gaussian ``N(0, σ²I_n)``: ``U ~ χ²_{n+2}`` (drawn as ``2·Gamma(n/2 + 1, 1)``), ``r = σ√U``. Laplace
-    ``Lap(0, b)``: ``U ~ Gamma(2, 1)``, ``r = bU``. ``U`` is drawn from ``layer_key`` as is and kept at least
-    the smallest normal float (``U = 0`` has probability zero; it would make ``β = 0``).
+    Gaussian ``N(0, σ²I_n)``: ``U ~ χ²_{n+2}``, ``r = σ√U``. Laplace ``Lap(0, b)``: ``U ~ Gamma(2, 1)``,
+    ``r = bU``. ``U`` is drawn from ``layer_key`` as is, by a fixed number of draws (no rejection loop, so
+    vmapped over blocks every block costs the same):
+
+    * ``χ²_{n+2}`` is by definition the law of ``Σ_{k=1}^{n+2} Z_k²`` with ``Z_k`` iid ``N(0, 1)``; ``U`` is
+      that sum over ``n + 2`` standard normals (``jax.random.normal`` of shape ``(n + 2,)``).
+    * ``Gamma(2, 1)`` is the law of ``E₁ + E₂`` with ``E_k`` iid ``Exp(1)`` (a sum of independent
+      ``Gamma(a_k, 1)`` is ``Gamma(Σa_k, 1)``), and ``E = −log u`` with ``u ~ Unif(0, 1]`` is ``Exp(1)``
+      (``P(−log u > t) = P(u < e^{−t}) = e^{−t}``); ``U = −log u₁ − log u₂`` with ``u_k`` from
+      :func:`sidejax.distributions.uniform_open` (float32 uniforms ``(j + ½)·2^{−23}``, never 0, so the
+      logarithm stays finite).
+
+    Both laws are exact up to the resolution of the float32 samplers (as for any float32 draw): the
+    uniforms lie on a grid of step ``2^{−23}`` (each ``E_k ≤ 24 log 2 ≈ 16.6``, the mass ``2^{−23}`` of the
+    lowest cell sitting at its midpoint), and ``jax.random.normal`` is ``√2 erf⁻¹`` of a uniform on a grid of
+    step ``2^{−22}`` in ``(−1, 1)`` (``|Z_k| ≲ 5.2``; the tail beyond has mass ``≈ 2^{−23}``). ``U`` is kept
+    at least the smallest normal float (``U = 0`` has probability zero; it would make ``β = 0``).
 
     Args:
         layer_key: the key of the latent, shared with the decoder.
@@ -242,11 +258,11 @@ def lrsuq_latent(
     dtype = jnp.result_type(float) if dtype is None else dtype
     tiny = jnp.finfo(dtype).tiny
     if isinstance(noise, GaussianNoise):
-        u = 2.0 * jax.random.gamma(layer_key, lattice.dim / 2.0 + 1.0, dtype=dtype)
+        u = jnp.sum(jnp.square(jax.random.normal(layer_key, (lattice.dim + 2,), dtype)))  # χ²_{n+2}
         scale = noise.sigma if level is None else jnp.asarray(level, dtype)
         r = scale * jnp.sqrt(jnp.maximum(u, tiny))
     else:
-        u = jax.random.gamma(layer_key, 2.0, dtype=dtype)
+        u = -jnp.sum(jnp.log(uniform_open(layer_key, (2,)).astype(dtype)))  # Exp(1) + Exp(1) = Gamma(2, 1)
         scale = noise.b if level is None else jnp.asarray(level, dtype)
         r = scale * jnp.maximum(u, tiny)
     return r, r / lattice.packing_radius
@@ -301,38 +317,60 @@ def lrsuq_encode(
 
 def _lrsuq_encode(layer_key, dither_key, x, lattice, noise, level=None):
     """:func:`lrsuq_encode` plus the encoder's own reconstruction ``β(M_h + V_h)`` (for tests); ``level``
-    as in :func:`lrsuq_latent`."""
+    as in :func:`lrsuq_latent`. The per-block reference of the vector encoder
+    :func:`sidejax.coding.lattice.lrsuq_quantize` (which must return the same ``(h, coords)`` bit for bit)."""
     _check_lattice(lattice)
     _check_noise(noise, lattice)
     x = _check_x(x, lattice)
-    dtype = x.dtype
-    r, beta = lrsuq_latent(layer_key, lattice, noise, dtype, level)
-    del r  # r/β = ρ
-    rho2 = lattice.packing_radius**2
-    xs = x / beta
-    ok = jnp.all(jnp.isfinite(xs) & (jnp.abs(xs) < _COORD_LIMIT * lattice.scale))
-
-    def trial(i):
-        v = sample_dither(keys.draw_key(dither_key, i), lattice, dtype)
-        y = xs - v
-        _, coords = lattice.nearest(y)
-        e = _point(lattice, coords, dtype) - y
-        return coords, v, jnp.sum(jnp.square(e)) <= rho2
-
-    def cond(state):
-        _, _, _, accepted = state
-        return ~accepted
-
-    def body(state):
-        i, _, _, _ = state
-        coords, v, accepted = trial(i + 1)
-        return i + 1, coords, v, accepted
-
-    zeros = jnp.zeros((lattice.dim,), dtype)
-    init = (jnp.int32(0), jnp.zeros((lattice.dim,), jnp.int32), zeros, ~ok)
-    h, coords, v, _ = jax.lax.while_loop(cond, body, init)
+    beta, xs, ok = _scaled_input(layer_key, x, lattice, noise, level)
+    h, coords, v = _trial_loop(dither_key, xs, lattice, jnp.int32(0), ~ok)
     x_hat = _reconstruct(lattice, beta, coords, v, h)
     return h, coords, x_hat
+
+
+def _scaled_input(layer_key, x, lattice, noise, level):
+    """``(β, x/β, ok)`` of one block: the scale from :func:`lrsuq_latent`, the scaled input, and whether
+    trials can be tested (``x/β`` finite and within the int32 coordinate range)."""
+    _, beta = lrsuq_latent(layer_key, lattice, noise, x.dtype, level)
+    xs = x / beta
+    ok = jnp.all(jnp.isfinite(xs) & (jnp.abs(xs) < _COORD_LIMIT * lattice.scale))
+    return beta, xs, ok
+
+
+def _trial(dither_key, xs, i, lattice):
+    """Trial ``i`` of one block with scaled input ``xs = x/β``: ``(coords of M_i, V_i, accepted)`` with
+    ``V_i`` from ``draw_key(dither_key, i)``, ``M_i = Q(xs − V_i)`` and acceptance iff
+    ``Σ(M_i − (xs − V_i))² ≤ ρ²``."""
+    dtype = xs.dtype
+    v = sample_dither(keys.draw_key(dither_key, i), lattice, dtype)
+    y = xs - v
+    _, coords = lattice.nearest(y)
+    e = _point(lattice, coords, dtype) - y
+    return coords, v, jnp.sum(jnp.square(e)) <= lattice.packing_radius**2
+
+
+def _trial_loop(dither_key, xs, lattice, start, accepted):
+    """Trials ``start + 1, start + 2, …`` of one block until one accepts (a ``lax.while_loop`` with no
+    cap); none runs when ``accepted`` is already True. Returns ``(h, coords, V_h)``: the accepted trial's
+    index, coordinates and dither, or ``(start, 0, 0)`` when no trial ran."""
+    dtype = xs.dtype
+
+    def cond(state):
+        return ~state[3]
+
+    def body(state):
+        i = state[0] + 1
+        coords, v, ok = _trial(dither_key, xs, i, lattice)
+        return i, coords, v, ok
+
+    init = (
+        jnp.asarray(start, jnp.int32),
+        jnp.zeros((lattice.dim,), jnp.int32),
+        jnp.zeros((lattice.dim,), dtype),
+        jnp.asarray(accepted, bool),
+    )
+    h, coords, v, _ = jax.lax.while_loop(cond, body, init)
+    return h, coords, v
 
 
 def _reconstruct(lattice, beta, coords, v, h):

@@ -4,6 +4,7 @@
   from the origin, on lattice points and random, and is uncorrelated with the input;
 - the trial indices are geometric with the spec's acceptance probabilities (χ² goodness of fit);
 - the decoder reproduces the encoder's reconstruction bit for bit (one program), a wrong key does not;
+- the two-phase vector quantizer returns the per-block reference loop's (h, coords) bit for bit;
 - the stream parses back exactly, corrupted or truncated streams are flagged, overflow is reported;
 - the normalise / clip pre-processing, per-client noise levels (NoisePrior), the additive-noise and SDQ
   baselines, padding when n does not divide d, and bad input.
@@ -27,16 +28,21 @@ from sidejax.coding import lrsuq as Q
 from sidejax.coding.base import float32_coder
 from sidejax.coding.lattice import (
     NoisePrior,
+    _block_keys,
+    _lrsuq_quantize_blocks,
+    _straggler_plan,
     additive_noise_coder,
     clip_update,
     decode_lattice_stream,
     encode_lattice_stream,
+    lattice_blocks,
     lattice_stream_capacity_words,
     lrsuq_coder,
     lrsuq_quantize,
     num_blocks,
     sdq_coder,
     trial_golomb_parameter,
+    trial_index_capacity_bits,
 )
 from sidejax.distributions import PointMass
 from sidejax.keys import client_keys, round_key
@@ -151,6 +157,119 @@ def test_decoder_reproduces_the_encoder_bit_for_bit_and_a_wrong_key_does_not():
     assert int(errors) == 0
     np.testing.assert_array_equal(np.asarray(y), np.asarray(enc))
     assert np.mean(np.asarray(wrong) != np.asarray(y)) > 0.9
+
+
+@pytest.mark.parametrize(
+    "lattice", [L.integer_lattice(2), L.integer_lattice(3), L.d4(), L.e8()], ids=lambda lat: lat.name
+)
+def test_two_phase_quantizer_matches_the_plain_loop_bit_for_bit(lattice):
+    """lrsuq_quantize (T0 trials for all blocks, then the stragglers gathered into `cap` slots) returns
+    exactly the (h, coords) of the per-block reference loop, with its own plan, with a tiny cap that forces
+    many gather rounds, with T0 past every h (no stragglers), and under an outer vmap over two keys; blocks
+    that cannot be encoded (NaN, beyond the int32 range) keep h = 0."""
+    noise = Q.GaussianNoise(0.1)
+    d = 2_001
+    blocks = num_blocks(d, lattice)
+    t0, cap = _straggler_plan(Q.acceptance_probability(lattice, noise), blocks)
+    assert 1 <= t0 and 64 <= cap <= blocks
+
+    @jax.jit
+    def run(key, other, x):
+        xb = lattice_blocks(x, lattice)
+        bk = _block_keys(key, blocks)
+        ref = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[:2])(
+            bk.layer, bk.dither, xb
+        )
+        plans = [
+            _lrsuq_quantize_blocks(bk.layer, bk.dither, xb, lattice, noise, None, t, c)
+            for t, c in ((1, 2), (64, 1))
+        ]
+        batched = jax.vmap(lambda k: lrsuq_quantize(k, x, lattice, noise))(jnp.stack([key, other]))
+        ref_other = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[:2])(
+            *_block_keys(other, blocks), xb
+        )
+        return ref, lrsuq_quantize(key, x, lattice, noise), plans, batched, ref_other
+
+    x = np.random.default_rng(9).normal(0.0, 0.3, d)
+    x[5] = np.nan
+    x[-1] = 1e12  # x/β beyond the int32 coordinate range
+    key, other = _keys(0).shared, _keys(0, client=1).shared
+    (h, c), own, plans, (bh, bc), (oh, oc) = run(key, other, jnp.asarray(x, jnp.float32))
+    h, c = np.asarray(h), np.asarray(c)
+    assert h[5 // lattice.dim] == 0 and h[-1] == 0 and np.sum(h == 0) == 2
+    assert np.sum(h > 1) > 2  # the tiny cap (2 slots) needs several gather rounds
+    assert h.max() > t0  # the plan's own straggler phase runs
+    for hj, cj in (own, *plans):
+        np.testing.assert_array_equal(np.asarray(hj), h)
+        np.testing.assert_array_equal(np.asarray(cj), c)
+    np.testing.assert_array_equal(np.asarray(bh), np.stack([h, np.asarray(oh)]))
+    np.testing.assert_array_equal(np.asarray(bc), np.stack([c, np.asarray(oc)]))
+
+
+def test_straggler_plan():
+    """The documented plans at d = 25,818 and cap = min(N, ceil(2 N (1 - p)^T0) + 64)."""
+    d = 25_818
+    expected = {"Z^1": 1, "Z^2": 2, "Z^3": 4, "A2": 1, "D4": 3, "E8": 9}
+    for lat in (
+        L.integer_lattice(1),
+        L.integer_lattice(2),
+        L.integer_lattice(3),
+        L.hexagonal(),
+        L.d4(),
+        L.e8(),
+    ):
+        p, blocks = Q.acceptance_probability(lat, Q.GaussianNoise(1.0)), num_blocks(d, lat)
+        t0, cap = _straggler_plan(p, blocks)
+        assert t0 == expected[lat.name], lat.name
+        assert cap == min(blocks, math.ceil(2 * blocks * (1 - p) ** t0) + 64), lat.name
+    assert _straggler_plan(1.0, 10) == (1, 10)
+
+
+def _chernoff_quotient_bound(blocks: int, quotient_p: float, eps: float = 1e-18) -> int:
+    """Oracle: the smallest t with the Chernoff bound on P(S >= t + 1) <= eps, S ~ NB(blocks, quotient_p)
+    (E e^{sS} = (p'/(1 - (1 - p') e^s))^N, minimised at e^s = t/((N + t)(1 - p')))."""
+    q = 1.0 - quotient_p
+    t = math.ceil(blocks * q / quotient_p)
+    while True:
+        es = (t + 1) / ((blocks + t + 1) * q)
+        if es > 1 and blocks * math.log(quotient_p / (1 - q * es)) - (t + 1) * math.log(es) <= math.log(eps):
+            return t
+        t += 1
+
+
+def test_trial_index_capacity_from_the_negative_binomial_tail():
+    """T is the exact 1e-18 quantile of the quotient sum NB(N, 1 - (1 - p)^m), below the Chernoff bound and
+    far below the former 64 bits per block; the default (no p) bounds every p with that m; a stream at the
+    bound fits, one past the buffer is reported, not truncated."""
+    for blocks, p in ((12_909, math.pi / 4), (8_606, math.pi / 6), (3_228, math.pi**4 / 384), (1, 0.25367)):
+        m = trial_golomb_parameter(p)
+        qp = 1.0 - (1.0 - p) ** m
+        bits = trial_index_capacity_bits(blocks, m, p)
+        t = bits - blocks * (1 + (m - 1).bit_length())
+        assert stats.nbinom.sf(t, blocks, qp) <= 1e-18 < stats.nbinom.sf(t - 1, blocks, qp)
+        assert blocks * (1 - qp) / qp < t <= _chernoff_quotient_bound(blocks, qp)
+        if blocks > 1:
+            assert t < 0.1 * 64 * blocks  # the former slack: 64 quotient bits per block
+        for other in np.linspace(0.05, 0.999, 60):  # every p with the same parameter m: below the default
+            if trial_golomb_parameter(other) == m:
+                assert trial_index_capacity_bits(blocks, m, float(other)) <= trial_index_capacity_bits(
+                    blocks, m
+                )
+    assert trial_index_capacity_bits(5, 1, 1.0) == 5
+    # the bound is reached: quotient sum exactly T fits the coder's buffer, a stream past the buffer does not
+    blocks, n, p = 40, 2, math.pi / 4
+    cap = lattice_stream_capacity_words(blocks, n, 1, 4, acceptance=p)
+    t = trial_index_capacity_bits(blocks, 1, p) - blocks
+    encode = jax.jit(functools.partial(encode_lattice_stream, trial_m=1, capacity_words=cap))
+    coords = jnp.zeros((blocks, n), jnp.int32)
+    h = jnp.ones((blocks,), jnp.int32).at[0].set(1 + t)
+    _, _, fits = encode(h, coords)
+    assert bool(fits)
+    _, nb, fits = encode(h.at[1].set(1 + 32 * cap), coords)
+    assert not bool(fits) and float(nb) > 32 * (cap - 1)
+    for bad in ((0, 1, None), (3, 0, None), (3, 1, 0.0), (3, 1, 1.5)):
+        with pytest.raises(ValueError, match="blocks|trial_m|acceptance"):
+            trial_index_capacity_bits(*bad)
 
 
 def test_stream_round_trip_and_corruption():
