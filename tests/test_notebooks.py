@@ -17,7 +17,8 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # rising), not to reproduce the committed figures. 02_klms: one K per regime for the coder law, the toy's
 # smallest and largest K and N, a few protocol and federated rounds. 03_bicompfl: the coder law at two n_IS,
 # two block sizes at two n_IS, two federated rounds of each of the six methods (most of its time is
-# compiling their round programs). 04_cepam: smaller messages, three rounds at two noise levels and no noise.
+# compiling their round programs). 04_cepam: smaller messages, two of the error laws,
+# two lattices' rates, three rounds at one noise level and without noise.
 TEST_PARAMETERS = {
     "01_quickstart.ipynb": "ROUNDS = 5",  # label shards, 50% participation: round 3 dips below round 1
     "02_klms.ipynb": "\n".join(
@@ -32,7 +33,15 @@ TEST_PARAMETERS = {
             "FL_ROUNDS = 3",
         ]
     ),
-    "04_cepam.ipynb": "\n".join(["N_COORDS = 12_000", "FL_ROUNDS = 3", "FL_LEVELS = (0.0, 0.1, 1.0)"]),
+    "04_cepam.ipynb": "\n".join(
+        [
+            "N_COORDS = 12_000",
+            'ERROR_CASES = ("Z^2 Gauss", "Z^1 Laplace")',
+            'RATE_LATTICES = ("Z^1", "E8")',
+            "FL_ROUNDS = 3",
+            "FL_LEVELS = (0.0, 0.1)",
+        ]
+    ),
     "03_bicompfl.ipynb": "\n".join(
         [
             "MC_TRIALS = 20_000",
