@@ -36,17 +36,12 @@ per client (the sum over rounds of ``bpp``), log scale, one line per method.
 
 from __future__ import annotations
 
-import argparse
-import csv
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
-from experiments.driver import read_jsonl
-from experiments.table import run_configs
+from experiments.table import read_run_folders, suite_main
 
 __all__ = ["SETTINGS", "VARIANTS", "suite_config", "preset_name", "write_presets", "variant_label", "main"]
 
@@ -270,28 +265,12 @@ def _mean(rows, key):
 
 
 def collect(directory: Path) -> list[dict[str, Any]]:
-    """Every finished run folder under ``directory``: its label, config, summary and per-round rows."""
-    runs = []
-    for sub in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
-        if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
-            continue
-        try:
-            config = json.loads((sub / "config.json").read_text())
-            rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
-            summary = json.loads((sub / "summary.json").read_text())
-            config["method"]["name"], config["coder"]["name"]  # noqa: B018 (the fields the label needs)
-        except (ValueError, KeyError, TypeError) as e:  # a damaged folder is reported, not fatal
-            print(f"warning: skipped {sub}: unreadable results ({type(e).__name__}: {e})", file=sys.stderr)
-            continue
-        runs.append(
-            {
-                "name": sub.name,
-                "label": variant_label(config),
-                "config": config,
-                "summary": summary,
-                "rows": rows,
-            }
-        )
+    """Every finished run folder under ``directory``: its label, config, summary and per-round rows (a damaged
+    folder is skipped with a warning, :func:`experiments.table.read_run_folders`)."""
+    runs = [
+        {"name": sub.name, "label": variant_label(config), "config": config, "summary": summary, "rows": rows}
+        for sub, config, summary, rows in read_run_folders(directory)
+    ]
     runs.sort(key=lambda r: (_ORDER.index(r["label"]) if r["label"] in _ORDER else len(_ORDER), r["name"]))
     return runs
 
@@ -322,12 +301,6 @@ def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
             }
         )
     return out
-
-
-def markdown(rows: list[dict[str, str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) -> Path:
@@ -363,82 +336,23 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
     return path
 
 
-def _run_setting(
-    directory: Path, setting: str, variants: list[str], rounds: int | None, force: bool, argv
-) -> int:
-    runs = []
-    for variant in variants:
-        name = preset_name(setting, variant)
-        config = load_preset(name)
-        if rounds:
-            config = config.override({"run.rounds": rounds}, source="--rounds")
-        runs.append((name, config, VARIANTS[variant][0]))
-    given = [a for a in argv if a != "--force"]
-    return run_configs(
-        directory, runs, force=force, resume_command=f"python -m experiments.bicompfl {shlex.join(given)}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.bicompfl", description=__doc__.split("\n")[0]
+    return suite_main(
+        argv,
+        module="bicompfl",
+        description=__doc__.split("\n")[0],
+        settings=SETTINGS,
+        variants={name: v[0] for name, v in VARIANTS.items()},
+        noun="variants",
+        preset_name=preset_name,
+        write_presets=write_presets,
+        load=lambda name: load_preset(name),  # looked up at call time (tests replace it)
+        collect=collect,
+        table_rows=table_rows,
+        columns=COLUMNS,
+        plot=plot,
+        figure_name="accuracy_vs_total_bpp.png",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_table = sub.add_parser("table", help="run a setting's presets (optional) and write the table and plot")
-    p_table.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
-    p_table.add_argument("--setting", choices=list(SETTINGS), help="run this setting's presets first")
-    p_table.add_argument(
-        "--only", nargs="*", choices=list(VARIANTS), help="only these variants (default: all)"
-    )
-    p_table.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
-    p_table.add_argument(
-        "--force",
-        action="store_true",
-        help="re-run from scratch (default: skip finished, resume interrupted)",
-    )
-    sub.add_parser(
-        "presets", help="rewrite experiments/presets/bicompfl_*.toml from this module's definitions"
-    )
-    args = parser.parse_args(argv)
-
-    if args.command == "presets":
-        for path in write_presets():
-            print(path)
-        return 0
-    if args.rounds is not None and args.rounds < 1:
-        print("error: --rounds must be >= 1", file=sys.stderr)
-        return 2
-    if args.setting:
-        code = _run_setting(
-            args.directory, args.setting, args.only or list(VARIANTS), args.rounds, args.force, argv
-        )
-        if code:
-            return code
-    if not args.directory.is_dir():
-        print(f"error: {args.directory} is not a directory", file=sys.stderr)
-        return 2
-    runs = collect(args.directory)
-    if not runs:
-        print(
-            f"error: no finished run folders (summary.json and config.json) in {args.directory}",
-            file=sys.stderr,
-        )
-        return 2
-    rows = table_rows(runs)
-    md = markdown(rows)
-    (args.directory / "table.md").write_text(md)
-    with (args.directory / "table.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    data = runs[0]["config"]["data"]
-    figure = plot(
-        runs, args.directory / "accuracy_vs_total_bpp.png", title=f"{data['dataset']} / {data['model']}"
-    )
-    print(md)
-    print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}, {figure}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -33,18 +33,13 @@ The plot ``accuracy_vs_round.png`` shows test accuracy against the round, one li
 
 from __future__ import annotations
 
-import argparse
-import csv
-import json
-import shlex
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
-from experiments.driver import read_jsonl
-from experiments.table import run_configs
+from experiments.table import read_run_folders, suite_main
 from sidejax import privacy
 
 __all__ = ["SETTINGS", "SCHEMES", "suite_config", "preset_name", "write_presets", "guarantee", "main"]
@@ -186,17 +181,12 @@ COLUMNS = (
 
 
 def collect(directory: Path) -> list[dict[str, Any]]:
-    """Every finished run folder under ``directory`` (a damaged one is skipped with a warning)."""
+    """Every finished run folder under ``directory`` with its label and privacy guarantee (a damaged folder
+    is skipped with a warning, :func:`experiments.table.read_run_folders`)."""
     runs = []
-    for sub in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
-        if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
-            continue
+    for sub, config, summary, rows in read_run_folders(directory):
         try:
-            config = json.loads((sub / "config.json").read_text())
-            summary = json.loads((sub / "summary.json").read_text())
-            rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
-            label = _label(config)
-            g = guarantee(config)
+            label, g = _label(config), guarantee(config)
         except (ValueError, KeyError, TypeError) as e:
             print(f"warning: skipped {sub}: unreadable results ({type(e).__name__}: {e})", file=sys.stderr)
             continue
@@ -239,12 +229,6 @@ def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def markdown(rows: list[dict[str, str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) -> Path:
     """Test accuracy against the round, one line per scheme (solid: CEPAM, dashed: the baselines)."""
     import matplotlib
@@ -274,70 +258,22 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m experiments.cepam", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_table = sub.add_parser("table", help="run a setting's presets (optional) and write the table and plot")
-    p_table.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
-    p_table.add_argument("--setting", choices=list(SETTINGS), help="run this setting's presets first")
-    p_table.add_argument("--only", nargs="*", choices=list(SCHEMES), help="only these schemes (default: all)")
-    p_table.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
-    p_table.add_argument(
-        "--force",
-        action="store_true",
-        help="re-run from scratch (default: skip finished, resume interrupted)",
+    return suite_main(
+        argv,
+        module="cepam",
+        description=__doc__.split("\n")[0],
+        settings=SETTINGS,
+        variants={name: v[0] for name, v in SCHEMES.items()},
+        noun="schemes",
+        preset_name=preset_name,
+        write_presets=write_presets,
+        load=lambda name: load_preset(name),  # looked up at call time (tests replace it)
+        collect=collect,
+        table_rows=table_rows,
+        columns=COLUMNS,
+        plot=plot,
+        figure_name="accuracy_vs_round.png",
     )
-    sub.add_parser("presets", help="rewrite experiments/presets/cepam_*.toml from this module's definitions")
-    args = parser.parse_args(argv)
-
-    if args.command == "presets":
-        for path in write_presets():
-            print(path)
-        return 0
-    if args.rounds is not None and args.rounds < 1:
-        print("error: --rounds must be >= 1", file=sys.stderr)
-        return 2
-    if args.setting:
-        runs = []
-        for scheme in args.only or list(SCHEMES):
-            name = preset_name(args.setting, scheme)
-            config = load_preset(name)
-            if args.rounds:
-                config = config.override({"run.rounds": args.rounds}, source="--rounds")
-            runs.append((name, config, SCHEMES[scheme][0]))
-        given = [a for a in argv if a != "--force"]
-        code = run_configs(
-            args.directory,
-            runs,
-            force=args.force,
-            resume_command=f"python -m experiments.cepam {shlex.join(given)}",
-        )
-        if code:
-            return code
-    if not args.directory.is_dir():
-        print(f"error: {args.directory} is not a directory", file=sys.stderr)
-        return 2
-    runs = collect(args.directory)
-    if not runs:
-        print(
-            f"error: no finished run folders (summary.json and config.json) in {args.directory}",
-            file=sys.stderr,
-        )
-        return 2
-    rows = table_rows(runs)
-    md = markdown(rows)
-    (args.directory / "table.md").write_text(md)
-    with (args.directory / "table.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    data = runs[0]["config"]["data"]
-    figure = plot(
-        runs, args.directory / "accuracy_vs_round.png", title=f"{data['dataset']} / {data['model']}"
-    )
-    print(md)
-    print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}, {figure}")
-    return 0
 
 
 if __name__ == "__main__":

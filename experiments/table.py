@@ -36,7 +36,20 @@ from typing import Any
 from experiments.algorithms import KLMS_HOSTS
 from experiments.driver import plot_runs, read_jsonl, tail_accuracy
 
-__all__ = ["collect_runs", "run_identity", "results_table", "comparison_plots", "run_configs", "main"]
+__all__ = [
+    "collect_runs",
+    "read_run_folders",
+    "run_identity",
+    "results_table",
+    "comparison_plots",
+    "markdown_table",
+    "write_table",
+    "run_configs",
+    "run_presets",
+    "tabulate",
+    "suite_main",
+    "main",
+]
 
 COLUMNS = (
     "run",
@@ -71,6 +84,28 @@ def collect_runs(directory: Path) -> list[dict[str, Any]]:
             {"name": sub.name, "summary": summary, "config": json.loads((sub / "config.json").read_text())}
         )
     return runs
+
+
+def read_run_folders(
+    directory: Path,
+) -> list[tuple[Path, dict[str, Any], dict[str, Any], list[dict[str, Any]]]]:
+    """Every finished run folder directly under ``directory`` (sorted by name) as ``(folder, config, summary,
+    per-round rows)``; a folder whose files cannot be read is skipped with a warning naming it (on stderr),
+    not fatal, so one damaged run does not hide the others' table."""
+    out = []
+    for sub in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
+        if not (sub / "summary.json").is_file() or not (sub / "config.json").is_file():
+            continue
+        try:
+            config = json.loads((sub / "config.json").read_text())
+            summary = json.loads((sub / "summary.json").read_text())
+            rows = read_jsonl(sub / "metrics.jsonl") if (sub / "metrics.jsonl").is_file() else []
+            config["method"]["name"], config["coder"]["name"]  # noqa: B018 (every table's row label needs them)
+        except (ValueError, KeyError, TypeError) as e:
+            print(f"warning: skipped {sub}: unreadable results ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
+        out.append((sub, config, summary, rows))
+    return out
 
 
 def _pct(x: float | None) -> float | None:
@@ -136,10 +171,22 @@ def comparison_plots(directory: Path, runs: list[dict[str, Any]]) -> list[Path]:
     return paths
 
 
-def _markdown(rows: list[dict[str, str]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row[c] for c in COLUMNS) + " |" for row in rows]
+def markdown_table(rows: list[dict[str, str]], columns) -> str:
+    """``rows`` as a Markdown table with the given column order."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row[c] for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def write_table(directory: Path, rows: list[dict[str, str]], columns) -> str:
+    """Writes ``table.md`` and ``table.csv`` into ``directory``; returns the Markdown."""
+    md = markdown_table(rows, columns)
+    (directory / "table.md").write_text(md)
+    with (directory / "table.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    return md
 
 
 def run_configs(directory: Path, runs, *, force: bool, resume_command: str) -> int:
@@ -168,6 +215,106 @@ def run_configs(directory: Path, runs, *, force: bool, resume_command: str) -> i
             )
             return 130
     return 0
+
+
+def run_presets(directory: Path, presets, *, load, rounds, force: bool, resume_command: str) -> int:
+    """:func:`run_configs` of named presets: ``presets`` is ``[(preset name, label)]``, each loaded with
+    ``load(name)`` and its ``run.rounds`` replaced by ``rounds`` if given."""
+    runs = []
+    for name, label in presets:
+        config = load(name)
+        if rounds:
+            config = config.override({"run.rounds": rounds}, source="--rounds")
+        runs.append((name, config, label))
+    return run_configs(directory, runs, force=force, resume_command=resume_command)
+
+
+def tabulate(directory: Path, collect, table_rows, columns, plot, figure_name: str) -> int:
+    """The end of a suite's ``table`` command: ``collect(directory)`` the finished runs, write
+    ``table.md`` / ``table.csv`` (:func:`write_table`) and ``plot(runs, directory / figure_name, title=...)``,
+    print them; exit status 2, with the reason, when there is no directory or no finished run in it."""
+    if not directory.is_dir():
+        print(f"error: {directory} is not a directory", file=sys.stderr)
+        return 2
+    runs = collect(directory)
+    if not runs:
+        print(
+            f"error: no finished run folders (summary.json and config.json) in {directory}", file=sys.stderr
+        )
+        return 2
+    md = write_table(directory, table_rows(runs), columns)
+    data = runs[0]["config"]["data"]
+    figure = plot(runs, directory / figure_name, title=f"{data['dataset']} / {data['model']}")
+    print(md)
+    print(f"written: {directory / 'table.md'}, {directory / 'table.csv'}, {figure}")
+    return 0
+
+
+def suite_main(
+    argv,
+    *,
+    module: str,
+    description: str,
+    settings,
+    variants,
+    noun: str,
+    preset_name,
+    write_presets,
+    load,
+    collect,
+    table_rows,
+    columns,
+    plot,
+    figure_name: str,
+) -> int:
+    """The command line of a paper's experiment suite (``python -m experiments.<module>``):
+
+    - ``table DIR [--setting S] [--only V ...] [--rounds N] [--force]``: run the setting's presets
+      (:func:`run_presets`: skip finished, resume interrupted) and write the table and the plot
+      (:func:`tabulate`);
+    - ``presets``: rewrite the suite's preset files (``write_presets()``).
+
+    ``variants`` maps each variant (scheme) name to its table label; ``load(name)`` loads a preset."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=f"python -m experiments.{module}", description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_table = sub.add_parser("table", help="run a setting's presets (optional) and write the table and plot")
+    p_table.add_argument("directory", type=Path, help="folder holding one sub-folder per run")
+    p_table.add_argument("--setting", choices=list(settings), help="run this setting's presets first")
+    p_table.add_argument(
+        "--only", nargs="*", choices=list(variants), help=f"only these {noun} (default: all)"
+    )
+    p_table.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
+    p_table.add_argument(
+        "--force",
+        action="store_true",
+        help="re-run from scratch (default: skip finished, resume interrupted)",
+    )
+    sub.add_parser(
+        "presets", help=f"rewrite experiments/presets/{module}_*.toml from the suite's definitions"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "presets":
+        for path in write_presets():
+            print(path)
+        return 0
+    if args.rounds is not None and args.rounds < 1:
+        print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.setting:
+        presets = [(preset_name(args.setting, v), variants[v]) for v in args.only or list(variants)]
+        given = [a for a in argv if a != "--force"]
+        code = run_presets(
+            args.directory,
+            presets,
+            load=load,
+            rounds=args.rounds,
+            force=args.force,
+            resume_command=f"python -m experiments.{module} {shlex.join(given)}",
+        )
+        if code:
+            return code
+    return tabulate(args.directory, collect, table_rows, columns, plot, figure_name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,13 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             f"error: no run folders (with summary.json and config.json) in {args.directory}", file=sys.stderr
         )
         return 2
-    rows = results_table(runs)
-    md = _markdown(rows)
-    (args.directory / "table.md").write_text(md)
-    with (args.directory / "table.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    md = write_table(args.directory, results_table(runs), COLUMNS)
     print(md)
     print(f"written: {args.directory / 'table.md'}, {args.directory / 'table.csv'}")
     for path in comparison_plots(args.directory, runs):
