@@ -23,6 +23,7 @@ ALLOWED = {
     "metrics": BASE,
     "lattices": {"types", "utils"},
     "privacy": {"types", "utils"},
+    "bayes": {"types", "utils", "keys"},
     "coding": BASE | {"distributions", "blocks", "layout", "lattices"},
     "data": BASE,
     "models": BASE,
