@@ -233,6 +233,10 @@ class Algorithm(NamedTuple):
       eval_axis: ``None``, ``"sample"`` or ``"client"`` (static).
       metrics: ``metrics(info: RoundInfo) -> dict[str, array]``: the algorithm's own diagnostics, one value
         per round (leading rounds axis when ``info`` is stacked), logged generically by drivers.
+      personal_params: ``None``, or for a personalized method ``personal_params(state) -> Params`` with a
+        leading axis over **all** clients (client ``c``'s personal model, e.g. pFedBayes' personal posterior
+        mean), evaluated beside ``eval_params``' global model, each on its own client's test set
+        (:func:`sidejax.fl.build_personal_evaluator`).
     """
 
     init: Callable[[PRNGKey, Params, int], RoundState]
@@ -244,3 +248,4 @@ class Algorithm(NamedTuple):
     clients_per_round: int
     eval_axis: str | None = None
     metrics: Callable[[RoundInfo], dict] = no_metrics
+    personal_params: Callable[[RoundState], Params] | None = None
