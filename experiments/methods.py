@@ -26,18 +26,22 @@ from sidejax.algorithms import (
     bicompfl_gr_reconst,
     bicompfl_pr,
     cepam,
+    coreset_pfedbayes,
     cser,
     doublesqueeze,
     fedavg,
     fedpm,
     memsgd,
     neolithic,
+    pfedbayes,
+    pfedbayes_subset,
     qlsd,
     qsgd,
     sgld,
     signsgd,
 )
 from sidejax.algorithms.mirror import mirror_descent
+from sidejax.algorithms.pfedbayes import KL_SCALE_MODES, CoresetSettings, PFedBayesSettings
 from sidejax.coding import Coder, KLMSConfig
 from sidejax.fl import Algorithm, LocalTraining
 
@@ -63,6 +67,9 @@ __all__ = [
     "NeolithicConfig",
     "CSERConfig",
     "CepamConfig",
+    "PFedBayesConfig",
+    "PFedBayesSubsetConfig",
+    "CoresetPFedBayesConfig",
     "ERROR_FEEDBACK_METHODS",
     "METHODS",
     "SHORTCUTS",
@@ -596,6 +603,173 @@ class CepamConfig(MethodConfig):
         )
 
 
+@dataclass(frozen=True)
+class PFedBayesConfig(MethodConfig):
+    """pFedBayes (:func:`sidejax.algorithms.pfedbayes`): personal and localized-global mean-field posteriors
+    trained by Eq. 9, the server averaging the clients' localized globals. Defaults: spec
+    coreset_pfedbayes.md §3.1 (the reference code's Adam 1e-3, zeta 10, R = 20, R_p = 5, b = 100).
+
+    Attributes:
+      zeta: the KL weight (a likelihood temperature; larger: less personalization).
+      local_iters: R, minibatch iterations per round.
+      personal_steps: R_p, personal optimizer steps per minibatch.
+      batch_size: b.
+      mc_samples: reparameterisation samples per step.
+      eps_std: std of the reparameterisation noise (1: Alg. 1; 0.001: the reference code's quirk).
+      kl_scale_mode: eq9 (data term scaled n/b, KL weight zeta) or reference (data summed over the batch,
+        KL weight zeta/R: the reference code).
+      personal_lr: Adam learning rate of the personal posteriors (eta_1).
+      global_lr: Adam learning rate of the localized global copies (eta_2).
+      beta: server mixing in (0, 1] (1: the plain mean).
+      init_weight_scale: std of the initial means.
+      init_rho: initial rho (sigma = softplus(rho)).
+    """
+
+    name: ClassVar[str] = "pfedbayes"
+    coders: ClassVar[tuple[str, ...]] = ("float32",)
+    default_coder: ClassVar[str] = "float32"
+    run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
+
+    zeta: float = 10.0
+    local_iters: int = 20
+    personal_steps: int = 5
+    batch_size: int = 100
+    mc_samples: int = 1
+    eps_std: float = 1.0
+    kl_scale_mode: str = choice("eq9", KL_SCALE_MODES)
+    personal_lr: float = 1e-3
+    global_lr: float = 1e-3
+    beta: float = 1.0
+    init_weight_scale: float = 0.1
+    init_rho: float = -3.0
+
+    def check(self) -> None:
+        for name in ("local_iters", "personal_steps", "batch_size", "mc_samples"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("zeta", "eps_std", "personal_lr", "global_lr", "init_weight_scale"):
+            self.require(getattr(self, name) > 0, name, "must be > 0")
+        self.require(0 < self.beta <= 1, "beta", "must be in (0, 1]")
+
+    def settings(self) -> PFedBayesSettings:
+        """The library's :class:`sidejax.algorithms.pfedbayes.PFedBayesSettings` of this section."""
+        return PFedBayesSettings(
+            zeta=self.zeta,
+            local_iters=self.local_iters,
+            personal_steps=self.personal_steps,
+            batch_size=self.batch_size,
+            mc_samples=self.mc_samples,
+            eps_std=self.eps_std,
+            kl_scale_mode=self.kl_scale_mode,
+            personal_optimizer=optax.adam(self.personal_lr),
+            global_optimizer=optax.adam(self.global_lr),
+            beta=self.beta,
+            init_weight_scale=self.init_weight_scale,
+            init_rho=self.init_rho,
+        )
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return pfedbayes(loss_fn, clients_per_round=clients_per_round, settings=self.settings(), coder=coder)
+
+
+@dataclass(frozen=True)
+class PFedBayesSubsetConfig(PFedBayesConfig):
+    """The RandomSubset baseline (:func:`sidejax.algorithms.pfedbayes_subset`): pFedBayes on a fixed uniformly
+    random subset of every client's data.
+
+    Attributes:
+      subset_size: points per client in the subset (the paper: 50% of 1,000).
+      reweight: weight the subset's points n/k (the full data's likelihood mass) instead of 1 (the paper's).
+    """
+
+    name: ClassVar[str] = "pfedbayes_subset"
+
+    subset_size: int = 500
+    reweight: bool = False
+
+    def check(self) -> None:
+        super().check()
+        self.require(self.subset_size >= 1, "subset_size", "must be >= 1")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        return pfedbayes_subset(
+            loss_fn,
+            clients_per_round=clients_per_round,
+            subset_size=self.subset_size,
+            reweight=self.reweight,
+            settings=self.settings(),
+            coder=coder,
+        )
+
+
+@dataclass(frozen=True)
+class CoresetPFedBayesConfig(PFedBayesConfig):
+    """CoreSet-PFedBayes (:func:`sidejax.algorithms.coreset_pfedbayes`): a full-data and a coreset track per
+    client, coreset weights by A-IHT from Monte-Carlo projections of the full-data posterior.
+
+    Attributes:
+      coreset_size: k, points per client in the coreset (the paper: 50/30/15/10% of 1,000).
+      projection_samples: J, posterior samples of the projection (unset: max(100, 2k)); must exceed k.
+      coreset_every: recompute the weights every this many rounds (1: the paper; more bounds the J x n
+        forward passes).
+      aiht_max_iter: A-IHT's iteration cap.
+      aiht_tol: A-IHT's relative-change tolerance.
+      aiht_step_scale: 1 (exact line search) or 0.5 (the reference code's half step).
+      aiht_debias: A-IHT II.
+      sum_to_n: constrain the weights to sum to the client's number of examples.
+      coreset_init: random (a random k-subset with weights n/k) or zeros (the paper's literal w = 0).
+    """
+
+    name: ClassVar[str] = "coreset_pfedbayes"
+
+    coreset_size: int = 500
+    projection_samples: int | None = None
+    coreset_every: int = 10
+    aiht_max_iter: int = 300
+    aiht_tol: float = 1e-5
+    aiht_step_scale: float = 1.0
+    aiht_debias: bool = False
+    sum_to_n: bool = False
+    coreset_init: str = choice("random", ("random", "zeros"))
+
+    def check(self) -> None:
+        super().check()
+        for name in ("coreset_size", "coreset_every", "aiht_max_iter"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(
+            self.projection_samples is None or self.projection_samples > self.coreset_size,
+            "projection_samples",
+            "must exceed coreset_size (or be unset: max(100, 2 coreset_size))",
+        )
+        self.require(self.aiht_tol >= 0, "aiht_tol", "must be >= 0")
+        self.require(0 < self.aiht_step_scale <= 1, "aiht_step_scale", "must be in (0, 1]")
+
+    def build(
+        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
+    ) -> Algorithm:
+        coreset = CoresetSettings(
+            projection_samples=self.projection_samples,
+            every=self.coreset_every,
+            max_iter=self.aiht_max_iter,
+            tol=self.aiht_tol,
+            step_scale=self.aiht_step_scale,
+            debias=self.aiht_debias,
+            sum_to_n=self.sum_to_n,
+            init=self.coreset_init,
+        )
+        return coreset_pfedbayes(
+            loss_fn,
+            clients_per_round=clients_per_round,
+            coreset_size=self.coreset_size,
+            settings=self.settings(),
+            coreset=coreset,
+            coder=coder,
+        )
+
+
 ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
 # --- end of the error-feedback baselines ---
 
@@ -760,6 +934,9 @@ METHODS: dict[str, type[MethodConfig]] = {
         BICompFLPRConfig,
         *ERROR_FEEDBACK_METHODS,
         CepamConfig,
+        PFedBayesConfig,
+        PFedBayesSubsetConfig,
+        CoresetPFedBayesConfig,
     )
 }
 

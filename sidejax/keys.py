@@ -7,7 +7,8 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
 .. code-block:: text
 
     key(seed)
-    ├─ INIT ─ init_key                 MODEL (flax init); FedPM: SIGNS ─ leaf l, SCORES, EVAL
+    ├─ INIT ─ init_key                 MODEL (flax init); FedPM: SIGNS ─ leaf l, SCORES, EVAL;
+    │                                  pFedBayes: POSTERIOR (the initial means)
     └─ ROUNDS ─ rounds_key             the base_key of run_rounds
        └─ ROUND ─ round t
           ├─ SAMPLING                  the participants
@@ -20,9 +21,14 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
              │  └─ DITHERS ─ block j   the dither family of block j; trial i: DRAWS ─ draw i
              └─ PRIVATE
                 ├─ SAMPLE              the message: index choice, quantisation, mask sample
+                ├─ PROJECTIONS         CoreSet-PFedBayes: posterior sample s of the projection (DRAWS ─ s)
+                ├─ SUBSETS             CoreSet-PFedBayes: the initial coreset / fixed random subset
                 └─ TRAIN ─ EPOCHS ─ epoch e
-                   ├─ ORDER            the epoch's example order
-                   └─ STEPS ─ step s   passed to loss_fn (FedPM: MASK uniforms, LOSS)
+                   │  ├─ ORDER         the epoch's example order
+                   │  └─ STEPS ─ step s   passed to loss_fn (FedPM: MASK uniforms, LOSS)
+                   └─ TRACKS ─ track   pFedBayes' variational tracks, each with EPOCHS ─ 0 ─ STEPS ─
+                                       iteration r: ORDER (the minibatch), DRAWS ─ the reparameterisation
+                                       noise of inner step p, MC sample k (draw p·K + k)
 
 Two rules make a collision between two streams impossible by construction (up to a 2^-64 hash accident):
 
@@ -85,6 +91,10 @@ __all__ = [
     "RECIPIENTS",
     "LAYERS",
     "DITHERS",
+    "TRACKS",
+    "POSTERIOR",
+    "PROJECTIONS",
+    "SUBSETS",
     "TAGS",
     "ClientKeys",
     "ClientStreams",
@@ -102,6 +112,7 @@ __all__ = [
     "downlink_keys",
     "BlockKeys",
     "block_keys",
+    "track_key",
     "record_keys",
 ]
 
@@ -130,6 +141,12 @@ MODEL = 21  # init key -> the model's parameters (flax folds its module-path has
 RECIPIENTS = 22  # downlink key -> the family of per-recipient downlink keys (index: global client id i)
 LAYERS = 23  # shared key -> the family of lattice-block latent keys (index: block j; CEPAM's U_j)
 DITHERS = 24  # shared key -> the family of lattice-block dither keys (index: block j; trial i = draw i)
+TRACKS = 25  # train key -> the family of variational training tracks (index: track; pFedBayes)
+POSTERIOR = 26  # init key -> the initial variational posterior's means (pFedBayes)
+PROJECTIONS = (
+    27  # private key -> the posterior samples of a coreset's Monte-Carlo projection (DRAWS: sample s)
+)
+SUBSETS = 28  # private key -> a client's initial random coreset / fixed random subset (CoreSet-PFedBayes)
 
 #: name of every tag (what :func:`record_keys` reports for a tag derivation)
 TAGS = {
@@ -159,9 +176,13 @@ TAGS = {
         RECIPIENTS=RECIPIENTS,
         LAYERS=LAYERS,
         DITHERS=DITHERS,
+        TRACKS=TRACKS,
+        POSTERIOR=POSTERIOR,
+        PROJECTIONS=PROJECTIONS,
+        SUBSETS=SUBSETS,
     ).items()
 }
-assert len(TAGS) == 24, "tag values must be distinct"
+assert len(TAGS) == 28, "tag values must be distinct"
 
 
 class ClientKeys(NamedTuple):
@@ -225,6 +246,12 @@ def _fold(key: PRNGKey, data, name: str) -> PRNGKey:
             _key_data(child),
         )
     return child
+
+
+def track_key(train_key: PRNGKey, track) -> PRNGKey:
+    """Key of variational training track ``track`` (pFedBayes: 0 the full-data personal track, 1 the coreset
+    track): ``fold_in(fold_in(train_key, TRACKS), track)``."""
+    return _indexed(train_key, TRACKS, track, "track")
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ ALLOWED = {
     "models": BASE,
     "fl": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding"},
     "algorithms": BASE
-    | {"distributions", "blocks", "layout", "metrics", "lattices", "privacy", "coding", "fl"},
+    | {"distributions", "blocks", "layout", "metrics", "lattices", "privacy", "bayes", "coding", "fl"},
     "__init__": None,  # the package root re-exports everything
 }
 

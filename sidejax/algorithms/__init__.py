@@ -11,6 +11,8 @@
   bi-directionally compressed baselines (error feedback, scaled-sign compressor).
 - :func:`cepam`: CEPAM's FedAvg around a privacy mechanism coder (LRSUQ, additive noise, SDQ), with
   per-client noise levels.
+- :func:`pfedbayes`, :func:`pfedbayes_subset`, :func:`coreset_pfedbayes`: personalized variational Bayesian
+  FL (pFedBayes), its RandomSubset baseline, and CoreSet-PFedBayes (A-IHT coreset weights per client).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 - :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
   (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
@@ -58,6 +60,13 @@ from sidejax.algorithms.mirror import (
     mirror_descent,
     neg_entropy,
 )
+from sidejax.algorithms.pfedbayes import (
+    CoresetSettings,
+    PFedBayesSettings,
+    coreset_pfedbayes,
+    pfedbayes,
+    pfedbayes_subset,
+)
 from sidejax.algorithms.qsgd import (
     QSGDPrior,
     qsgd,
@@ -69,6 +78,11 @@ from sidejax.algorithms.qsgd import (
 from sidejax.algorithms.signsgd import sign_law, signsgd, stochastic_sign_probs
 
 __all__ = [
+    "pfedbayes",
+    "pfedbayes_subset",
+    "coreset_pfedbayes",
+    "PFedBayesSettings",
+    "CoresetSettings",
     "cepam",
     "sampled_sgd",
     "CepamServer",

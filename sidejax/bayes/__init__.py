@@ -1,4 +1,5 @@
-"""Bayesian tools: :mod:`sidejax.bayes.coresets` (sparse non-negative coreset weights by Accelerated IHT)."""
+"""Bayesian tools: :mod:`sidejax.bayes.coresets` (sparse non-negative coreset weights by Accelerated IHT) and
+:mod:`sidejax.bayes.variational` (mean-field Gaussian posteriors over any model's parameters)."""
 
 from sidejax.bayes.coresets import (
     AIHTResult,
@@ -7,5 +8,25 @@ from sidejax.bayes.coresets import (
     project_sparse_nonnegative,
     projected_potentials,
 )
+from sidejax.bayes.variational import (
+    MeanField,
+    diag_gaussian_kl,
+    init_mean_field,
+    mean_field_kl,
+    sample,
+    scales,
+)
 
-__all__ = ["AIHTResult", "aiht", "coreset_objective", "project_sparse_nonnegative", "projected_potentials"]
+__all__ = [
+    "AIHTResult",
+    "aiht",
+    "coreset_objective",
+    "project_sparse_nonnegative",
+    "projected_potentials",
+    "MeanField",
+    "diag_gaussian_kl",
+    "init_mean_field",
+    "mean_field_kl",
+    "sample",
+    "scales",
+]

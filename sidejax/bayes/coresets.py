@@ -150,8 +150,10 @@ def _check(y, phi, k, max_iter, tol, step_scale, sum_to):
         raise ValueError(
             f"step_scale must be in (0, 1] (1: exact line search, 0.5: reference code), got {step_scale!r}"
         )
-    if sum_to is not None and not (isinstance(sum_to, numbers.Real) and sum_to > 0 and np.isfinite(sum_to)):
-        raise ValueError(f"sum_to must be None or a finite number > 0, got {sum_to!r}")
+    if sum_to is not None and is_concrete(sum_to):
+        total = np.asarray(sum_to)
+        if total.shape != () or not (np.isfinite(total) and total > 0):
+            raise ValueError(f"sum_to must be None or a finite number > 0, got {sum_to!r}")
     for name, a in (("y", y), ("phi", phi)):
         if is_concrete(a) and not np.all(np.isfinite(np.asarray(a))):
             raise ValueError(f"{name} must be finite (found NaN or inf)")
@@ -180,7 +182,8 @@ def aiht(
       tol: relative-change stopping tolerance.
       step_scale: multiplies the exact line-search step (1: the paper; 0.5: the reference code).
       debias: A-IHT II (a de-bias gradient step on the support after each projection).
-      sum_to: optional total ``L`` of the weights (``None``: no sum constraint).
+      sum_to: optional total ``L`` of the weights (``None``: no sum constraint); a number or a traced
+        scalar (e.g. a client's number of examples under ``vmap``).
 
     Returns:
       :class:`AIHTResult`.
@@ -189,12 +192,16 @@ def aiht(
       ValueError: on shapes, ``k`` outside ``[1, n]``, non-finite concrete inputs or bad options.
     """
     y, phi, k = _check(y, phi, k, max_iter, tol, step_scale, sum_to)
-    return _aiht(y, phi, k, int(max_iter), float(tol), float(step_scale), bool(debias), sum_to)
+    total = jnp.asarray(0.0 if sum_to is None else sum_to, y.dtype)
+    return _aiht(
+        y, phi, total, k, int(max_iter), float(tol), float(step_scale), bool(debias), sum_to is not None
+    )
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _aiht(y, phi, k, max_iter, tol, step_scale, debias, sum_to):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
+def _aiht(y, phi, total, k, max_iter, tol, step_scale, debias, use_sum):
     n = phi.shape[1]
+    sum_to = total if use_sum else None
     zero = jnp.zeros((n,), y.dtype)
 
     def grad(v):
