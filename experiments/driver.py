@@ -47,8 +47,7 @@ from experiments.algorithms import build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import TABLES, ExperimentConfig, OldConfigError, config_from_dict
 from sidejax.coding import stream_errors
-from sidejax.data import load_dataset, make_federated_data, partition
-from sidejax.data.partition import label_split_train_test
+from sidejax.data import label_split_train_test, load_dataset, make_federated_data, partition
 from sidejax.fl import (
     build_ensemble_evaluator,
     build_evaluator,
@@ -696,7 +695,7 @@ def run_experiment(
                     algorithm.personal_params(state), client_test.x, client_test.y, client_test.mask
                 )
             )
-            personal_ev = {"personal_accuracy": float(pev.accuracy), "personal_loss": float(pev.loss)}
+            personal_ev = dict(zip(PERSONAL_COLUMNS, (float(pev.accuracy), float(pev.loss)), strict=True))
         up = np.asarray(infos.uplink_bits, np.float64)
         down = np.asarray(infos.downlink_bits, np.float64)
         train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
