@@ -95,6 +95,8 @@ class RunConfig(Section):
 
 
 _LABEL_SKEW = ("shards", "klms_noniid")
+#: the partition with per-client train and test sets (sidejax.data.label_split_train_test)
+PFEDME = "pfedme"
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,21 @@ class DataConfig(Section):
       model: sidejax.models.MODELS name.
       num_clients: clients in the federation.
       participation: fraction of clients sampled per round (without replacement); at least one client.
-      partition: iid, shards, klms_noniid, dirichlet or fixed.
+      partition: iid, shards, klms_noniid, dirichlet or fixed (sidejax.data.partition of the training set,
+        evaluated on the test set), or pfedme: pFedMe's split of the pooled train and test sets into a train
+        and a test set per client (sidejax.data.label_split_train_test); the global model is evaluated on the
+        union of the clients' test sets, a personalized method's personal models each on its client's.
       c_max: classes per client, for (and needed by) partition shards or klms_noniid.
       alpha: Dirichlet concentration, for (and needed by) partition dirichlet.
       examples_per_client: per-client size, for (and needed by) partition fixed.
+      labels_per_client: labels per client, for (and needed by) partition pfedme (client u holds labels
+        (labels_per_client * u + j) mod num_classes, j < labels_per_client).
+      examples_per_label: examples of each of its labels a client gets (train and test together), for (and
+        needed by) partition pfedme.
+      train_fraction: fraction of a client's examples in its train set (the rest is its test set), in (0, 1),
+        for (and needed by) partition pfedme.
       train_subset: use a fixed random subset of this many training examples (reduced-scale runs; unset:
-        all of them).
+        all of them); not with partition pfedme, which sets the clients' sizes itself.
     """
 
     table: ClassVar[str] = "data"
@@ -119,33 +130,59 @@ class DataConfig(Section):
         "c_max": ("partition", _LABEL_SKEW, True),
         "alpha": ("partition", ("dirichlet",), True),
         "examples_per_client": ("partition", ("fixed",), True),
+        "labels_per_client": ("partition", ("pfedme",), True),
+        "examples_per_label": ("partition", ("pfedme",), True),
+        "train_fraction": ("partition", ("pfedme",), True),
     }
 
     dataset: str = choice("digits", tuple(DATASETS))
     model: str = choice("mlp_100", tuple(MODELS))
     num_clients: int = 10
     participation: float = 1.0
-    partition: str = choice("iid", tuple(PARTITION_KINDS))
+    partition: str = choice("iid", (*PARTITION_KINDS, PFEDME))
     c_max: int | None = None
     alpha: float | None = None
     examples_per_client: int | None = None
+    labels_per_client: int | None = None
+    examples_per_label: int | None = None
+    train_fraction: float | None = None
     train_subset: int | None = None
 
     def check(self) -> None:
         self.require(self.num_clients >= 1, "num_clients", "must be >= 1")
         self.require(0 < self.participation <= 1, "participation", "must be in (0, 1]")
-        for name in ("c_max", "examples_per_client", "train_subset"):
+        for name in (
+            "c_max",
+            "examples_per_client",
+            "labels_per_client",
+            "examples_per_label",
+            "train_subset",
+        ):
             value = getattr(self, name)
             self.require(value is None or value >= 1, name, "must be >= 1")
         self.require(self.alpha is None or self.alpha > 0, "alpha", "must be > 0")
+        fraction = self.train_fraction
+        self.require(fraction is None or 0 < fraction < 1, "train_fraction", "must be in (0, 1)")
+        self.require(
+            self.partition != PFEDME or self.train_subset is None,
+            "train_subset",
+            "is not used with partition pfedme: that split draws examples_per_label examples per client and "
+            "label from the pooled train and test sets; lower examples_per_label for a smaller run",
+        )
 
     @property
     def clients_per_round(self) -> int:
         """``round(participation * num_clients)``, at least one."""
         return max(1, round(self.participation * self.num_clients))
 
+    @property
+    def per_client_test(self) -> bool:
+        """Whether every client has its own test set (partition pfedme)."""
+        return self.partition == PFEDME
+
     def partition_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`sidejax.data.partition` for :attr:`partition`."""
+        """The keyword arguments of :func:`sidejax.data.partition` for :attr:`partition`; for ``pfedme``
+        (not a :func:`~sidejax.data.partition` kind) those of :func:`sidejax.data.label_split_train_test`."""
         return {
             name: getattr(self, name)
             for name, (_, kinds, _) in self.conditional.items()

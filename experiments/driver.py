@@ -7,7 +7,8 @@ Output folder layout::
                                  clients_per_round and num_params); never rewritten by --resume
     metrics.jsonl                one JSON object per round (appended as rounds finish)
     metrics.csv                  the same table as CSV (rewritten after every chunk)
-    summary.json                 final/best/last-5-mean accuracy, total bits, rounds run and target, wall time
+    summary.json                 final/best/last-5-mean accuracy (and personal accuracy, for a personalized
+                                 method), total bits, rounds run and target, wall time
     accuracy_vs_round.png        test accuracy against round
     accuracy_vs_bits.png         test accuracy against cumulative bits, uplink + downlink
     accuracy_vs_uplink_bits.png  test accuracy against cumulative uplink bits: what compression saves (the
@@ -18,6 +19,12 @@ Output folder layout::
 
 Bits in the metrics are the lengths of the messages the algorithm built (``RoundInfo``), summed over the
 participants; ``*_bpp`` columns are bits per parameter per participating client.
+
+``test_accuracy``/``test_loss`` are the global model's (``algorithm.eval_params``) on the test set: the
+dataset's test split, or with ``data.partition = "pfedme"`` the union of the clients' test sets. A
+personalized method (``algorithm.personal_params``, which needs ``pfedme``'s per-client test sets) also logs
+:data:`PERSONAL_COLUMNS`: every client's personal model on its own test set, pooled over the clients
+(correct predictions / examples, spec ``coreset_pfedbayes.md`` §2.6).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +47,15 @@ from experiments.algorithms import build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import TABLES, ExperimentConfig, OldConfigError, config_from_dict
 from sidejax.coding import stream_errors
-from sidejax.data import load_dataset, make_federated_data, partition
-from sidejax.fl import build_ensemble_evaluator, build_evaluator, classification_loss, run_rounds
+from sidejax.data import label_split_train_test, load_dataset, make_federated_data, partition
+from sidejax.fl import (
+    build_ensemble_evaluator,
+    build_evaluator,
+    build_personal_evaluator,
+    classification_loss,
+    client_mean,
+    run_rounds,
+)
 from sidejax.keys import run_keys
 from sidejax.models import count_params, get_model, init_params
 
@@ -50,11 +64,14 @@ __all__ = [
     "NonFiniteError",
     "RunExistsError",
     "RunSummary",
+    "ClientTestSets",
+    "Prepared",
     "prepare",
     "run_experiment",
     "is_run_folder",
     "check_resumable_folder",
     "METRIC_COLUMNS",
+    "PERSONAL_COLUMNS",
 ]
 
 #: the columns every run logs; an algorithm's own metrics (its ``metrics`` hook) follow them, a ``*_bits``
@@ -73,6 +90,11 @@ METRIC_COLUMNS = (
     "cumulative_uplink_bits",
     "wall_time_s",
 )
+
+#: the columns a personalized method (``algorithm.personal_params``) logs besides :data:`METRIC_COLUMNS`:
+#: the personal models, each on its client's test set, pooled over the clients (``None`` in rounds that
+#: are not evaluated)
+PERSONAL_COLUMNS = ("personal_accuracy", "personal_loss")
 
 
 TAIL_EVALS = 5
@@ -130,6 +152,10 @@ class RunSummary:
     mean_downlink_bpp: float
     mean_broadcast_bpp: float | None
     metrics: list[dict[str, Any]]
+    #: a personalized method's personal accuracy (final, best, last-5 mean); ``None`` for other methods
+    final_personal_accuracy: float | None = None
+    best_personal_accuracy: float | None = None
+    tail_personal_accuracy: float | None = None
 
 
 def _mean_or_none(values: list) -> float | None:
@@ -137,26 +163,88 @@ def _mean_or_none(values: list) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def prepare(config: ExperimentConfig):
+class ClientTestSets(NamedTuple):
+    """Every client's own test set, zero-padded to the largest: client ``c``'s examples are
+    ``x[c][mask[c]]``, ``y[c][mask[c]]`` (the layout of :func:`sidejax.fl.build_personal_evaluator`).
+
+    Attributes:
+      x: ``[clients, n_max, ...]`` inputs.
+      y: ``[clients, n_max]`` labels.
+      mask: ``[clients, n_max]`` bool, True on a client's real examples.
+    """
+
+    x: jax.Array
+    y: jax.Array
+    mask: jax.Array
+
+
+class Prepared(NamedTuple):
+    """What :func:`prepare` builds, arrays on the default device.
+
+    Attributes:
+      algorithm: the :class:`sidejax.fl.Algorithm`.
+      spec: the model spec.
+      fed: the clients' training data (:class:`sidejax.data.FederatedData`).
+      test: ``(x_test, y_test)``, the test set the global model is evaluated on: the dataset's test split,
+        or with partition pfedme the union of the clients' test sets.
+      client_test: the per-client test sets (:class:`ClientTestSets`) of partition pfedme, else ``None``.
+    """
+
+    algorithm: Any
+    spec: Any
+    fed: Any
+    test: tuple[jax.Array, jax.Array]
+    client_test: ClientTestSets | None
+
+
+def _padded_client_sets(x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> ClientTestSets:
+    n_max = max(p.size for p in parts)
+    xs = np.zeros((len(parts), n_max, *x.shape[1:]), x.dtype)
+    ys = np.zeros((len(parts), n_max), y.dtype)
+    mask = np.zeros((len(parts), n_max), bool)
+    for c, idx in enumerate(parts):
+        xs[c, : idx.size], ys[c, : idx.size], mask[c, : idx.size] = x[idx], y[idx], True
+    return ClientTestSets(jnp.asarray(xs), jnp.asarray(ys), jnp.asarray(mask))
+
+
+def prepare(config: ExperimentConfig) -> Prepared:
     """Loads and partitions the data, builds the model and the algorithm.
 
+    With ``data.partition = "pfedme"`` the dataset's train and test splits are pooled and split by
+    :func:`sidejax.data.label_split_train_test` into a train and a test set per client; the global test set
+    is the union of the clients' test sets. Any other partition splits the training set
+    (:func:`sidejax.data.partition`) and tests on the dataset's test split.
+
     Returns:
-      ``(algorithm, model_spec, fed_data, (x_test, y_test))`` with arrays on the default device.
+      a :class:`Prepared` ``(algorithm, spec, fed, (x_test, y_test), client_test)``.
     """
     data, seed = config.data, config.run.seed
     train = load_dataset(data.dataset, "train")
     test = load_dataset(data.dataset, "test")
-    x, y = train.x, train.y
-    if data.train_subset is not None:
-        if data.train_subset > len(y):
-            raise ValueError(f"data.train_subset={data.train_subset} exceeds the {len(y)} training examples")
-        keep = np.sort(np.random.default_rng(seed).permutation(len(y))[: data.train_subset])
-        x, y = x[keep], y[keep]
-    parts = partition(data.partition, y, data.num_clients, seed=seed, **data.partition_kwargs())
+    client_test = None
+    if data.per_client_test:
+        if data.train_subset is not None:  # DataConfig refuses it; a guard for hand-built configs
+            raise ValueError("data.train_subset is not used with data.partition 'pfedme'")
+        x, y = np.concatenate([train.x, test.x]), np.concatenate([train.y, test.y])
+        parts, test_parts = label_split_train_test(y, data.num_clients, seed=seed, **data.partition_kwargs())
+        client_test = _padded_client_sets(x, y, test_parts)
+        pooled = np.concatenate(test_parts)
+        x_test, y_test = x[pooled], y[pooled]
+    else:
+        x, y = train.x, train.y
+        if data.train_subset is not None:
+            if data.train_subset > len(y):
+                raise ValueError(
+                    f"data.train_subset={data.train_subset} exceeds the {len(y)} training examples"
+                )
+            keep = np.sort(np.random.default_rng(seed).permutation(len(y))[: data.train_subset])
+            x, y = x[keep], y[keep]
+        parts = partition(data.partition, y, data.num_clients, seed=seed, **data.partition_kwargs())
+        x_test, y_test = test.x, test.y
     fed = make_federated_data(x, y, parts)
     spec = get_model(data.model, num_classes=train.num_classes, input_shape=tuple(x.shape[1:]))
     algorithm = build_algorithm(config, classification_loss(spec.module.apply))
-    return algorithm, spec, fed, (jnp.asarray(test.x), jnp.asarray(test.y))
+    return Prepared(algorithm, spec, fed, (jnp.asarray(x_test), jnp.asarray(y_test)), client_test)
 
 
 def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
@@ -386,16 +474,20 @@ def _checkpointed_rows(meta: dict[str, Any], state_round: int, ckpt_dir: Path) -
     return rows
 
 
+def _fmt_acc(acc: float | None) -> str:
+    return f"{100 * acc:6.2f}%" if acc is not None else "      -"
+
+
 def _fmt_row(row: dict[str, Any]) -> str:
-    acc = row["test_accuracy"]
-    acc_s = f"{100 * acc:6.2f}%" if acc is not None else "      -"
+    personal = f" | {_fmt_acc(row['personal_accuracy'])}" if "personal_accuracy" in row else ""
     return (
-        f"{row['round']:>5d} | {acc_s} | {row['train_loss']:8.4f} | {row['uplink_bpp']:9.3f} | "
-        f"{row['downlink_bpp']:9.3f} | {row['cumulative_bits']:12.4e}"
+        f"{row['round']:>5d} | {_fmt_acc(row['test_accuracy'])}{personal} | {row['train_loss']:8.4f} | "
+        f"{row['uplink_bpp']:9.3f} | {row['downlink_bpp']:9.3f} | {row['cumulative_bits']:12.4e}"
     )
 
 
 TABLE_HEADER = "round |  test acc | trainloss | up bpp    | down bpp  | cum. bits"
+PERSONAL_TABLE_HEADER = "round |  test acc | pers. acc | trainloss | up bpp    | down bpp  | cum. bits"
 
 
 RUN_FILES = (
@@ -516,7 +608,15 @@ def run_experiment(
         )
     t_start = time.perf_counter()
 
-    algorithm, spec, fed, (x_test, y_test) = prepare(config)
+    algorithm, spec, fed, (x_test, y_test), client_test = prepare(config)
+    personal = algorithm.personal_params is not None
+    if personal and client_test is None:
+        raise ValueError(
+            f"{config.algorithm} is a personalized method: its personal models are evaluated on each "
+            f"client's own test set, which data.partition={config.data.partition!r} does not give; use "
+            f'data.partition = "pfedme" (with data.labels_per_client, data.examples_per_label and '
+            f"data.train_fraction)"
+        )
     rounds = config.run.rounds
     init_key, rounds_key = run_keys(config.run.seed)
     params = init_params(init_key, spec)
@@ -561,6 +661,10 @@ def run_experiment(
     evaluate = jax.jit(
         _evaluator(algorithm.eval_axis)(spec.module.apply, batch_size=config.run.eval_batch_size)
     )
+    if personal:
+        evaluate_personal = jax.jit(
+            build_personal_evaluator(spec.module.apply, batch_size=config.run.eval_batch_size)
+        )
     cum_bits = rows[-1]["cumulative_bits"] if rows else 0.0
     cum_up = rows[-1]["cumulative_uplink_bits"] if rows else 0.0
     done = int(state.round_index)
@@ -569,7 +673,7 @@ def run_experiment(
             f"{config.algorithm} on {config.data.dataset}/{config.data.model}: {num_params:,} parameters, "
             f"{config.data.num_clients} clients ({config.clients_per_round} per round), output {out}"
         )
-        print(TABLE_HEADER)
+        print(PERSONAL_TABLE_HEADER if personal else TABLE_HEADER)
     cmap = client_map(config)
     bar = tqdm(total=rounds, initial=done, disable=not progress, unit="round", leave=False)
     stopped_early = False
@@ -584,6 +688,14 @@ def run_experiment(
         state = new_state
         ev = evaluate(algorithm.eval_params(state), x_test, y_test)
         acc, tloss = float(ev.accuracy), float(ev.loss)
+        personal_ev = {}
+        if personal:
+            pev = client_mean(
+                evaluate_personal(
+                    algorithm.personal_params(state), client_test.x, client_test.y, client_test.mask
+                )
+            )
+            personal_ev = dict(zip(PERSONAL_COLUMNS, (float(pev.accuracy), float(pev.loss)), strict=True))
         up = np.asarray(infos.uplink_bits, np.float64)
         down = np.asarray(infos.downlink_bits, np.float64)
         train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
@@ -608,6 +720,7 @@ def run_experiment(
                     "cumulative_bits": float(cum_bits),
                     "cumulative_uplink_bits": float(cum_up),
                     "wall_time_s": round(time.perf_counter() - t_start, 3),
+                    **{name: value if last else None for name, value in personal_ev.items()},
                     **{name: _metric_or_none(values[s]) for name, values in own.items()},
                 }
             )
@@ -629,6 +742,7 @@ def run_experiment(
     bar.close()
 
     accs = [r["test_accuracy"] for r in rows if r["test_accuracy"] is not None]
+    personal_accs = [r["personal_accuracy"] for r in rows if r.get("personal_accuracy") is not None]
     summary = RunSummary(
         output_dir=out,
         rounds_run=done,
@@ -641,6 +755,16 @@ def run_experiment(
         mean_broadcast_bpp=_mean_or_none([r.get("broadcast_bpp") for r in rows]),
         metrics=rows,
     )
+    personal_summary = {}
+    if personal:
+        summary.final_personal_accuracy = personal_accs[-1] if personal_accs else math.nan
+        summary.best_personal_accuracy = max(personal_accs) if personal_accs else math.nan
+        summary.tail_personal_accuracy = tail_accuracy(personal_accs) if personal_accs else math.nan
+        personal_summary = {
+            "final_personal_accuracy": summary.final_personal_accuracy,
+            "best_personal_accuracy": summary.best_personal_accuracy,
+            "tail_personal_accuracy": summary.tail_personal_accuracy,
+        }
     plot_runs(
         {label or config.algorithm: rows},
         out,
@@ -656,6 +780,7 @@ def run_experiment(
                 "best_accuracy": summary.best_accuracy,
                 "tail_accuracy": summary.tail_accuracy,
                 "tail_evals": min(TAIL_EVALS, len(accs)),
+                **personal_summary,
                 "total_bits": summary.total_bits,
                 "mean_uplink_bpp": summary.mean_uplink_bpp if rows else None,
                 "mean_downlink_bpp": summary.mean_downlink_bpp if rows else None,

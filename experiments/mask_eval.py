@@ -44,7 +44,7 @@ def evaluate_final_mask(run_dir: Path, num_samples: int = 32, seed: int = 12345)
         raise ValueError(f"{run_dir}: algorithm {config.algorithm!r} has no probability mask")
     if not checkpoint_exists(run_dir / "checkpoint"):
         raise FileNotFoundError(f"{run_dir}: no checkpoint; run the experiment first")
-    algorithm, spec, fed, (x_test, y_test) = prepare(config)
+    algorithm, spec, fed, (x_test, y_test), _ = prepare(config)
     init_key, _ = run_keys(config.run.seed)
     state = algorithm.init(init_key, init_params(init_key, spec), int(fed.num_examples.shape[0]))
     state, meta = load_checkpoint(run_dir / "checkpoint", state)

@@ -384,9 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    personal = ""
+    if summary.final_personal_accuracy is not None:
+        personal = (
+            f"final personal accuracy {100 * summary.final_personal_accuracy:.2f}%, "
+            f"best {100 * summary.best_personal_accuracy:.2f}%, "
+        )
     print(
         f"done: {summary.rounds_run} rounds, final test accuracy {100 * summary.final_accuracy:.2f}%, "
-        f"best {100 * summary.best_accuracy:.2f}%, {summary.total_bits:.4e} bits; results in {out}"
+        f"best {100 * summary.best_accuracy:.2f}%, {personal}{summary.total_bits:.4e} bits; results in {out}"
     )
     return 0
 

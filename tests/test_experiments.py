@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,13 +33,23 @@ from experiments.config import (
     preset_description,
     preset_toml,
 )
-from experiments.driver import PLOT_FILES, NonFiniteError, accuracy_figures, run_experiment
+from experiments.driver import (
+    METRIC_COLUMNS,
+    PERSONAL_TABLE_HEADER,
+    PLOT_FILES,
+    TABLE_HEADER,
+    NonFiniteError,
+    _fmt_row,
+    accuracy_figures,
+    prepare,
+    run_experiment,
+)
 from experiments.mask_eval import evaluate_final_mask
 from experiments.methods import METHODS
 from experiments.run import build_parser, resolve
 from experiments.run import main as cli_main
 from experiments.table import main as table_main
-from sidejax.data import load_dataset, partition
+from sidejax.data import label_split_train_test, load_dataset, partition
 from sidejax.models import get_model
 
 SMALL = {
@@ -934,3 +945,167 @@ def test_resume_of_a_run_written_by_an_older_version_says_so(full_run, tmp_path,
     assert "older sidejax version" in err and str(run / "config.json") in err and "Traceback" not in err
     with pytest.raises(ValueError, match="older sidejax version"):
         run_experiment(small(), run, resume=True, progress=False, verbose=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# data.partition = "pfedme": per-client test sets, and the personal models of a personalized method
+# --------------------------------------------------------------------------------------------------
+
+PFEDME = {  # 10 clients x 5 labels x 20 digits: 25 train and 75 test examples each, 750 pooled test examples
+    "data.dataset": "digits",
+    "data.model": "mlp_32_16",
+    "data.partition": "pfedme",
+    "data.labels_per_client": 5,
+    "data.examples_per_label": 20,
+    "data.train_fraction": 0.25,
+    "run.rounds": 3,
+    "run.eval_every": 1,
+    "method.batch_size": 25,
+    "method.client_optimizer": "sgd",
+    "method.client_lr": 0.1,
+}
+
+
+def _with_personal(build):
+    """``build`` (build_algorithm), with the global model broadcast to every client as its personal model."""
+
+    def build_personal(config, loss_fn):
+        algorithm = build(config, loss_fn)
+        n = config.data.num_clients
+
+        def personal_params(state):
+            return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), algorithm.eval_params(state))
+
+        return algorithm._replace(personal_params=personal_params)
+
+    return build_personal
+
+
+@pytest.fixture(scope="module")
+def personal_run(tmp_path_factory):
+    """FedAvg with its global model as every client's personal model, on the pfedme split: 2 rounds, then
+    resumed to 3. Returns the folder, the rows before the resume and the summary."""
+    import experiments.driver as driver
+
+    out = tmp_path_factory.mktemp("personal")
+    config = default_config("fedavg", **PFEDME)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
+        run_experiment(config.override({"run.rounds": 2}), out, progress=False, verbose=False)
+        before = _rows(out)
+        summary = run_experiment(config, out, resume=True, progress=False, verbose=False)
+    return out, before, summary
+
+
+def test_pfedme_prepare_pools_train_and_test_into_per_client_sets():
+    config = default_config("fedavg", **PFEDME)
+    prep = prepare(config)
+    splits = [load_dataset("digits", s) for s in ("train", "test")]
+    x = np.concatenate([d.x for d in splits])
+    y = np.concatenate([d.y for d in splits])
+    train, test = label_split_train_test(
+        y, 10, labels_per_client=5, examples_per_label=20, train_fraction=0.25, seed=config.run.seed
+    )
+    assert any(int(t.max()) >= len(splits[0].y) for t in test)  # the pooled set: examples of both splits
+    fed, ct = prep.fed, prep.client_test
+    assert fed.num_examples.tolist() == [25] * 10
+    np.testing.assert_array_equal(np.asarray(fed.x), x)  # the pooled examples, indexed by the train parts
+    np.testing.assert_array_equal(np.asarray(fed.client_indices), np.stack(train))
+    assert ct.x.shape == (10, 75, 8, 8, 1) and ct.y.shape == ct.mask.shape == (10, 75)
+    assert bool(ct.mask.all())  # every client has 75 test examples: no padding
+    for u in range(10):
+        np.testing.assert_array_equal(np.asarray(ct.x[u]), x[test[u]])
+        np.testing.assert_array_equal(np.asarray(ct.y[u]), y[test[u]])
+        assert set(np.asarray(ct.y[u]).tolist()) == {(5 * u + j) % 10 for j in range(5)}
+    # the global test set is the union of the clients' test sets
+    x_test, y_test = prep.test
+    np.testing.assert_array_equal(np.asarray(x_test), x[np.concatenate(test)])
+    np.testing.assert_array_equal(np.asarray(y_test), y[np.concatenate(test)])
+
+
+def test_pfedme_config_fields_and_errors():
+    data = default_config("fedavg", **PFEDME).data
+    assert data.partition_kwargs() == {
+        "labels_per_client": 5,
+        "examples_per_label": 20,
+        "train_fraction": 0.25,
+    }
+    assert data.per_client_test and not DataConfig().per_client_test
+    with pytest.raises(ValueError, match="partition 'pfedme' needs labels_per_client"):
+        DataConfig(partition="pfedme", examples_per_label=20, train_fraction=0.25)
+    with pytest.raises(ValueError, match="train_fraction is only used with partition 'pfedme'"):
+        DataConfig(partition="iid", train_fraction=0.25)
+    with pytest.raises(ValueError, match=r"train_fraction must be in \(0, 1\)"):
+        DataConfig(partition="pfedme", labels_per_client=5, examples_per_label=20, train_fraction=1.0)
+    with pytest.raises(ValueError, match="examples_per_label must be >= 1"):
+        DataConfig(partition="pfedme", labels_per_client=5, examples_per_label=0, train_fraction=0.5)
+    with pytest.raises(ValueError, match="train_subset is not used with partition pfedme"):
+        default_config("fedavg", **PFEDME, **{"data.train_subset": 400})
+    # a new partition drops the pfedme fields
+    assert default_config("fedavg", **PFEDME).override({"data.partition": "iid"}).data == DataConfig(
+        dataset="digits", model="mlp_32_16"
+    )
+    # an impossible split is the partition's error, naming the label
+    with pytest.raises(ValueError, match=r"label \d has \d+ examples .* lower examples_per_label"):
+        prepare(default_config("fedavg", **{**PFEDME, "data.examples_per_label": 100}))
+
+
+def test_personal_models_are_evaluated_on_each_clients_test_set(personal_run):
+    out, _, summary = personal_run
+    rows = _rows(out)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        # every client's personal model is the global model, so the pooled personal accuracy over the
+        # clients' test sets is the global model's accuracy on their union
+        assert r["personal_accuracy"] == pytest.approx(r["test_accuracy"], rel=1e-6, abs=1e-7)
+        assert r["personal_loss"] == pytest.approx(r["test_loss"], rel=1e-5)
+        assert r["test_accuracy"] * 750 == pytest.approx(round(r["test_accuracy"] * 750), abs=1e-3)
+    personal = [r["personal_accuracy"] for r in rows]
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["final_personal_accuracy"] == summary.final_personal_accuracy == personal[-1]
+    assert saved["best_personal_accuracy"] == summary.best_personal_accuracy == max(personal)
+    assert saved["tail_personal_accuracy"] == pytest.approx(np.mean(personal))
+    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[: len(METRIC_COLUMNS) + 2] == [*METRIC_COLUMNS, "personal_accuracy", "personal_loss"]
+
+
+def test_resume_keeps_the_personal_columns(personal_run):
+    out, before, _ = personal_run
+    rows = _rows(out)
+    assert rows[:2] == before and all("personal_accuracy" in r and "personal_loss" in r for r in before)
+    meta = read_checkpoint_meta(out / "checkpoint")
+    assert meta["rows"] == rows and rows[2]["personal_accuracy"] is not None
+
+
+def test_a_plain_method_on_the_pfedme_split_tests_on_the_pooled_test_set(personal_run, tmp_path):
+    out, _, _ = personal_run
+    summary = run_experiment(
+        default_config("fedavg", **{**PFEDME, "run.rounds": 1}), tmp_path, progress=False, verbose=False
+    )
+    (row,) = _rows(tmp_path)
+    assert "personal_accuracy" not in row and summary.final_personal_accuracy is None
+    assert "final_personal_accuracy" not in json.loads((tmp_path / "summary.json").read_text())
+    # the same training and the same pooled test set as the personalized run's first round
+    first = _rows(out)[0]
+    for key in ("test_accuracy", "test_loss", "train_loss", "cumulative_bits"):
+        assert row[key] == first[key], key
+
+
+def test_a_personalized_method_needs_per_client_test_sets(tmp_path, monkeypatch):
+    import experiments.driver as driver
+
+    monkeypatch.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"personalized method.*'iid'.*data.partition = \"pfedme\""):
+        run_experiment(small(), out, progress=False, verbose=False)
+    assert not out.exists()  # refused before any file is written
+
+
+def test_the_round_table_shows_personal_accuracy():
+    row = {"round": 3, "test_accuracy": 0.5, "train_loss": 1.0, "uplink_bpp": 32.0, "downlink_bpp": 32.0}
+    row["cumulative_bits"] = 1e6
+    assert "50.00%" in _fmt_row(row) and _fmt_row(row).count("%") == 1
+    assert _fmt_row({**row, "personal_accuracy": 0.75}).count("%") == 2
+    assert "75.00%" in _fmt_row({**row, "personal_accuracy": 0.75})
+    assert _fmt_row({**row, "personal_accuracy": None}).startswith("    3 |  50.00% |       - |")
+    assert PERSONAL_TABLE_HEADER.count("|") == TABLE_HEADER.count("|") + 1

@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     config = load_preset(args.preset)
     if config.algorithm != "fedpm_klms":
         parser.error(f"--preset must be a fedpm_klms preset, got algorithm {config.algorithm!r}")
-    _, spec, fed, _ = prepare(config)
+    _, spec, fed, _, _ = prepare(config)
     loss_fn = classification_loss(spec.module.apply)
     strategy = resolve_client_strategy(config)
     per_client = strategy == "map"  # update rounds bucketed too when clients run one at a time

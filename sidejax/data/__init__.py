@@ -4,7 +4,8 @@
   search path; the formats are read by :mod:`sidejax.data.idx` (MNIST family), :mod:`sidejax.data.cifar`,
   :mod:`sidejax.data.builtin` (no files needed) and :mod:`sidejax.data.tfds`, into the common
   :class:`Dataset` of :mod:`sidejax.data.base`.
-* :mod:`sidejax.data.partition`: deterministic host-side client partitions (index arrays).
+* :mod:`sidejax.data.partition`: deterministic host-side client partitions (index arrays), and pFedMe's
+  label split into per-client train and test sets (:func:`label_split_train_test`).
 * :mod:`sidejax.data.federated`: :class:`FederatedData`, the data stored once on device with a padded
   per-client index table, ready for ``jax.vmap`` over clients.
 """
@@ -33,6 +34,7 @@ from sidejax.data.partition import (
     iid_partition,
     klms_noniid_partition,
     label_shard_partition,
+    label_split_train_test,
     partition,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "iid_partition",
     "klms_noniid_partition",
     "label_shard_partition",
+    "label_split_train_test",
     "load_dataset",
     "make_federated_data",
     "max_examples",

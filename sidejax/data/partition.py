@@ -4,6 +4,10 @@ Every partitioner is deterministic given its integer ``seed`` and returns a ``li
 index array per client, sorted ascending. Unless stated otherwise (``fixed_size_partition``), the client
 index sets are disjoint and together cover every example exactly once.
 
+:func:`label_split_train_test` (pFedMe's split) is different: it draws a fixed number of examples per
+(client, label) from a pooled train+test set and returns *two* lists, each client's train and test indices
+(disjoint, not covering every example); it is not one of the :func:`partition` kinds.
+
 These functions run once, on the host, before training; the result is typically passed to
 :func:`sidejax.data.make_federated_data`.
 """
@@ -23,6 +27,7 @@ __all__ = [
     "iid_partition",
     "klms_noniid_partition",
     "label_shard_partition",
+    "label_split_train_test",
     "partition",
 ]
 
@@ -364,6 +369,101 @@ def fixed_size_partition(
     rng = np.random.default_rng(_check_seed(seed))
     chosen = rng.permutation(num_examples)[: num_clients * examples_per_client]
     return _sorted_int64(list(chosen.reshape(num_clients, examples_per_client)))
+
+
+def label_split_train_test(
+    labels: Any,
+    num_clients: int,
+    *,
+    labels_per_client: int,
+    examples_per_label: int,
+    train_fraction: float,
+    seed: int,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """pFedMe's non-iid label split, with a train and a test set per client.
+
+    Meant for the pooled train+test examples of a dataset (spec ``coreset_pfedbayes.md`` §3.1). With
+    ``L = labels_per_client`` and the ``C`` classes present (sorted, ``k``-th class ``c_k``), client ``u``
+    holds the labels ``{c_((L*u + j) mod C) : j = 0..L-1}`` (10 clients, 5 labels, 10 classes: client
+    ``u`` has ``{(5u + j) mod 10}``). Each (client, label) pair gets ``examples_per_label`` distinct
+    examples of that label, drawn without replacement from the label's shuffled examples, so no example
+    is given twice (across clients either). Each client's ``n = L * examples_per_label`` examples are
+    shuffled and the first ``round(train_fraction * n)`` are its train set, the rest its test set
+    (pFedMe/pFedBayes: 5 labels x 1000 examples, 20% train: 1000 train and 4000 test per client).
+    Examples no client draws are unused.
+
+    Args:
+        labels: 1-D integer class labels of the pooled examples.
+        num_clients: Number of clients (>= 1).
+        labels_per_client: Labels per client ``L``, between 1 and the number of classes present.
+        examples_per_label: Examples of each of its labels a client gets (>= 1).
+        train_fraction: Fraction of a client's examples in its train set, in (0, 1); it must leave every
+            client at least one train and one test example.
+        seed: Non-negative integer seed (numpy ``default_rng``).
+
+    Returns:
+        ``(train, test)``: two lists of ``num_clients`` sorted ``int64`` arrays of indices into ``labels``;
+        all ``2 * num_clients`` arrays are pairwise disjoint.
+
+    Raises:
+        ValueError: If an argument is out of range, or if some label has fewer examples than the clients
+            holding it need (the message names the label, the numbers, and what to lower).
+    """
+    labels = _check_labels(labels)
+    num_clients = _check_int(num_clients, "num_clients", 1)
+    classes, counts = np.unique(labels, return_counts=True)
+    num_classes = classes.size
+    if not _is_int(labels_per_client) or not 1 <= labels_per_client <= num_classes:
+        raise ValueError(
+            f"labels_per_client must be an integer between 1 and the number of classes present "
+            f"({num_classes}); got {labels_per_client!r}."
+        )
+    per_client = int(labels_per_client)
+    per_label = _check_int(examples_per_label, "examples_per_label", 1)
+    if (
+        isinstance(train_fraction, bool)
+        or not isinstance(train_fraction, int | float | np.number)
+        or not 0 < train_fraction < 1
+    ):
+        raise ValueError(f"train_fraction must be a number in (0, 1); got {train_fraction!r}.")
+    n = per_client * per_label
+    num_train = round(float(train_fraction) * n)
+    if not 1 <= num_train <= n - 1:
+        raise ValueError(
+            f"train_fraction={train_fraction} of a client's labels_per_client * examples_per_label = "
+            f"{per_client} * {per_label} = {n} examples gives {num_train} train and {n - num_train} test "
+            f"examples; every client needs at least one of each: choose train_fraction between {1 / n:.4g} "
+            f"and {1 - 1 / n:.4g}, or give clients more examples."
+        )
+    seed = _check_seed(seed)
+
+    # client u holds class positions (L*u + j) mod C; count how many clients hold each class
+    held = (per_client * np.arange(num_clients)[:, None] + np.arange(per_client)[None, :]) % num_classes
+    holders = np.bincount(held.ravel(), minlength=num_classes)
+    for k in range(num_classes):
+        need = int(holders[k]) * per_label
+        if need > counts[k]:
+            most = int(np.min(counts[holders > 0] // holders[holders > 0]))
+            fix = f"lower examples_per_label to at most {most}, or " if most >= 1 else ""
+            raise ValueError(
+                f"label {classes[k]} has {counts[k]} examples but the {holders[k]} clients holding it need "
+                f"{holders[k]} * examples_per_label = {holders[k]} * {per_label} = {need}; {fix}use fewer "
+                f"clients (num_clients={num_clients}) or labels_per_client (={per_client})."
+            )
+
+    rng = np.random.default_rng(seed)
+    pools = _class_pools(labels, rng)
+    taken = np.zeros(num_classes, dtype=np.int64)
+    train, test = [], []
+    for row in held:
+        chunks = []
+        for k in row:
+            chunks.append(pools[k][taken[k] : taken[k] + per_label])
+            taken[k] += per_label
+        mine = rng.permutation(np.concatenate(chunks))
+        train.append(mine[:num_train])
+        test.append(mine[num_train:])
+    return _sorted_int64(train), _sorted_int64(test)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from sidejax.data import (
     iid_partition,
     klms_noniid_partition,
     label_shard_partition,
+    label_split_train_test,
     partition,
 )
 
@@ -145,3 +146,98 @@ def test_partition_unknown_kind_lists_valid(imbalanced_labels):
         partition("random", imbalanced_labels, 10, seed=0)
     for kind in PARTITION_KINDS:
         assert kind in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# label_split_train_test (pFedMe's split into per-client train and test sets)
+# --------------------------------------------------------------------------------------------------
+
+
+def _pfedme(labels, num_clients=10, **kw):
+    args = {"labels_per_client": 5, "examples_per_label": 20, "train_fraction": 0.25, "seed": 0, **kw}
+    return label_split_train_test(labels, num_clients, **args)
+
+
+def test_label_split_gives_each_client_its_labels_sizes_and_disjoint_sets(imbalanced_labels):
+    train, test = _pfedme(imbalanced_labels)
+    assert len(train) == len(test) == 10
+    for u, (tr, te) in enumerate(zip(train, test, strict=True)):
+        assert tr.dtype == te.dtype == np.int64
+        assert np.all(np.diff(tr) > 0) and np.all(np.diff(te) > 0)  # sorted, no repeats
+        assert tr.size == 25 and te.size == 75  # 5 labels x 20 examples, 25% train
+        # the paper's label set: {(5u + j) mod 10, j = 0..4}, 20 examples of each over train + test
+        both = np.concatenate([tr, te])
+        want = {(5 * u + j) % 10 for j in range(5)}
+        assert set(imbalanced_labels[both].tolist()) == want
+        assert np.bincount(imbalanced_labels[both], minlength=10)[sorted(want)].tolist() == [20] * 5
+    everything = np.concatenate(train + test)
+    assert np.unique(everything).size == everything.size == 10 * 100  # no example used twice
+
+
+def test_label_split_label_sets_wrap_around_the_classes():
+    labels = np.repeat(np.arange(7), 50)  # 7 classes, 3 labels per client, 4 clients
+    train, test = label_split_train_test(
+        labels, 4, labels_per_client=3, examples_per_label=10, train_fraction=0.5, seed=1
+    )
+    got = [sorted(set(labels[np.concatenate([tr, te])].tolist())) for tr, te in zip(train, test, strict=True)]
+    assert got == [[0, 1, 2], [3, 4, 5], [0, 1, 6], [2, 3, 4]]  # {(3u + j) mod 7}
+    assert all(tr.size == 15 and te.size == 15 for tr, te in zip(train, test, strict=True))
+
+
+def test_label_split_uses_the_classes_present_in_order():
+    labels = np.repeat(np.array([3, 8, 11]), 30)
+    train, test = label_split_train_test(
+        labels, 3, labels_per_client=2, examples_per_label=5, train_fraction=0.2, seed=0
+    )
+    got = [sorted(set(labels[np.concatenate([tr, te])].tolist())) for tr, te in zip(train, test, strict=True)]
+    assert got == [[3, 8], [3, 11], [8, 11]]
+    assert [tr.size for tr in train] == [2, 2, 2] and [te.size for te in test] == [8, 8, 8]
+
+
+def test_label_split_is_deterministic(imbalanced_labels):
+    a, b, c = _pfedme(imbalanced_labels), _pfedme(imbalanced_labels), _pfedme(imbalanced_labels, seed=1)
+    for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert any(not np.array_equal(x, z) for x, z in zip(a[0], c[0], strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"labels_per_client": 0}, r"labels_per_client must be an integer between 1 and .* \(10\)"),
+        ({"labels_per_client": 11}, "labels_per_client"),
+        ({"labels_per_client": 2.0}, "labels_per_client"),
+        ({"examples_per_label": 0}, "examples_per_label must be an integer >= 1"),
+        ({"train_fraction": 0.0}, r"train_fraction must be a number in \(0, 1\)"),
+        ({"train_fraction": 1.0}, "train_fraction"),
+        ({"train_fraction": True}, "train_fraction"),
+        ({"train_fraction": 0.001}, "gives 0 train and 100 test examples"),
+        ({"train_fraction": 0.999}, "gives 100 train and 0 test examples"),
+        ({"seed": -1}, "seed"),
+        ({"num_clients": 0}, "num_clients"),
+        # classes 8 and 9 have 100 examples, held by 5 clients each: at most 20 per (client, label)
+        (
+            {"examples_per_label": 21},
+            r"label 8 has 100 examples but the 5 clients holding it need 5 \* examples_per_label = "
+            r"5 \* 21 = 105; lower examples_per_label to at most 20",
+        ),
+    ],
+)
+def test_label_split_errors_name_the_argument(imbalanced_labels, kwargs, match):
+    kwargs = dict(kwargs)
+    num_clients = kwargs.pop("num_clients", 10)
+    with pytest.raises(ValueError, match=match):
+        _pfedme(imbalanced_labels, num_clients, **kwargs)
+
+
+def test_label_split_error_when_a_label_has_fewer_examples_than_clients():
+    labels = np.array([0] * 50 + [1] * 2)
+    with pytest.raises(ValueError, match="label 1 has 2 examples but the 4 clients") as e:
+        label_split_train_test(
+            labels, 4, labels_per_client=2, examples_per_label=1, train_fraction=0.5, seed=0
+        )
+    assert "lower examples_per_label" not in str(e.value) and "use fewer clients" in str(e.value)
+
+
+def test_label_split_is_not_a_partition_kind():
+    assert "pfedme" not in PARTITION_KINDS
