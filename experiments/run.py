@@ -117,7 +117,8 @@ def _flag_help(table: str, name: str, owners: dict[str, type[Section]], doc: str
                 f"{v} for {', '.join(methods)}" for v, methods in tuned.items()
             )
     head = f"{table}s {', '.join(owners)}; " if table in ("method", "coder") else ""
-    return f"{doc.rstrip('.')} ({head}{text})"
+    # argparse %-formats help strings: a literal '%' in a doc ("50% of 1,000") must be escaped
+    return f"{doc.rstrip('.')} ({head}{text})".replace("%", "%%")
 
 
 def _owners_of(table: str) -> dict[str, dict[str, type[Section]]]:

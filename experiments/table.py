@@ -217,15 +217,22 @@ def run_configs(directory: Path, runs, *, force: bool, resume_command: str) -> i
     return 0
 
 
-def run_presets(directory: Path, presets, *, load, rounds, force: bool, resume_command: str) -> int:
+def run_presets(
+    directory: Path, presets, *, load, rounds, force: bool, resume_command: str, seeds=None
+) -> int:
     """:func:`run_configs` of named presets: ``presets`` is ``[(preset name, label)]``, each loaded with
-    ``load(name)`` and its ``run.rounds`` replaced by ``rounds`` if given."""
+    ``load(name)`` and its ``run.rounds`` replaced by ``rounds`` if given. With ``seeds`` (a list of ints)
+    every preset runs once per seed, into ``<preset>_s<seed>`` (``run.seed`` replaced)."""
     runs = []
     for name, label in presets:
         config = load(name)
         if rounds:
             config = config.override({"run.rounds": rounds}, source="--rounds")
-        runs.append((name, config, label))
+        if seeds:
+            for seed in seeds:
+                runs.append((f"{name}_s{seed}", config.override({"run.seed": seed}, source="--seeds"), label))
+        else:
+            runs.append((name, config, label))
     return run_configs(directory, runs, force=force, resume_command=resume_command)
 
 
@@ -269,9 +276,9 @@ def suite_main(
 ) -> int:
     """The command line of a paper's experiment suite (``python -m experiments.<module>``):
 
-    - ``table DIR [--setting S] [--only V ...] [--rounds N] [--force]``: run the setting's presets
-      (:func:`run_presets`: skip finished, resume interrupted) and write the table and the plot
-      (:func:`tabulate`);
+    - ``table DIR [--setting S] [--only V ...] [--rounds N] [--seeds K ...] [--force]``: run the setting's
+      presets (:func:`run_presets`: skip finished, resume interrupted; with ``--seeds`` once per seed) and
+      write the table and the plot (:func:`tabulate`);
     - ``presets``: rewrite the suite's preset files (``write_presets()``).
 
     ``variants`` maps each variant (scheme) name to its table label; ``load(name)`` loads a preset."""
@@ -285,6 +292,14 @@ def suite_main(
         "--only", nargs="*", choices=list(variants), help=f"only these {noun} (default: all)"
     )
     p_table.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
+    p_table.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run every preset once per seed, into <preset>_s<seed> (default: the presets' seed, once)",
+    )
     p_table.add_argument(
         "--force",
         action="store_true",
@@ -301,6 +316,9 @@ def suite_main(
     if args.rounds is not None and args.rounds < 1:
         print("error: --rounds must be >= 1", file=sys.stderr)
         return 2
+    if args.seeds is not None and (min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds)):
+        print("error: --seeds must be distinct integers >= 0", file=sys.stderr)
+        return 2
     if args.setting:
         presets = [(preset_name(args.setting, v), variants[v]) for v in args.only or list(variants)]
         given = [a for a in argv if a != "--force"]
@@ -311,6 +329,7 @@ def suite_main(
             rounds=args.rounds,
             force=args.force,
             resume_command=f"python -m experiments.{module} {shlex.join(given)}",
+            seeds=args.seeds,
         )
         if code:
             return code

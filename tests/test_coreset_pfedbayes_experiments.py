@@ -1,0 +1,119 @@
+"""The CoreSet-PFedBayes experiment tooling (experiments.coreset_pfedbayes): presets, the table command with
+seeds (mean ± std per method, personal and global accuracy, rounds to 99%, measured uplink floats)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.config import PRESET_DIR, list_presets, load_preset
+from experiments.coreset_pfedbayes import (
+    METHODS,
+    SETTINGS,
+    main,
+    preset_name,
+    rounds_to_fraction,
+    suite_config,
+    write_presets,
+)
+
+_SMALL = {
+    "data.dataset": "digits",
+    "data.examples_per_label": 20,
+    "data.train_fraction": 0.5,
+    "data.num_clients": 4,
+    "run.rounds": 2,
+    "run.eval_every": 1,
+    "method.local_iters": 2,
+    "method.personal_steps": 1,
+    "method.batch_size": 16,
+}
+
+
+def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
+    written = write_presets(tmp_path)
+    assert len(written) == len(SETTINGS) * len(METHODS)
+    for path in written:
+        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
+    assert {preset_name(s, m) for s in SETTINGS for m in METHODS} <= set(list_presets())
+    # the paper's setting (spec §3.1): pFedMe's split, 10 clients x 5 labels x 1,000, 20% train, MLP
+    # 784-100-10, zeta 10, Adam 1e-3 both tracks, R = 20, R_p = 5, b = 100; coreset sizes: fractions of 1,000
+    cfg = load_preset("coreset_pfedbayes_fmnist_mlp_coreset_30")
+    data, method = cfg.data, cfg.method
+    assert (data.partition, data.num_clients, data.labels_per_client, data.examples_per_label) == (
+        "pfedme",
+        10,
+        5,
+        1000,
+    )
+    assert (data.train_fraction, data.model, cfg.run.rounds) == (0.2, "mlp_100", 200)
+    assert (method.zeta, method.personal_lr, method.global_lr, method.local_iters, method.personal_steps) == (
+        10.0,
+        0.001,
+        0.001,
+        20,
+        5,
+    )
+    assert (method.batch_size, method.coreset_size, method.coreset_every, method.eps_std) == (
+        100,
+        300,
+        1,
+        1.0,
+    )
+    assert load_preset("coreset_pfedbayes_fmnist_mlp_cpu_coreset_50").method.coreset_every == 10
+    assert load_preset("coreset_pfedbayes_fmnist_mlp_cpu_random_50").method.subset_size == 500
+
+
+def test_bad_names_and_configs_say_what_to_do():
+    with pytest.raises(ValueError, match="unknown method"):
+        suite_config("fmnist_mlp", "coreset_5")
+    with pytest.raises(ValueError, match="projection_samples"):
+        suite_config("fmnist_mlp", "coreset_50").override({"method.projection_samples": 400})
+
+
+def test_rounds_to_fraction():
+    rows = [{"round": r, "personal_accuracy": a} for r, a in [(5, 0.5), (10, None), (15, 0.95), (20, 0.9)]]
+    assert rounds_to_fraction(rows) == 15
+    assert rounds_to_fraction(rows, fraction=0.5) == 5
+    assert rounds_to_fraction([{"round": 1, "personal_accuracy": None}]) is None
+
+
+def test_table_command_runs_seeds_and_averages_them(tmp_path, monkeypatch, capsys):
+    """End to end on digits (2 rounds, 4 clients, pFedMe's split with 20 examples per label): CoreSet-
+    PFedBayes and RandomSubset over two seeds, a second call skips the finished runs, the table has one row
+    per method with mean ± std of the personal and global accuracy, the measured floats per client per
+    round (2P), and a damaged folder is skipped with a warning."""
+    import experiments.coreset_pfedbayes as cp
+
+    chosen = ("coreset_50", "random_50")
+    sizes = {"coreset_50": {"method.coreset_size": 25}, "random_50": {"method.subset_size": 25}}  # of 50
+    small = {m: suite_config("fmnist_mlp_cpu", m).override({**_SMALL, **sizes[m]}) for m in chosen}
+    monkeypatch.setattr(cp, "load_preset", lambda name: small[name.split("_cpu_", 1)[1]])
+    args = ["table", str(tmp_path), "--setting", "fmnist_mlp_cpu", "--only", *chosen, "--seeds", "0", "1"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.count("finished run found") == 4
+    md = (tmp_path / "table.md").read_text()
+    assert md.splitlines()[0].startswith(
+        "| method | personal acc (%) | final personal (%) | global acc (%) |"
+    )
+    lines = {line.split("|")[1].strip(): line for line in md.splitlines()[2:]}
+    assert set(lines) == {"CoreSet-PFedBayes (50%)", "RandomSubset (50%)"}
+    assert all("±" in line and "| 0, 1 |" in line for line in lines.values())
+    run = tmp_path / (preset_name("fmnist_mlp_cpu", "coreset_50") + "_s1")
+    config = json.loads((run / "config.json").read_text())
+    assert config["run"]["seed"] == 1
+    two_p = 2 * config["num_params"]
+    assert f"| {two_p} ± 0 |" in lines["CoreSet-PFedBayes (50%)"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["personal_accuracy"] is not None and r["test_accuracy"] is not None for r in rows)
+    assert all(r["uplink_bpp"] == 64.0 for r in rows)
+    assert (tmp_path / "accuracy_vs_round.png").stat().st_size > 1000
+    (run / "summary.json").write_text("{not json")
+    capsys.readouterr()
+    assert main(["table", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped {run}" in captured.err
+    assert main(["table", str(tmp_path), "--setting", "fmnist_mlp_cpu", "--seeds", "1", "1"]) == 2
