@@ -13,6 +13,7 @@ import optax
 
 from sidejax.algorithms import LangevinSettings, bicompfl_pr, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
 from sidejax.algorithms.cepam import cepam
+from sidejax.algorithms.pfedbayes import CoresetSettings, PFedBayesSettings, coreset_pfedbayes
 from sidejax.coding.klms import KLMSConfig, klms_coder
 from sidejax.coding.lattice import additive_noise_coder, clip_update, lrsuq_coder
 from sidejax.coding.lrsuq import GaussianNoise
@@ -125,6 +126,15 @@ def _all_algorithms(loss):
             local_steps=3,
             **common,
         ),
+        # CoreSet-PFedBayes: its two variational tracks (TRACKS), the initial coreset (SUBSETS), the
+        # projection's posterior samples (PROJECTIONS, DRAWS), the initial posterior (POSTERIOR)
+        "coreset_pfedbayes": coreset_pfedbayes(
+            loss,
+            coreset_size=5,
+            settings=PFedBayesSettings(local_iters=2, personal_steps=2, batch_size=8, mc_samples=2),
+            coreset=CoresetSettings(projection_samples=6),
+            **common,
+        ),
     }
 
 
@@ -154,6 +164,21 @@ _EXPECTED["cepam_lrsuq"] = {
     "block",
     "DRAWS",
     "draw",
+}
+_EXPECTED["coreset_pfedbayes"] = _ROUND | {
+    "TRAIN",
+    "TRACKS",
+    "track",
+    "EPOCHS",
+    "epoch",
+    "STEPS",
+    "step",
+    "ORDER",
+    "DRAWS",
+    "draw",
+    "POSTERIOR",
+    "PROJECTIONS",
+    "SUBSETS",
 }
 _EXPECTED["bicompfl_pr_splitdl"] = _EXPECTED["fedpm"] | {"DRAWS", "draw", "RECIPIENTS", "recipient"}
 
