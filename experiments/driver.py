@@ -475,13 +475,13 @@ def _checkpointed_rows(meta: dict[str, Any], state_round: int, ckpt_dir: Path) -
 
 
 def _fmt_acc(acc: float | None) -> str:
-    return f"{100 * acc:6.2f}%" if acc is not None else "      -"
+    return f"{100 * acc:8.2f}%" if acc is not None else "        -"
 
 
 def _fmt_row(row: dict[str, Any]) -> str:
     personal = f" | {_fmt_acc(row['personal_accuracy'])}" if "personal_accuracy" in row else ""
     return (
-        f"{row['round']:>5d} | {_fmt_acc(row['test_accuracy'])}{personal} | {row['train_loss']:8.4f} | "
+        f"{row['round']:>5d} | {_fmt_acc(row['test_accuracy'])}{personal} | {row['train_loss']:9.4f} | "
         f"{row['uplink_bpp']:9.3f} | {row['downlink_bpp']:9.3f} | {row['cumulative_bits']:12.4e}"
     )
 

@@ -1107,5 +1107,9 @@ def test_the_round_table_shows_personal_accuracy():
     assert "50.00%" in _fmt_row(row) and _fmt_row(row).count("%") == 1
     assert _fmt_row({**row, "personal_accuracy": 0.75}).count("%") == 2
     assert "75.00%" in _fmt_row({**row, "personal_accuracy": 0.75})
-    assert _fmt_row({**row, "personal_accuracy": None}).startswith("    3 |  50.00% |       - |")
+    assert _fmt_row({**row, "personal_accuracy": None}).startswith("    3 |    50.00% |         - |")
     assert PERSONAL_TABLE_HEADER.count("|") == TABLE_HEADER.count("|") + 1
+    # the columns line up under the header
+    header_bars = [i for i, c in enumerate(PERSONAL_TABLE_HEADER) if c == "|"]
+    row_bars = [i for i, c in enumerate(_fmt_row({**row, "personal_accuracy": 0.75})) if c == "|"]
+    assert row_bars == header_bars
