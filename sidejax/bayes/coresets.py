@@ -55,7 +55,38 @@ import numpy as np
 
 from sidejax.utils import is_concrete
 
-__all__ = ["AIHTResult", "projected_potentials", "project_sparse_nonnegative", "coreset_objective", "aiht"]
+__all__ = [
+    "AIHTResult",
+    "AIHTTrace",
+    "projected_potentials",
+    "project_sparse_nonnegative",
+    "coreset_objective",
+    "aiht",
+]
+
+
+class AIHTTrace(NamedTuple):
+    """Per-iteration values of :func:`aiht` with ``trace=True`` (``[max_iter]`` each; entries past the last
+    iteration are NaN, ``support`` −1).
+
+    Attributes:
+      step_objective: ``f(z_t − μ_t ∇_S)``, after the exact line search along the restricted gradient (never
+        above ``f(z_t)``: the step size 0 is a candidate).
+      objective: ``f(w_{t+1})`` after the projection (not monotone in general: the projection can increase
+        ``f``).
+      momentum_objective: ``f(z_{t+1})`` after the momentum step (never above ``f(w_{t+1})``: ``τ = 0`` is a
+        candidate of its exact line search).
+      start_objective: ``f(z_t)``.
+      support: ``‖w_{t+1}‖_0``.
+      min_weight: ``min_j w_{t+1, j}``.
+    """
+
+    step_objective: jax.Array
+    objective: jax.Array
+    momentum_objective: jax.Array
+    start_objective: jax.Array
+    support: jax.Array
+    min_weight: jax.Array
 
 
 class AIHTResult(NamedTuple):
@@ -67,12 +98,14 @@ class AIHTResult(NamedTuple):
       iterations: the number of iterations run.
       converged: the relative change fell below ``tol`` (or the iterate was stationary) before
         ``max_iter``.
+      trace: :class:`AIHTTrace` with ``trace=True``, else ``None``.
     """
 
     weights: jax.Array
     objective: jax.Array
     iterations: jax.Array
     converged: jax.Array
+    trace: AIHTTrace | None = None
 
 
 def projected_potentials(log_likelihoods: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -94,7 +127,20 @@ def projected_potentials(log_likelihoods: jax.Array) -> tuple[jax.Array, jax.Arr
 
 
 def coreset_objective(y: jax.Array, phi: jax.Array, w: jax.Array) -> jax.Array:
-    """``f(w) = ‖y − Φw‖²``."""
+    """``f(w) = ‖y − Φw‖²``.
+
+    Raises:
+      ValueError: concrete weights that are negative or not finite (coreset weights are ``w ≥ 0``)."""
+    if is_concrete(w):
+        wn = np.asarray(w)
+        if not np.all(np.isfinite(wn)):
+            raise ValueError("w must be finite coreset weights (found NaN or inf)")
+        if np.any(wn < 0):
+            raise ValueError(f"w must be non-negative coreset weights, found {wn[wn < 0][:3].tolist()}")
+    return _objective(y, phi, w)
+
+
+def _objective(y, phi, w):
     r = y - phi @ w
     return jnp.dot(r, r)
 
@@ -171,6 +217,7 @@ def aiht(
     step_scale: float = 1.0,
     debias: bool = False,
     sum_to: float | None = None,
+    trace: bool = False,
 ) -> AIHTResult:
     """Accelerated IHT for sparse non-negative coreset weights (module docstring; spec §2.4).
 
@@ -184,6 +231,7 @@ def aiht(
       debias: A-IHT II (a de-bias gradient step on the support after each projection).
       sum_to: optional total ``L`` of the weights (``None``: no sum constraint); a number or a traced
         scalar (e.g. a client's number of examples under ``vmap``).
+      trace: also return the per-iteration :class:`AIHTTrace` (static; ``max_iter`` floats per field).
 
     Returns:
       :class:`AIHTResult`.
@@ -193,22 +241,25 @@ def aiht(
     """
     y, phi, k = _check(y, phi, k, max_iter, tol, step_scale, sum_to)
     total = jnp.asarray(0.0 if sum_to is None else sum_to, y.dtype)
-    return _aiht(
-        y, phi, total, k, int(max_iter), float(tol), float(step_scale), bool(debias), sum_to is not None
-    )
+    statics = (int(max_iter), float(tol), float(step_scale), bool(debias), sum_to is not None, bool(trace))
+    return _aiht(y, phi, total, k, *statics)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
-def _aiht(y, phi, total, k, max_iter, tol, step_scale, debias, use_sum):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _aiht(y, phi, total, k, max_iter, tol, step_scale, debias, use_sum, trace):
     n = phi.shape[1]
     sum_to = total if use_sum else None
+
+    def f(v):
+        return _objective(y, phi, v)
+
     zero = jnp.zeros((n,), y.dtype)
 
     def grad(v):
         return -2.0 * (phi.T @ (y - phi @ v))
 
     def body(state):
-        t, w, z, _, _ = state
+        t, w, z, _, hist = state
         g = grad(z)
         in_z = z != 0
         support = in_z | _masked_top(jnp.abs(g), ~in_z, k)
@@ -228,12 +279,24 @@ def _aiht(y, phi, total, k, max_iter, tol, step_scale, debias, use_sum):
         z_new = w_new + tau * d
         small = jnp.linalg.norm(d) < tol * jnp.linalg.norm(w_new)
         converged = ((t >= 1) & small) | ~moving
-        return t + 1, w_new, z_new, converged, jnp.asarray(False)
+        if trace:
+            row = (
+                f(z - mu * g_s),
+                f(w_new),
+                f(z_new),
+                f(z),
+                jnp.sum(w_new != 0).astype(y.dtype),
+                jnp.min(w_new),
+            )
+            hist = AIHTTrace(*(h.at[t].set(v) for h, v in zip(hist, row, strict=True)))
+        return t + 1, w_new, z_new, converged, hist
 
     def cond(state):
         t, _, _, converged, _ = state
         return (t < max_iter) & ~converged
 
-    init = (jnp.int32(0), zero, zero, jnp.asarray(False), jnp.asarray(False))
-    t, w, _, converged, _ = jax.lax.while_loop(cond, body, init)
-    return AIHTResult(w, coreset_objective(y, phi, w), t, converged)
+    nan = jnp.full((max_iter,), jnp.nan, y.dtype)
+    hist0 = AIHTTrace(nan, nan, nan, nan, jnp.full((max_iter,), -1, y.dtype), nan) if trace else ()
+    init = (jnp.int32(0), zero, zero, jnp.asarray(False), hist0)
+    t, w, _, converged, hist = jax.lax.while_loop(cond, body, init)
+    return AIHTResult(w, f(w), t, converged, hist if trace else None)

@@ -60,6 +60,32 @@ def test_invariants_and_objective_below_zero_weights():
     assert abs(w.sum() - 40.0) < 1e-3
 
 
+def test_every_iterate_is_sparse_nonnegative_and_the_exact_line_searches_never_increase_f():
+    """T6/T8 per iteration (the trace): every ``w_t`` is k-sparse and non-negative; the gradient step with the
+    exact line search never increases ``f`` from ``z_t``, and the momentum step never from ``w_{t+1}`` (step
+    0 is a candidate of each exact line search: this is where the theory says ``f`` does not increase; the
+    projection in between may increase it, so ``f(w_t)`` is not asserted monotone). A noisy problem that
+    runs all ``max_iter`` iterations (float64, so the inequalities are not blurred by rounding)."""
+    rng = np.random.default_rng(9)
+    with enable_x64():
+        phi = jnp.asarray(rng.normal(size=(80, 60)))
+        y = jnp.asarray(rng.normal(size=80))
+        for kwargs in ({}, {"debias": True}, {"step_scale": 0.5}):
+            out = aiht(y, phi, 9, max_iter=40, tol=0.0, trace=True, **kwargs)
+            tr = out.trace
+            t = int(out.iterations)
+            assert t >= 5, kwargs
+            assert np.all(np.asarray(tr.support)[:t] <= 9) and np.all(np.asarray(tr.min_weight)[:t] >= 0)
+            slack = 1e-12 * float(jnp.dot(y, y))
+            if "debias" not in kwargs:  # A-IHT II's de-bias step changes w between the two line searches
+                assert np.all(np.asarray(tr.step_objective)[:t] <= np.asarray(tr.start_objective)[:t] + slack)
+            assert np.all(np.asarray(tr.momentum_objective)[:t] <= np.asarray(tr.objective)[:t] + slack), (
+                kwargs
+            )
+            assert np.all(np.isnan(np.asarray(tr.objective)[t:]))
+            np.testing.assert_allclose(np.asarray(tr.objective)[t - 1], float(out.objective), rtol=1e-12)
+
+
 def test_projection_is_optimal_by_brute_force():
     """T7: for n <= 10 the signed top-k then clip equals the best of all supports of size <= k."""
     rng = np.random.default_rng(6)
@@ -103,6 +129,10 @@ def test_bad_input():
         aiht(y, phi, 2, step_scale=2.0)
     with pytest.raises(ValueError, match="sum_to"):
         aiht(y, phi, 2, sum_to=-1.0)
+    with pytest.raises(ValueError, match="w must be non-negative"):
+        coreset_objective(y, phi, jnp.array([1.0, -0.5, 0.0, 2.0]))
+    with pytest.raises(ValueError, match="w must be finite"):
+        coreset_objective(y, phi, jnp.array([1.0, jnp.nan, 0.0, 2.0]))
 
 
 def test_vmaps_over_clients():
