@@ -52,11 +52,12 @@ from sidejax.fl import (
     build_ensemble_evaluator,
     build_evaluator,
     build_personal_evaluator,
+    build_round_step,
     classification_loss,
     client_mean,
     run_rounds,
 )
-from sidejax.keys import run_keys
+from sidejax.keys import round_key, run_keys
 from sidejax.models import count_params, get_model, init_params
 
 __all__ = [
@@ -623,6 +624,12 @@ def run_experiment(
     num_params = count_params(params)
     state = algorithm.init(init_key, params, int(fed.num_examples.shape[0]))
     rows: list[dict[str, Any]] = []
+    # Trace one round (shapes only, nothing compiled or run) before anything is written: a configuration the
+    # algorithm refuses at trace time (e.g. a coreset larger than a client's data) fails here, not after the
+    # run folder exists.
+    jax.eval_shape(
+        build_round_step(algorithm, client_map=client_map(config)), round_key(rounds_key, 0), state, fed
+    )
 
     if resume:
         state, meta = load_checkpoint(ckpt_dir, state)

@@ -1101,6 +1101,20 @@ def test_a_personalized_method_needs_per_client_test_sets(tmp_path, monkeypatch)
     assert not out.exists()  # refused before any file is written
 
 
+def test_a_configuration_refused_when_traced_writes_no_run_folder(tmp_path):
+    """The driver traces one round (shapes only) before writing anything: a coreset larger than a client's
+    25 training examples is refused with the algorithm's message and no folder is left behind."""
+    config = default_config(
+        "coreset_pfedbayes+float32",
+        **{k: v for k, v in PFEDME.items() if not k.startswith("method.")},
+        **{"method.coreset_size": 26},
+    )
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="coreset_size=26 exceeds the number of points a client holds"):
+        run_experiment(config, out, progress=False, verbose=False)
+    assert not out.exists()
+
+
 def test_the_round_table_shows_personal_accuracy():
     row = {"round": 3, "test_accuracy": 0.5, "train_loss": 1.0, "uplink_bpp": 32.0, "downlink_bpp": 32.0}
     row["cumulative_bits"] = 1e6
