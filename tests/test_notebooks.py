@@ -18,7 +18,8 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # smallest and largest K and N, a few protocol and federated rounds. 03_bicompfl: the coder law at two n_IS,
 # two block sizes at two n_IS, two federated rounds of each of the six methods (most of its time is
 # compiling their round programs). 04_cepam: smaller messages, two of the error laws,
-# two lattices' rates, three rounds at one noise level and without noise.
+# two lattices' rates, three rounds at one noise level and without noise. 05_coreset_pfedbayes: a smaller
+# regression with two coreset sizes and one seed, two federated rounds of two minibatches per method.
 TEST_PARAMETERS = {
     "01_quickstart.ipynb": "ROUNDS = 5",  # label shards, 50% participation: round 3 dips below round 1
     "02_klms.ipynb": "\n".join(
@@ -40,6 +41,16 @@ TEST_PARAMETERS = {
             'RATE_LATTICES = ("Z^1", "E8")',
             "FL_ROUNDS = 3",
             "FL_LEVELS = (0.0, 0.1)",
+        ]
+    ),
+    "05_coreset_pfedbayes.ipynb": "\n".join(
+        [
+            "N_POINTS = 300",
+            "K_VALUES = (10, 40)",
+            "SEEDS = 1",
+            "MAP_KS = (40,)",
+            "FL_ROUNDS = 2",
+            "FL_LOCAL_ITERS = 2",
         ]
     ),
     "03_bicompfl.ipynb": "\n".join(
