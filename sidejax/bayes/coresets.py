@@ -32,7 +32,8 @@ of ``|b|``, which is not). Then the momentum step with the exact line search
 ``‖w_{t+1} − w_t‖ < tol·‖w_{t+1}‖`` (from the second iteration) or after ``max_iter``.
 
 A-IHT II (``debias=True``) adds, after the projection, one exact gradient step on the support of
-``w_{t+1}`` followed by clipping at zero (support unchanged). ``step_scale = 0.5`` reproduces the
+``w_{t+1}`` followed by clipping at zero (support unchanged; with ``sum_to`` the projection onto
+``{w ≥ 0, Σw = L}`` on that support instead, so the sum constraint holds). ``step_scale = 0.5`` reproduces the
 reference code's half step (it uses ``Φᵀr`` where the gradient is ``−2Φᵀr``). ``sum_to = L`` replaces the
 clipping by the projection of the selected ``k`` entries onto ``{w ≥ 0, Σw = L}`` (the authors' ``L``;
 CoreSet-PFedBayes' option ``sum_to = n``).
@@ -145,22 +146,32 @@ def _objective(y, phi, w):
     return jnp.dot(r, r)
 
 
-def _simplex_on(values: jax.Array, total) -> jax.Array:
-    """Projection of ``values [k]`` (sorted descending) onto ``{v ≥ 0, Σv = total}`` (Duchi et al. 2008)."""
+def _simplex_on(values: jax.Array, total, valid: jax.Array | None = None) -> jax.Array:
+    """Projection of ``values [k]`` (sorted descending) onto ``{v ≥ 0, Σv = total}`` (Duchi et al. 2008);
+    with ``valid`` (a prefix of True) only those entries, the others set to 0."""
     k = values.shape[0]
-    cssv = jnp.cumsum(values) - total
+    valid = jnp.ones((k,), bool) if valid is None else valid
+    vals = jnp.where(valid, values, 0.0)
+    cssv = jnp.cumsum(vals) - total
     ind = jnp.arange(1, k + 1, dtype=values.dtype)
-    rho = jnp.sum(values - cssv / ind > 0)
+    rho = jnp.sum(valid & (vals - cssv / ind > 0))
     theta = cssv[jnp.maximum(rho - 1, 0)] / jnp.maximum(rho, 1).astype(values.dtype)
-    return jnp.maximum(values - theta, 0.0)
+    return jnp.where(valid, jnp.maximum(vals - theta, 0.0), 0.0)
 
 
-def project_sparse_nonnegative(b: jax.Array, k: int, sum_to=None) -> jax.Array:
+def project_sparse_nonnegative(
+    b: jax.Array, k: int, sum_to=None, allowed: jax.Array | None = None
+) -> jax.Array:
     """``Π_{k,+}(b)``: the ``k`` largest signed entries of ``b`` kept, negatives clipped to zero (the
     Euclidean projection onto ``{‖w‖_0 ≤ k, w ≥ 0}``); with ``sum_to = L`` the kept entries are projected
-    onto ``{w ≥ 0, Σw = L}`` instead of clipped."""
-    values, idx = jax.lax.top_k(b, k)
-    kept = jnp.maximum(values, 0.0) if sum_to is None else _simplex_on(values, jnp.asarray(sum_to, b.dtype))
+    onto ``{w ≥ 0, Σw = L}`` instead of clipped. ``allowed`` (a boolean mask) restricts the support."""
+    scores = b if allowed is None else jnp.where(allowed, b, -jnp.inf)
+    values, idx = jax.lax.top_k(scores, k)
+    valid = jnp.isfinite(values) if allowed is not None else None
+    if sum_to is None:
+        kept = jnp.maximum(values, 0.0) if valid is None else jnp.where(valid, jnp.maximum(values, 0.0), 0.0)
+    else:
+        kept = _simplex_on(values, jnp.asarray(sum_to, b.dtype), valid)
     return jnp.zeros_like(b).at[idx].set(kept)
 
 
@@ -266,11 +277,14 @@ def _aiht(y, phi, total, k, max_iter, tol, step_scale, debias, use_sum, trace):
         g_s = jnp.where(support, g, 0.0)
         mu, moving = _line_step(phi, g_s, jnp.dot(g_s, g_s))
         w_new = project_sparse_nonnegative(z - step_scale * mu * g, k, sum_to)
-        if debias:  # A-IHT II: an exact gradient step on the support of w_new, clipped at zero
+        if debias:  # A-IHT II: an exact gradient step on the support of w_new, projected back
             on = w_new != 0
             g_x = jnp.where(on, grad(w_new), 0.0)
             mu_x, _ = _line_step(phi, g_x, jnp.dot(g_x, g_x))
-            w_new = jnp.where(on, jnp.maximum(w_new - mu_x * g_x, 0.0), 0.0)
+            if sum_to is None:  # clipped at zero
+                w_new = jnp.where(on, jnp.maximum(w_new - mu_x * g_x, 0.0), 0.0)
+            else:  # onto {w >= 0, sum w = L} on the same support (clipping alone would break the sum)
+                w_new = project_sparse_nonnegative(w_new - mu_x * g_x, k, sum_to, allowed=on)
         w_new = jnp.where(moving, w_new, w)  # a stationary z_t: keep w_t
         d = w_new - w
         pd = phi @ d

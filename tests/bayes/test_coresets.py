@@ -56,8 +56,9 @@ def test_invariants_and_objective_below_zero_weights():
         np.testing.assert_allclose(
             float(out.objective), float(coreset_objective(y, phi, out.weights)), rtol=1e-6
         )
-    w = np.asarray(aiht(y, phi, 7, sum_to=40.0).weights)
-    assert abs(w.sum() - 40.0) < 1e-3
+    for debias in (False, True):  # A-IHT II's de-bias step keeps the sum too
+        w = np.asarray(aiht(y, phi, 7, sum_to=40.0, debias=debias).weights)
+        assert abs(w.sum() - 40.0) < 1e-3 and np.all(w >= 0) and np.count_nonzero(w) <= 7, debias
 
 
 def test_every_iterate_is_sparse_nonnegative_and_the_exact_line_searches_never_increase_f():
