@@ -396,15 +396,15 @@ def accuracy_figures(runs: dict[str, list[dict[str, Any]]], *, title: str | None
     the legend sits below the axes, so it never covers a curve. ``title`` (e.g. the dataset and model) is
     added under each plot's title.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # matplotlib.figure.Figure, not pyplot: no global backend switch (a notebook's inline plots keep working
+    # after a run), no figure manager to close; Jupyter displays a Figure like a pyplot one
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     figures = {}
     for xkey, fname, heading, xlabel, logx in _PLOTS:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+        fig = Figure(figsize=(6.4, 4.2), dpi=120)
+        ax = fig.subplots()
         for label, rows in runs.items():
             rows = _with_uplink_cumsum(rows)
             pts = [(r[xkey], r["test_accuracy"]) for r in rows if r.get("test_accuracy") is not None]
@@ -435,13 +435,10 @@ def plot_runs(
     runs: dict[str, list[dict[str, Any]]], out_dir: Path, *, title: str | None = None
 ) -> list[Path]:
     """Writes :func:`accuracy_figures` (the files :data:`PLOT_FILES`) to ``out_dir``; returns their paths."""
-    import matplotlib.pyplot as plt
-
     paths = []
     for fname, fig in accuracy_figures(runs, title=title).items():
         path = Path(out_dir) / fname
         fig.savefig(path, bbox_inches="tight")
-        plt.close(fig)
         paths.append(path)
     return paths
 
