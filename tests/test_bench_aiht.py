@@ -49,6 +49,11 @@ def test_aiht_bench_quick(tmp_path, capsys):
     for a, b in zip(sj["relative_objective_float32"], sj["relative_objective"], strict=True):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
     assert all(1 <= it <= 300 for it in sj["iterations"] + nps["iterations"])
+    # sidejax in float64 follows numpy's trajectory: same iterations, supports and objective to round-off
+    f64 = r["sidejax_float64"]
+    assert f64["iterations"] == nps["iterations"] and all(f64["same_support_as_numpy"])
+    assert max(f64["objective_rel_diff_vs_numpy"]) < 1e-9
+    assert max(f64["weights_max_abs_diff_over_max_weight_vs_numpy"]) < 1e-9
     # context: random subsets are worse than A-IHT; NNLS (J = 100 > n = 60) fits y with more than k points
     random_rel = r["random_subset"]["mean_relative_objective"]
     assert all(a < rnd for a, rnd in zip(sj["relative_objective"], random_rel, strict=True))
