@@ -64,7 +64,8 @@ JSON, untimed) matches numpy to 1e-11-1e-14 in ``f`` with identical supports on 
 and 8/10 at k = 150, and to round-off (1e-14) for the first 50 iterations on a k = 100 client checked
 separately (1e-11 after 300); on the other clients (all 10 at k = 500, 5 of 10 at k = 300) the two float64
 trajectories also part, a bifurcation of the support choice, not a different algorithm. Speed:
-sidejax is faster at every k here (ratio 0.5-0.8 at J ≤ 300, 0.015-0.05 at J ≥ 600), but the J ≥ 600 numpy
+sidejax is faster at every k in this run (ratio 0.5-0.8 at J ≤ 300, 0.015-0.05 at J ≥ 600; in the run
+before, the vmapped batch was 1.21x numpy at k = 100 and 0.75x at k = 150), but the J ≥ 600 numpy
 times swung by up to 7x between runs on the loaded machine (cause not isolated; numpy's multi-threaded
 OpenBLAS competing for the 2 cores is a guess), so treat those ratios as unreliable.
 """
