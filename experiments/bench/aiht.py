@@ -1,0 +1,516 @@
+"""Benchmark: CoreSet-PFedBayes' coreset hot path, :func:`sidejax.bayes.aiht` (A-IHT I, Zhang et al.,
+AISTATS 2021; spec ``coreset_pfedbayes.md`` §2.4), against a plain numpy float64 A-IHT (what the authors'
+released code runs) on the paper's client problem, measured in the same process.
+
+Problems (real, not synthetic low-rank): ``--clients`` (default 10) clients, each a uniformly random subset of
+``--n`` (default 1000) of the 1,437 bundled ``digits`` training images (8x8, flattened, plus a bias), a
+softmax regression ``65 x 10`` per client fitted to its MAP (prior ``N(0, 1)``, L-BFGS in float64) and a
+diagonal Laplace posterior around it (precision ``1 + Σ_i x_id² p_ic (1 − p_ic)``: a mean-field Gaussian,
+like the library's variational ``q̂``). ``J_max`` posterior samples are drawn once per client and
+``L[s, j] = log p(y_j | x_j, θ_s)``; for each ``k`` in ``--ks`` (default 500, 300, 150, 100: the paper's
+50/30/15/10% coresets) the first ``J = max(100, 2k)`` samples give ``(y, Φ) =``
+:func:`sidejax.bayes.projected_potentials` ``(L)`` (float32, the library's input) and the same formula in
+float64 (numpy's input). Each ``Φ`` is ``[J, n]``.
+
+Compared, per ``k`` (defaults ``max_iter = 300``, ``tol = 1e-5``, exact line-search step, no sum constraint):
+
+- ``sidejax vmap``: ``jax.jit(jax.vmap(aiht))`` over the 10 clients, one call (float32; the way
+  :mod:`sidejax.algorithms.pfedbayes` runs it inside a round);
+- ``sidejax loop``: ``jax.jit(aiht)`` called once per client from Python (the same compiled solve);
+- ``numpy``: :func:`numpy_aiht`, the same algorithm in float64 numpy written here (active set
+  ``S = supp(z) ∪ top-k |∇|`` outside it, ``μ = ‖∇_S‖²/(2‖Φ∇_S‖²)``, full-gradient step, ``k`` largest signed
+  entries clipped at 0, momentum ``τ = ⟨y − Φw, Φd⟩/‖Φd‖²``, stop when ``‖d‖ < tol·‖w‖`` from the second
+  iteration, at a stationary ``z`` or after ``max_iter``), looped over clients.
+
+Times are after compilation (compile time of each jitted function reported separately), best of
+``--repeats`` interleaved repetitions, wall and process CPU time. ``ratio`` = sidejax time / numpy time
+(< 1: sidejax faster), per client (loop) and for the 10-client batch (vmap). Quality, per client: the
+relative objective ``f(w)/‖y‖²`` (``f(w) = ‖y − Φw‖²``, evaluated in float64 on the float64 ``Φ`` for every
+method), iterations, support size; the sidejax/numpy objective difference is a correctness cross-check
+(float32 against float64, so agreement is up to float32 round-off and, where the two runs pick different
+supports, a different local optimum of the non-convex problem). Not timed, for context:
+``scipy.optimize.nnls`` (non-negative least squares without sparsity: its support size, its objective,
+and the objective after keeping its ``k`` largest entries) and ``--random-draws`` uniform ``k``-subsets with
+weights ``n/k`` (CoreSet-PFedBayes' initial coreset; mean objective).
+
+Writes JSON (default ``results/bench/aiht.json``; ``results/`` is not committed) with the machine, the
+settings, the problem construction and every number, and prints a table.
+
+Run: ``python -m experiments.bench.aiht [--quick] [--out FILE] [--repeats 3] [--ks 500 300 150 100]``
+(``--quick``: n = 60, k = 12, 3 clients, one repetition, for tests).
+
+Measured (2-core CPU shared with a long experiment, load average about 5: the numpy times in particular are
+very noisy, e.g. k = 300 numpy took 1.44 s per client in one run and 10.6 s in the next; default sizes,
+best of 3, wall ms; ``vmap`` is the whole 10-client batch, the others per client; ``f`` = mean
+``f(w)/‖y‖²`` over clients; compile s of the vmapped solve):
+
+::
+
+        k     J  sidejax vmap  sidejax loop   numpy  ratio vmap  ratio loop  compile  f sidejax  f numpy  it
+      500  1000        2596.         370.   7089.       0.037       0.052     0.43   7.22e-4   6.89e-4  300
+      300   600        1604.         182.  10632.       0.015       0.017     0.45   1.39e-3   1.31e-3  300
+      150   300         878.          63.    127.       0.689       0.494     0.69   3.14e-3   3.24e-3  300
+      100   200         625.          46.     77.       0.814       0.593     0.57   5.38e-3   5.54e-3  300
+
+    context (mean over clients): random n/k subsets f = 2.6e-2 / 6.8e-2 / 1.7e-1 / 2.7e-1; NNLS fits y
+    exactly (f ~ 1e-30) with J − 1 points (Φ has rank J − 1 after centring, J ≤ n), and its top-k entries
+    give f = 0.24 / 0.076 / 0.043 / 0.041.
+
+Findings: no run met ``tol = 1e-5`` within 300 iterations (every client, every k, both codes), and on
+this problem the non-converged iteration is sensitive to round-off: vmapped and looped sidejax (float32)
+end with different weights, and float32 sidejax and float64 numpy end 0.2-72% apart in ``f`` (neither
+systematically lower). The algorithm is the same: sidejax run in float64 (``sidejax_float64`` in the
+JSON, untimed) matches numpy to 1e-11-1e-14 in ``f`` with identical supports on 9/10 clients at k = 100
+and 8/10 at k = 150, and to round-off (1e-14) for the first 50 iterations on a k = 100 client checked
+separately (1e-11 after 300); on the other clients (all 10 at k = 500, 5 of 10 at k = 300) the two float64
+trajectories also part, a bifurcation of the support choice, not a different algorithm. Speed:
+sidejax is faster at every k in this run (ratio 0.5-0.8 at J ≤ 300, 0.015-0.05 at J ≥ 600; in the run
+before, the vmapped batch was 1.21x numpy at k = 100 and 0.75x at k = 150), but the J ≥ 600 numpy
+times swung by up to 7x between runs on the loaded machine (cause not isolated; numpy's multi-threaded
+OpenBLAS competing for the 2 cores is a guess), so treat those ratios as unreliable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+DEFAULT_KS = (500, 300, 150, 100)
+METHODS = ("sidejax_vmap", "sidejax_loop", "numpy")
+
+
+def num_samples(k: int) -> int:
+    """``J = max(100, 2k)`` (CoreSet-PFedBayes' default, spec §6 E6)."""
+    return max(100, 2 * k)
+
+
+# ----------------------------------------------------------------------------------------------- problems
+
+
+def _log_softmax(z):
+    import numpy as np
+
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def client_log_likelihoods(x, labels, num_draws: int, rng, classes: int = 10):
+    """``L [num_draws, n]``: per-point log-likelihoods of a softmax regression at draws of its diagonal
+    Laplace posterior (prior ``N(0, 1)``), float64."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    n, d = x.shape
+    onehot = np.eye(classes)[labels]
+
+    def neg_log_post(flat):
+        theta = flat.reshape(d, classes)
+        logp = _log_softmax(x @ theta)
+        p = np.exp(logp)
+        value = -np.sum(onehot * logp) + 0.5 * np.sum(theta * theta)
+        grad = x.T @ (p - onehot) + theta
+        return value, grad.ravel()
+
+    fit = minimize(neg_log_post, np.zeros(d * classes), jac=True, method="L-BFGS-B", options={"maxiter": 500})
+    theta = fit.x.reshape(d, classes)
+    p = np.exp(_log_softmax(x @ theta))
+    precision = 1.0 + (x * x).T @ (p * (1.0 - p))  # [d, classes]
+    std = 1.0 / np.sqrt(precision)
+    out = np.empty((num_draws, n))
+    for start in range(0, num_draws, 100):
+        stop = min(start + 100, num_draws)
+        draws = theta + std * rng.standard_normal((stop - start, d, classes))
+        logp = _log_softmax(np.einsum("nd,sdc->snc", x, draws))
+        out[start:stop] = np.take_along_axis(logp, labels[None, :, None], axis=2)[..., 0]
+    return out
+
+
+def make_log_likelihoods(n: int, clients: int, num_draws: int, seed: int = 0):
+    """``L [clients, num_draws, n]`` (float64) on ``digits``: each client a uniform random ``n``-subset."""
+    import numpy as np
+
+    from sidejax.data import load_dataset
+
+    data = load_dataset("digits", "train")
+    images = np.asarray(data.x, np.float64).reshape(len(data.y), -1)
+    feats = np.concatenate([images, np.ones((len(images), 1))], axis=1)
+    labels_all = np.asarray(data.y, np.int64)
+    if n > len(labels_all):
+        raise ValueError(f"n = {n} exceeds the {len(labels_all)} digits training images")
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(clients):
+        idx = rng.choice(len(labels_all), n, replace=False)
+        out.append(client_log_likelihoods(feats[idx], labels_all[idx], num_draws, rng))
+    return np.stack(out)
+
+
+def projections64(ll):
+    """float64 numpy mirror of :func:`sidejax.bayes.projected_potentials` (``ll [..., J, n]``)."""
+    import numpy as np
+
+    phi = (ll - ll.mean(axis=-2, keepdims=True)) / np.sqrt(ll.shape[-2])
+    return phi.sum(axis=-1), phi
+
+
+# ----------------------------------------------------------------------------------------------- numpy A-IHT
+
+
+def numpy_aiht(y, phi, k: int, *, max_iter: int = 300, tol: float = 1e-5):
+    """A-IHT I in numpy (float64): the algorithm of :func:`sidejax.bayes.aiht` with its defaults
+    (``step_scale = 1``, no de-bias, no sum constraint), written as a numpy user would.
+
+    Returns ``(weights [n], objective, iterations, converged)``."""
+    import numpy as np
+
+    phi = np.asarray(phi, np.float64)
+    y = np.asarray(y, np.float64)
+    n = phi.shape[1]
+    w = np.zeros(n)
+    z = np.zeros(n)
+    t = 0
+    converged = False
+    while t < max_iter and not converged:
+        g = -2.0 * (phi.T @ (y - phi @ z))
+        in_z = z != 0
+        outside = np.flatnonzero(~in_z)
+        support = in_z.copy()
+        if outside.size <= k:
+            support[outside] = True
+        else:
+            top = np.argpartition(-np.abs(g[outside]), k - 1)[:k]
+            support[outside[top]] = True
+        g_s = np.where(support, g, 0.0)
+        pg = phi @ g_s
+        den = 2.0 * (pg @ pg)
+        moving = den > 0
+        if moving:
+            b = z - (g_s @ g_s) / den * g
+            keep = np.argpartition(-b, k - 1)[:k]
+            w_new = np.zeros(n)
+            w_new[keep] = np.maximum(b[keep], 0.0)
+        else:  # z is stationary: keep w and stop
+            w_new = w
+        d = w_new - w
+        pd = phi @ d
+        den_d = pd @ pd
+        tau = (y - phi @ w_new) @ pd / den_d if den_d > 0 else 0.0
+        z = w_new + tau * d
+        converged = (t >= 1 and np.linalg.norm(d) < tol * np.linalg.norm(w_new)) or not moving
+        w = w_new
+        t += 1
+    r = y - phi @ w
+    return w, float(r @ r), t, bool(converged)
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def _clock(fn):
+    """``(result, wall seconds, process CPU seconds)`` of ``fn()`` (JAX results waited for)."""
+    import jax
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _objective64(y, phi, w) -> float:
+    import numpy as np
+
+    r = y - phi @ np.asarray(w, np.float64)
+    return float(r @ r)
+
+
+def _stats(values) -> dict:
+    import numpy as np
+
+    v = np.asarray(values, np.float64)
+    return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
+
+
+def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
+    """Every measurement of one ``k`` over the clients' log-likelihoods ``ll64 [C, J_max, n]``."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from sidejax.bayes import aiht, projected_potentials
+
+    clients, _, n = ll64.shape
+    j = num_samples(k)
+    ll = ll64[:, :j, :]
+    y64, phi64 = projections64(ll)
+    y32, phi32 = jax.vmap(projected_potentials)(jnp.asarray(ll, jnp.float32))
+    proj_err = float(np.max(np.abs(np.asarray(phi32, np.float64) - phi64)) / np.max(np.abs(phi64)))
+    ynorm2 = np.einsum("cj,cj->c", y64, y64)
+
+    solve = functools.partial(aiht, k=k, max_iter=max_iter, tol=tol)
+    single = jax.jit(solve)
+    batch = jax.jit(jax.vmap(solve))
+    t0 = time.perf_counter()
+    single_c = single.lower(y32[0], phi32[0]).compile()
+    t1 = time.perf_counter()
+    batch_c = batch.lower(y32, phi32).compile()
+    t2 = time.perf_counter()
+    compile_s = {"sidejax_loop": t1 - t0, "sidejax_vmap": t2 - t1}
+    rows = [(y32[c], phi32[c]) for c in range(clients)]
+
+    calls = {
+        "sidejax_vmap": lambda: batch_c(y32, phi32),
+        "sidejax_loop": lambda: [single_c(*r) for r in rows],
+        "numpy": lambda: [
+            numpy_aiht(y64[c], phi64[c], k, max_iter=max_iter, tol=tol) for c in range(clients)
+        ],
+    }
+    inf = float("inf")
+    best = {m: [inf, inf] for m in METHODS}
+    out = {}
+    for _ in range(repeats):  # interleaved, so load changes hit every method alike
+        for m, fn in calls.items():
+            out[m], wall, cpu = _clock(fn)
+            best[m] = [min(best[m][0], wall), min(best[m][1], cpu)]
+
+    # cross-check of the algorithm itself: sidejax in float64 (untimed) against numpy float64
+    with jax.enable_x64(True):
+        r64 = jax.jit(jax.vmap(solve))(jnp.asarray(y64, jnp.float64), jnp.asarray(phi64, jnp.float64))
+        w64 = np.asarray(r64.weights, np.float64)
+        it64 = np.asarray(r64.iterations).tolist()
+    vm = out["sidejax_vmap"]
+    w_vm = np.asarray(vm.weights, np.float64)
+    w_loop = np.stack([np.asarray(r.weights, np.float64) for r in out["sidejax_loop"]])
+    w_np = np.stack([r[0] for r in out["numpy"]])
+    f_vm = np.array([_objective64(y64[c], phi64[c], w_vm[c]) for c in range(clients)])
+    f_np = np.array([r[1] for r in out["numpy"]])
+    rel_vm, rel_np = f_vm / ynorm2, f_np / ynorm2
+    f64 = np.array([_objective64(y64[c], phi64[c], w64[c]) for c in range(clients)])
+    same_support = [bool(np.array_equal(w_vm[c] > 0, w_np[c] > 0)) for c in range(clients)]
+
+    nnls_rel, nnls_topk_rel, nnls_support, nnls_s = [], [], [], 0.0
+    for c in range(clients):
+        t0 = time.perf_counter()
+        x, _ = nnls(phi64[c], y64[c], maxiter=50 * n)
+        nnls_s += time.perf_counter() - t0
+        nnls_rel.append(_objective64(y64[c], phi64[c], x) / ynorm2[c])
+        nnls_support.append(int(np.sum(x > 0)))
+        xk = np.zeros(n)
+        top = np.argsort(-x)[:k]
+        xk[top] = x[top]
+        nnls_topk_rel.append(_objective64(y64[c], phi64[c], xk) / ynorm2[c])
+
+    rng = np.random.default_rng(seed + k)
+    rand_rel = []
+    for c in range(clients):
+        vals = []
+        for _ in range(random_draws):
+            wr = np.zeros(n)
+            wr[rng.choice(n, k, replace=False)] = n / k
+            vals.append(_objective64(y64[c], phi64[c], wr) / ynorm2[c])
+        rand_rel.append(float(np.mean(vals)))
+
+    wall = {m: best[m][0] for m in METHODS}
+    cpu = {m: best[m][1] for m in METHODS}
+    return {
+        "k": k,
+        "J": j,
+        "n": n,
+        "clients": clients,
+        "projection_float32_max_rel_error": proj_err,
+        "compile_seconds": compile_s,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "wall_seconds_per_client": {m: wall[m] / clients for m in METHODS},
+        "ratio_sidejax_over_numpy": {
+            "batch_vmap": wall["sidejax_vmap"] / wall["numpy"],
+            "per_client_loop": wall["sidejax_loop"] / wall["numpy"],
+        },
+        "sidejax": {
+            "relative_objective": rel_vm.tolist(),
+            "relative_objective_float32": (np.asarray(vm.objective, np.float64) / ynorm2).tolist(),
+            "iterations": np.asarray(vm.iterations).tolist(),
+            "converged": np.asarray(vm.converged).tolist(),
+            "support_size": np.sum(w_vm > 0, axis=1).tolist(),
+            "min_weight": float(w_vm.min()),
+            "weight_sum": np.sum(w_vm, axis=1).tolist(),
+            "vmap_vs_loop_max_abs_weight_diff": float(np.max(np.abs(w_vm - w_loop))),
+        },
+        "numpy": {
+            "relative_objective": rel_np.tolist(),
+            "iterations": [r[2] for r in out["numpy"]],
+            "converged": [r[3] for r in out["numpy"]],
+            "support_size": np.sum(w_np > 0, axis=1).tolist(),
+            "min_weight": float(w_np.min()),
+        },
+        "cross_check": {
+            "objective_rel_diff": (np.abs(f_vm - f_np) / np.maximum(f_np, 1e-300)).tolist(),
+            "objective_diff_over_ynorm2": (np.abs(rel_vm - rel_np)).tolist(),
+            "same_support": same_support,
+            "weights_max_abs_diff_over_max_weight": (
+                np.max(np.abs(w_vm - w_np), axis=1) / np.maximum(np.max(w_np, axis=1), 1e-300)
+            ).tolist(),
+        },
+        "sidejax_float64": {
+            "relative_objective": (f64 / ynorm2).tolist(),
+            "iterations": it64,
+            "objective_rel_diff_vs_numpy": (np.abs(f64 - f_np) / np.maximum(f_np, 1e-300)).tolist(),
+            "weights_max_abs_diff_over_max_weight_vs_numpy": (
+                np.max(np.abs(w64 - w_np), axis=1) / np.maximum(np.max(w_np, axis=1), 1e-300)
+            ).tolist(),
+            "same_support_as_numpy": [bool(np.array_equal(w64[c] > 0, w_np[c] > 0)) for c in range(clients)],
+        },
+        "nnls": {
+            "relative_objective": nnls_rel,
+            "support_size": nnls_support,
+            "top_k_relative_objective": nnls_topk_rel,
+            "total_seconds": nnls_s,
+        },
+        "random_subset": {"draws": random_draws, "mean_relative_objective": rand_rel},
+        "summary": {
+            "sidejax_rel_objective": _stats(rel_vm),
+            "numpy_rel_objective": _stats(rel_np),
+            "sidejax_iterations": _stats(np.asarray(vm.iterations)),
+            "numpy_iterations": _stats([r[2] for r in out["numpy"]]),
+            "objective_rel_diff": _stats(np.abs(f_vm - f_np) / np.maximum(f_np, 1e-300)),
+            "float64_objective_rel_diff": _stats(np.abs(f64 - f_np) / np.maximum(f_np, 1e-300)),
+            "sidejax_converged_fraction": float(np.mean(np.asarray(vm.converged))),
+            "nnls_rel_objective": _stats(nnls_rel),
+            "nnls_support_size": _stats(nnls_support),
+            "nnls_top_k_rel_objective": _stats(nnls_topk_rel),
+            "random_rel_objective": _stats(rand_rel),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench.aiht", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (n 60, k 12, 3 clients, 1 repeat)")
+    parser.add_argument("--n", type=int, default=None, help="points per client (default 1000)")
+    parser.add_argument(
+        "--ks", type=int, nargs="+", default=None, help="coreset sizes (default 500 300 150 100)"
+    )
+    parser.add_argument("--clients", type=int, default=None, help="clients (default 10)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions, best kept (default 3)")
+    parser.add_argument("--max-iter", type=int, default=300)
+    parser.add_argument("--tol", type=float, default=1e-5)
+    parser.add_argument("--random-draws", type=int, default=5, help="uniform k-subsets per client")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench/aiht.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    quick = {"n": 60, "ks": [12], "clients": 3, "repeats": 1}
+    full = {"n": 1000, "ks": list(DEFAULT_KS), "clients": 10, "repeats": 3}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.n < 2 or args.clients < 1 or args.repeats < 1 or args.random_draws < 1 or args.max_iter < 1:
+        parser.error("--n >= 2, --clients, --repeats, --random-draws and --max-iter >= 1 required")
+    if any(not 1 <= k <= args.n for k in args.ks):
+        parser.error(f"every k must be in [1, n = {args.n}], got {args.ks}")
+
+    import jax
+    import numpy as np
+    import scipy
+
+    t0 = time.perf_counter()
+    j_max = max(num_samples(k) for k in args.ks)
+    ll64 = make_log_likelihoods(args.n, args.clients, j_max, args.seed)
+    build_s = time.perf_counter() - t0
+    results = {}
+    for k in args.ks:
+        results[str(k)] = run_k(
+            k,
+            ll64,
+            repeats=args.repeats,
+            max_iter=args.max_iter,
+            tol=args.tol,
+            random_draws=args.random_draws,
+            seed=args.seed,
+        )
+    result = {
+        "machine": {
+            "devices": [str(dev) for dev in jax.devices()],
+            "backend": jax.default_backend(),
+            "cpu_count": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(),
+            "jax_version": jax.__version__,
+            "numpy_version": np.__version__,
+            "scipy_version": scipy.__version__,
+        },
+        "problem": {
+            "phi": "digits softmax regression (65x10), per-point log-likelihoods at diagonal-Laplace "
+            "posterior draws, projected_potentials (not synthetic)",
+            "dataset": "digits train (1437 images), each client a uniform random n-subset",
+            "J": "max(100, 2k), the first J of J_max draws per client",
+            "J_max": j_max,
+            "build_seconds": build_s,
+        },
+        "settings": {
+            "n": args.n,
+            "ks": list(args.ks),
+            "clients": args.clients,
+            "repeats": args.repeats,
+            "max_iter": args.max_iter,
+            "tol": args.tol,
+            "random_draws": args.random_draws,
+            "seed": args.seed,
+            "quick": args.quick,
+            "sidejax_dtype": "float32",
+            "numpy_dtype": "float64",
+        },
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    print(f"wrote {out}")
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The readable table: per k, wall ms (best of repeats) and objectives (means over clients)."""
+    s = result["settings"]
+    lines = [
+        f"A-IHT, n = {s['n']}, {s['clients']} clients, J = max(100, 2k); wall ms, best of {s['repeats']}; "
+        "f/|y|^2 and iterations: mean over clients; ratio = sidejax / numpy"
+    ]
+    head = (
+        f"{'k':>5} {'J':>5} {'vmap_all':>8} {'loop/cl':>8} {'np/cl':>8} {'r_vmap':>7} {'r_loop':>7} "
+        f"{'comp_s':>6} {'f_sidejax':>10} {'f_numpy':>10} {'rel_diff':>9} {'diff_f64':>9} "
+        f"{'it_sj':>6} {'it_np':>6} "
+        f"{'f_nnls':>9} {'nnls|S|':>7} {'f_nnls_k':>9} {'f_random':>9}"
+    )
+    lines += [head, "-" * len(head)]
+    for r in result["results"].values():
+        pc = r["wall_seconds_per_client"]
+        sm = r["summary"]
+        lines.append(
+            f"{r['k']:5d} {r['J']:5d} {1e3 * r['wall_seconds']['sidejax_vmap']:8.2f} "
+            f"{1e3 * pc['sidejax_loop']:8.2f} {1e3 * pc['numpy']:8.2f} "
+            f"{r['ratio_sidejax_over_numpy']['batch_vmap']:7.3f} "
+            f"{r['ratio_sidejax_over_numpy']['per_client_loop']:7.3f} "
+            f"{r['compile_seconds']['sidejax_vmap']:6.2f} "
+            f"{sm['sidejax_rel_objective']['mean']:10.3e} {sm['numpy_rel_objective']['mean']:10.3e} "
+            f"{sm['objective_rel_diff']['max']:9.2e} {sm['float64_objective_rel_diff']['max']:9.2e} "
+            f"{sm['sidejax_iterations']['mean']:6.1f} "
+            f"{sm['numpy_iterations']['mean']:6.1f} {sm['nnls_rel_objective']['mean']:9.2e} "
+            f"{sm['nnls_support_size']['mean']:7.1f} {sm['nnls_top_k_rel_objective']['mean']:9.2e} "
+            f"{sm['random_rel_objective']['mean']:9.2e}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
