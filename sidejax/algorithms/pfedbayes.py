@@ -520,6 +520,21 @@ def _eval_global(state):
     return state.server.posterior.mu
 
 
+def _algorithm(settings, coder, clients_per_round, *, init, client_update, metrics, personal_params):
+    """The shared downlink, server and evaluation kernels around a builder's own ``init`` and client."""
+    return Algorithm(
+        init=init,
+        broadcast=functools.partial(_broadcast, coder),
+        receive=functools.partial(_receive, coder),
+        client_update=client_update,
+        server_update=functools.partial(_server_update, settings, coder),
+        eval_params=_eval_global,
+        clients_per_round=clients_per_round,
+        metrics=metrics,
+        personal_params=personal_params,
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------
 # pFedBayes
 # ----------------------------------------------------------------------------------------------------------
@@ -565,14 +580,12 @@ def pfedbayes(
     """
     settings, coder = _common(settings, coder)
     log_lik = per_example_log_likelihood(loss_fn)
-    return Algorithm(
+    return _algorithm(
+        settings,
+        coder,
+        clients_per_round,
         init=functools.partial(_pfb_init, settings, coder),
-        broadcast=functools.partial(_broadcast, coder),
-        receive=functools.partial(_receive, coder),
         client_update=functools.partial(_pfb_client, settings, coder, log_lik),
-        server_update=functools.partial(_server_update, settings, coder),
-        eval_params=_eval_global,
-        clients_per_round=clients_per_round,
         metrics=_metrics,
         personal_params=lambda state: state.clients.personal.posterior.mu,
     )
@@ -635,14 +648,12 @@ def pfedbayes_subset(
     k = _check_int(subset_size, "subset_size")
     settings, coder = _common(settings, coder)
     log_lik = per_example_log_likelihood(loss_fn)
-    return Algorithm(
+    return _algorithm(
+        settings,
+        coder,
+        clients_per_round,
         init=functools.partial(_subset_init, settings, coder, k),
-        broadcast=functools.partial(_broadcast, coder),
-        receive=functools.partial(_receive, coder),
         client_update=functools.partial(_subset_client, settings, coder, log_lik, k, bool(reweight)),
-        server_update=functools.partial(_server_update, settings, coder),
-        eval_params=_eval_global,
-        clients_per_round=clients_per_round,
         metrics=_metrics,
         personal_params=lambda state: state.clients.personal.posterior.mu,
     )
@@ -753,14 +764,12 @@ def coreset_pfedbayes(
     if coreset.init not in ("random", "zeros"):
         raise ValueError(f"coreset.init must be 'random' or 'zeros', got {coreset.init!r}")
     log_lik = per_example_log_likelihood(loss_fn)
-    return Algorithm(
+    return _algorithm(
+        settings,
+        coder,
+        clients_per_round,
         init=functools.partial(_coreset_init, settings, coder, k),
-        broadcast=functools.partial(_broadcast, coder),
-        receive=functools.partial(_receive, coder),
         client_update=functools.partial(_coreset_client, settings, coreset, coder, log_lik, k),
-        server_update=functools.partial(_server_update, settings, coder),
-        eval_params=_eval_global,
-        clients_per_round=clients_per_round,
         metrics=_coreset_metrics,
         personal_params=lambda state: state.clients.coreset_track.posterior.mu,
     )
