@@ -10,7 +10,7 @@ import numpy as np
 
 from sidejax.types import PyTree
 
-__all__ = ["is_concrete", "tree_all_finite", "check_count"]
+__all__ = ["is_concrete", "tree_all_finite", "check_count", "enable_x64"]
 
 
 def is_concrete(tree: PyTree) -> bool:
@@ -42,3 +42,13 @@ def check_count(value, name: str, minimum: int = 1, maximum: int | None = None) 
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)
+
+
+def enable_x64():
+    """A context manager that enables 64-bit floats inside it (float64 references, A-IHT at tight
+    tolerances): ``jax.enable_x64(True)`` on jax >= 0.7, ``jax.experimental.enable_x64()`` on older jax."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64 as experimental_enable_x64
+
+    return experimental_enable_x64()

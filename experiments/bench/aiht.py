@@ -278,8 +278,10 @@ def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
             out[m], wall, cpu = _clock(fn)
             best[m] = [min(best[m][0], wall), min(best[m][1], cpu)]
 
+    from sidejax.utils import enable_x64
+
     # cross-check of the algorithm itself: sidejax in float64 (untimed) against numpy float64
-    with jax.enable_x64(True):
+    with enable_x64():
         r64 = jax.jit(jax.vmap(solve))(jnp.asarray(y64, jnp.float64), jnp.asarray(phi64, jnp.float64))
         w64 = np.asarray(r64.weights, np.float64)
         it64 = np.asarray(r64.iterations).tolist()

@@ -10,14 +10,7 @@ import numpy as np
 import pytest
 
 from sidejax.bayes import aiht, coreset_objective, project_sparse_nonnegative, projected_potentials
-
-if hasattr(jax, "enable_x64"):  # jax >= 0.7: a context manager taking the value
-
-    def enable_x64():
-        return jax.enable_x64(True)
-
-else:  # the floor's jax
-    from jax.experimental import enable_x64
+from sidejax.utils import enable_x64
 
 
 def _planted(seed, j=200, n=500, k=10):
