@@ -39,22 +39,24 @@ settings, the problem construction and every number, and prints a table.
 Run: ``python -m experiments.bench.aiht [--quick] [--out FILE] [--repeats 3] [--ks 500 300 150 100]``
 (``--quick``: n = 60, k = 12, 3 clients, one repetition, for tests).
 
-Measured (2-core CPU shared with a long experiment, load average about 5: the numpy times in particular are
-very noisy, e.g. k = 300 numpy took 1.44 s per client in one run and 10.6 s in the next; default sizes,
-best of 3, wall ms; ``vmap`` is the whole 10-client batch, the others per client; ``f`` = mean
-``f(w)/‖y‖²`` over clients; compile s of the vmapped solve):
+Measured on the idle 2-core CPU (default sizes, best of 3, wall ms; ``vmap`` is the whole 10-client batch,
+the others per client; ``f`` = mean ``f(w)/‖y‖²`` over clients; compile s of the vmapped solve):
 
 ::
 
         k     J  sidejax vmap  sidejax loop   numpy  ratio vmap  ratio loop  compile  f sidejax  f numpy  it
-      500  1000        2596.         370.   7089.       0.037       0.052     0.43   7.22e-4   6.89e-4  300
-      300   600        1604.         182.  10632.       0.015       0.017     0.45   1.39e-3   1.31e-3  300
-      150   300         878.          63.    127.       0.689       0.494     0.69   3.14e-3   3.24e-3  300
-      100   200         625.          46.     77.       0.814       0.593     0.57   5.38e-3   5.54e-3  300
+      500  1000        1282.         200.    210.       0.609       0.951     0.25   7.22e-4   6.89e-4  300
+      300   600         877.         122.    159.       0.550       0.764     0.26   1.39e-3   1.31e-3  300
+      150   300         524.          65.    132.       0.397       0.491     0.31   3.14e-3   3.24e-3  300
+      100   200         350.          46.     66.       0.530       0.702     0.32   5.38e-3   5.54e-3  300
 
     context (mean over clients): random n/k subsets f = 2.6e-2 / 6.8e-2 / 1.7e-1 / 2.7e-1; NNLS fits y
     exactly (f ~ 1e-30) with J − 1 points (Φ has rank J − 1 after centring, J ≤ n), and its top-k entries
     give f = 0.24 / 0.076 / 0.043 / 0.041.
+
+An earlier run on the same machine loaded by a long experiment (load average about 5) gave very different
+numpy times (k = 300: 1.44 s per client in one run, 10.6 s in the next, cause not isolated), so compare
+ratios only within one run.
 
 Findings: no run met ``tol = 1e-5`` within 300 iterations (every client, every k, both codes), and on
 this problem the non-converged iteration is sensitive to round-off: vmapped and looped sidejax (float32)
@@ -63,11 +65,9 @@ systematically lower). The algorithm is the same: sidejax run in float64 (``side
 JSON, untimed) matches numpy to 1e-11-1e-14 in ``f`` with identical supports on 9/10 clients at k = 100
 and 8/10 at k = 150, and to round-off (1e-14) for the first 50 iterations on a k = 100 client checked
 separately (1e-11 after 300); on the other clients (all 10 at k = 500, 5 of 10 at k = 300) the two float64
-trajectories also part, a bifurcation of the support choice, not a different algorithm. Speed:
-sidejax is faster at every k in this run (ratio 0.5-0.8 at J ≤ 300, 0.015-0.05 at J ≥ 600; in the run
-before, the vmapped batch was 1.21x numpy at k = 100 and 0.75x at k = 150), but the J ≥ 600 numpy
-times swung by up to 7x between runs on the loaded machine (cause not isolated; numpy's multi-threaded
-OpenBLAS competing for the 2 cores is a guess), so treat those ratios as unreliable.
+trajectories also part, a bifurcation of the support choice, not a different algorithm. Speed (idle
+machine): the vmapped 10-client solve takes 0.40-0.61x numpy's time (1.6-2.5x faster), the jitted
+single-client solve 0.49-0.95x.
 """
 
 from __future__ import annotations
