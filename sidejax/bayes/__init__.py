@@ -1,5 +1,6 @@
-"""Bayesian tools: :mod:`sidejax.bayes.coresets` (sparse non-negative coreset weights by Accelerated IHT) and
-:mod:`sidejax.bayes.variational` (mean-field Gaussian posteriors over any model's parameters)."""
+"""Bayesian tools: :mod:`sidejax.bayes.coresets` (sparse non-negative coreset weights by Accelerated IHT),
+:mod:`sidejax.bayes.variational` (mean-field Gaussian posteriors over any model's parameters) and
+:mod:`sidejax.bayes.inference` (HMC and SGLD through blackjax, with divergences reported)."""
 
 from sidejax.bayes.coresets import (
     AIHTResult,
@@ -8,6 +9,7 @@ from sidejax.bayes.coresets import (
     project_sparse_nonnegative,
     projected_potentials,
 )
+from sidejax.bayes.inference import DivergenceWarning, HMCResult, SGLDResult, hmc, sgld
 from sidejax.bayes.variational import (
     MeanField,
     diag_gaussian_kl,
@@ -29,4 +31,9 @@ __all__ = [
     "mean_field_kl",
     "sample",
     "scales",
+    "DivergenceWarning",
+    "HMCResult",
+    "SGLDResult",
+    "hmc",
+    "sgld",
 ]
