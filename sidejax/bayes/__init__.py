@@ -1,6 +1,7 @@
 """Bayesian tools: :mod:`sidejax.bayes.coresets` (sparse non-negative coreset weights by Accelerated IHT),
 :mod:`sidejax.bayes.variational` (mean-field Gaussian posteriors over any model's parameters) and
-:mod:`sidejax.bayes.inference` (HMC and SGLD through blackjax, with divergences reported)."""
+:mod:`sidejax.bayes.inference` (HMC and SGLD through blackjax, with divergences reported) and
+:mod:`sidejax.bayes.pseudocoresets` (the forward-KL pseudocoreset gradient of BPC-fKL)."""
 
 from sidejax.bayes.coresets import (
     AIHTResult,
@@ -10,6 +11,7 @@ from sidejax.bayes.coresets import (
     projected_potentials,
 )
 from sidejax.bayes.inference import DivergenceWarning, HMCResult, SGLDResult, hmc, sgld
+from sidejax.bayes.pseudocoresets import FKLGradient, fkl_gradient, fkl_surrogate, inner_chain
 from sidejax.bayes.variational import (
     MeanField,
     diag_gaussian_kl,
@@ -36,4 +38,8 @@ __all__ = [
     "SGLDResult",
     "hmc",
     "sgld",
+    "FKLGradient",
+    "fkl_gradient",
+    "fkl_surrogate",
+    "inner_chain",
 ]
