@@ -1,7 +1,8 @@
 """Bayesian tools: :mod:`sidejax.bayes.coresets` (sparse non-negative coreset weights by Accelerated IHT),
 :mod:`sidejax.bayes.variational` (mean-field Gaussian posteriors over any model's parameters) and
 :mod:`sidejax.bayes.inference` (HMC and SGLD through blackjax, with divergences reported) and
-:mod:`sidejax.bayes.pseudocoresets` (the forward-KL pseudocoreset gradient of BPC-fKL)."""
+:mod:`sidejax.bayes.pseudocoresets` (BPC-fKL's forward-KL gradient, the initialisation and the
+server's aggregation of pseudocoresets)."""
 
 from sidejax.bayes.coresets import (
     AIHTResult,
@@ -11,7 +12,17 @@ from sidejax.bayes.coresets import (
     projected_potentials,
 )
 from sidejax.bayes.inference import DivergenceWarning, HMCResult, SGLDResult, hmc, sgld
-from sidejax.bayes.pseudocoresets import FKLGradient, fkl_gradient, fkl_surrogate, inner_chain
+from sidejax.bayes.pseudocoresets import (
+    FKLGradient,
+    Pseudocoreset,
+    aggregate_pseudocoresets,
+    coreset_logdensity,
+    cycled_labels,
+    fkl_gradient,
+    fkl_surrogate,
+    init_pseudocoreset,
+    inner_chain,
+)
 from sidejax.bayes.variational import (
     MeanField,
     diag_gaussian_kl,
@@ -42,4 +53,9 @@ __all__ = [
     "fkl_gradient",
     "fkl_surrogate",
     "inner_chain",
+    "Pseudocoreset",
+    "aggregate_pseudocoresets",
+    "coreset_logdensity",
+    "cycled_labels",
+    "init_pseudocoreset",
 ]

@@ -33,12 +33,24 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.keys import draw_key
+from sidejax.utils import is_concrete
 
-__all__ = ["FKLGradient", "inner_chain", "fkl_surrogate", "fkl_gradient"]
+__all__ = [
+    "FKLGradient",
+    "Pseudocoreset",
+    "inner_chain",
+    "fkl_surrogate",
+    "fkl_gradient",
+    "cycled_labels",
+    "init_pseudocoreset",
+    "aggregate_pseudocoresets",
+    "coreset_logdensity",
+]
 
 
 class FKLGradient(NamedTuple):
@@ -143,3 +155,105 @@ def fkl_gradient(
         )
     )(coreset)
     return FKLGradient(grad, value, theta_c)
+
+
+class Pseudocoreset(NamedTuple):
+    """A pseudocoreset: ``inputs [K, ...]`` (learnable pseudo-inputs ``Z``) and ``labels [K]`` (``ŷ``: fixed
+    int labels for classification, learnable floats for regression)."""
+
+    inputs: jax.Array
+    labels: jax.Array
+
+
+def cycled_labels(y: jax.Array, valid: jax.Array, num_classes: int, num_points: int) -> jax.Array:
+    """Spec A3: the client's labels present in its data, by descending frequency (ties: ascending label id),
+    cycled to ``num_points`` (counts ``{3: 10, 1: 5, 7: 2}``, ``K = 7`` → ``[3, 1, 7, 3, 1, 7, 3]``).
+    Jittable (``num_classes``, ``num_points`` static); ``valid`` masks padding."""
+    counts = jnp.zeros((num_classes,), jnp.int32).at[y].add(valid.astype(jnp.int32))
+    # descending count, then ascending id: sort by -count (stable argsort keeps ids ascending among ties)
+    order = jnp.argsort(-counts, stable=True)
+    present = jnp.maximum(jnp.sum(counts > 0), 1)
+    return order[jnp.arange(num_points) % present].astype(jnp.int32)
+
+
+def init_pseudocoreset(
+    key,
+    x: jax.Array,
+    y: jax.Array,
+    valid: jax.Array,
+    num_points: int,
+    *,
+    init_std: float,
+    num_classes: int | None,
+) -> Pseudocoreset:
+    """Spec A3: pseudo-inputs ``z ~ N(X̄, σ_z² I)`` (``X̄`` the element-wise mean of the client's valid
+    inputs, ``σ_z = init_std``), labels by :func:`cycled_labels` (classification, ``num_classes`` given) or
+    ``mean(y)`` for every point (regression, ``num_classes=None``). Jittable and vmappable over clients."""
+    num_points = _count(num_points, "num_points", 1)
+    if not (isinstance(init_std, numbers.Real) and 0 < init_std < float("inf")):
+        raise ValueError(f"init_std must be a finite number > 0, got {init_std!r}")
+    w = valid.astype(x.dtype)
+    denom = jnp.maximum(jnp.sum(w), 1.0)
+    xbar = jnp.tensordot(w, x, axes=(0, 0)) / denom
+    z = xbar + init_std * jax.random.normal(key, (num_points, *x.shape[1:]), x.dtype)
+    if num_classes is None:
+        labels = jnp.full((num_points,), jnp.sum(w * y.astype(x.dtype)) / denom, x.dtype)
+    else:
+        labels = cycled_labels(y, valid, _count(num_classes, "num_classes", 1), num_points)
+    return Pseudocoreset(z, labels)
+
+
+def aggregate_pseudocoresets(coresets: Pseudocoreset, num_examples) -> tuple[Pseudocoreset, jax.Array]:
+    """Spec A4: the server's concatenation of ``M`` clients' pseudocoresets (leading ``[M, K]`` axes) with
+    per-point weights ``w_m = M n_m / N`` (mean weight 1: equal ``n_m`` is plain concatenation).
+
+    Returns ``(Pseudocoreset [M K, ...], weights [M K])``.
+
+    Raises:
+      ValueError: no clients, or a concrete ``num_examples`` that is not positive.
+    """
+    n = jnp.asarray(num_examples)
+    if n.ndim != 1 or n.shape[0] == 0:
+        raise ValueError(f"num_examples must be [M] with M >= 1 clients, got shape {n.shape}")
+    if coresets.inputs.shape[0] != n.shape[0]:
+        raise ValueError(
+            f"coresets hold {coresets.inputs.shape[0]} clients but num_examples has {n.shape[0]} entries"
+        )
+    if is_concrete(n) and not np.all(np.asarray(n) > 0):
+        raise ValueError(f"num_examples must be > 0 for every client, got {np.asarray(n).tolist()}")
+    m, k = coresets.inputs.shape[:2]
+    weights = m * n.astype(jnp.float32) / jnp.sum(n).astype(jnp.float32)
+    flat = Pseudocoreset(
+        coresets.inputs.reshape(m * k, *coresets.inputs.shape[2:]), coresets.labels.reshape(m * k)
+    )
+    return flat, jnp.repeat(weights, k)
+
+
+def coreset_logdensity(
+    log_likelihood: Callable,
+    coreset: Pseudocoreset,
+    weights: jax.Array,
+    *,
+    prior_precision: float,
+    likelihood_scale: float = 1.0,
+) -> Callable:
+    """``log p̃(θ | C) = −(λ/2)‖θ‖² + β Σ_i w_i log p(ŷ_i | f(z_i, θ))`` (spec §3, A4-A5; ``β`` the explicit
+    likelihood scale, spec §8), as a function of ``θ`` for :func:`sidejax.bayes.hmc` or a MAP optimizer.
+
+    Args:
+      log_likelihood: ``log_likelihood(θ, inputs [K, ...], labels [K]) -> [K]`` per-point log-likelihoods.
+      coreset: the aggregated :class:`Pseudocoreset`.
+      weights: ``[K]`` per-point weights (:func:`aggregate_pseudocoresets`).
+      prior_precision: ``λ > 0``.
+      likelihood_scale: ``β > 0``.
+    """
+    for name, value in (("prior_precision", prior_precision), ("likelihood_scale", likelihood_scale)):
+        if not (isinstance(value, numbers.Real) and 0 < value < float("inf")):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    def logdensity(theta):
+        flat, _ = ravel_pytree(theta)
+        ll = log_likelihood(theta, coreset.inputs, coreset.labels)
+        return -0.5 * prior_precision * jnp.dot(flat, flat) + likelihood_scale * jnp.sum(weights * ll)
+
+    return logdensity

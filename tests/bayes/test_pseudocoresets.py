@@ -10,7 +10,15 @@ import numpy as np
 import optax
 import pytest
 
-from sidejax.bayes.pseudocoresets import fkl_gradient, fkl_surrogate
+from sidejax.bayes.pseudocoresets import (
+    Pseudocoreset,
+    aggregate_pseudocoresets,
+    coreset_logdensity,
+    cycled_labels,
+    fkl_gradient,
+    fkl_surrogate,
+    init_pseudocoreset,
+)
 
 SIGMA = 0.8  # the pseudo-likelihood's noise std
 
@@ -165,3 +173,87 @@ def test_bad_input():
         )
     with pytest.raises(ValueError, match="num_noise must be an integer >= 1"):
         fkl_surrogate(_loss(phi_z), coreset, th, th, jax.random.key(0), noise_std=0.0, num_noise=0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# initialisation (A3, T9) and aggregation (A4, T8)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_labels_cycle_by_descending_frequency_with_ties_by_id():
+    """T9: counts {3: 10, 1: 5, 7: 2}, K = 7 -> [3, 1, 7, 3, 1, 7, 3]; ties by ascending id; padding
+    entries (valid = 0) do not count."""
+    y = np.array([3] * 10 + [1] * 5 + [7] * 2 + [9] * 4)
+    valid = np.array([1] * 17 + [0] * 4)
+    got = cycled_labels(jnp.asarray(y), jnp.asarray(valid), 10, 7)
+    np.testing.assert_array_equal(got, [3, 1, 7, 3, 1, 7, 3])
+    tie = cycled_labels(jnp.asarray([5, 2, 5, 2, 8]), jnp.ones(5), 10, 5)
+    np.testing.assert_array_equal(tie, [2, 5, 8, 2, 5])
+
+
+def test_pseudo_inputs_start_around_the_client_mean():
+    """T9 (statistical): 20,000 pseudo-inputs have mean X̄ and std σ_z within 5 standard errors; regression
+    labels start at mean(y)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(2.0, 3.0, size=(50, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=50), jnp.float32)
+    valid = jnp.ones(50)
+    c = init_pseudocoreset(jax.random.key(0), x, y, valid, 20_000, init_std=0.6, num_classes=None)
+    z = np.asarray(c.inputs, np.float64)
+    xbar = np.asarray(x, np.float64).mean(axis=0)
+    assert np.all(np.abs(z.mean(axis=0) - xbar) < 5 * 0.6 / np.sqrt(20_000))
+    assert np.all(np.abs(z.std(axis=0) - 0.6) < 5 * 0.6 / np.sqrt(2 * 20_000))
+    np.testing.assert_allclose(np.asarray(c.labels), float(np.asarray(y).mean()), rtol=1e-5)
+    with pytest.raises(ValueError, match="init_std must be a finite number > 0"):
+        init_pseudocoreset(jax.random.key(0), x, y, valid, 5, init_std=0.0, num_classes=None)
+
+
+def _coresets(m=3, k=4):
+    rng = np.random.default_rng(5)
+    return Pseudocoreset(
+        jnp.asarray(rng.normal(size=(m, k, 2)), jnp.float32), jnp.asarray(rng.integers(0, 3, size=(m, k)))
+    )
+
+
+def _gaussian_ll(theta, inputs, labels):  # a linear model with unit noise on the labels
+    return -0.5 * (labels.astype(jnp.float32) - inputs @ theta["w"]) ** 2
+
+
+def test_aggregation_weights_concatenation_and_symmetry():
+    """T8: equal n_m gives weight 1 (plain concatenation); M = 1 is the client's own coreset posterior;
+    integer weights equal replicating the points; the log posterior does not depend on the clients' order."""
+    cs = _coresets()
+    flat, w = aggregate_pseudocoresets(cs, jnp.asarray([10, 10, 10]))
+    np.testing.assert_array_equal(w, 1.0)
+    assert flat.inputs.shape == (12, 2) and flat.labels.shape == (12,)
+    theta = {"w": jnp.asarray([0.3, -0.7])}
+    logd = coreset_logdensity(_gaussian_ll, flat, w, prior_precision=2.0)
+    plain = -1.0 * jnp.sum(theta["w"] ** 2) + jnp.sum(_gaussian_ll(theta, flat.inputs, flat.labels))
+    np.testing.assert_allclose(float(logd(theta)), float(plain), rtol=1e-6)
+    single, w1 = aggregate_pseudocoresets(jax.tree.map(lambda a: a[:1], cs), jnp.asarray([7]))
+    np.testing.assert_array_equal(w1, 1.0)
+    own = -1.0 * jnp.sum(theta["w"] ** 2) + jnp.sum(_gaussian_ll(theta, cs.inputs[0], cs.labels[0]))
+    np.testing.assert_allclose(
+        float(coreset_logdensity(_gaussian_ll, single, w1, prior_precision=2.0)(theta)), float(own), rtol=1e-6
+    )
+    # n = (10, 20, 30): w = M n / N = (0.5, 1, 1.5); doubling every weight = replicating every point twice
+    _, w = aggregate_pseudocoresets(cs, jnp.asarray([10, 20, 30]))
+    np.testing.assert_allclose(np.asarray(w), np.repeat([0.5, 1.0, 1.5], 4), rtol=1e-6)
+    doubled = coreset_logdensity(_gaussian_ll, flat, 2 * jnp.ones(12), prior_precision=2.0)(theta)
+    twice = Pseudocoreset(jnp.concatenate([flat.inputs] * 2), jnp.concatenate([flat.labels] * 2))
+    replicated = coreset_logdensity(_gaussian_ll, twice, jnp.ones(24), prior_precision=2.0)(theta)
+    np.testing.assert_allclose(float(doubled), float(replicated), rtol=1e-6)
+    perm = jax.tree.map(lambda a: a[jnp.asarray([2, 0, 1])], cs)
+    flat_p, w_p = aggregate_pseudocoresets(perm, jnp.asarray([30, 10, 20]))
+    flat_o, w_o = aggregate_pseudocoresets(cs, jnp.asarray([10, 20, 30]))
+    np.testing.assert_allclose(
+        float(coreset_logdensity(_gaussian_ll, flat_p, w_p, prior_precision=2.0)(theta)),
+        float(coreset_logdensity(_gaussian_ll, flat_o, w_o, prior_precision=2.0)(theta)),
+        rtol=1e-6,
+    )
+    with pytest.raises(ValueError, match="M >= 1 clients"):
+        aggregate_pseudocoresets(cs, jnp.asarray([], jnp.int32))
+    with pytest.raises(ValueError, match="num_examples must be > 0"):
+        aggregate_pseudocoresets(cs, jnp.asarray([10, 0, 5]))
+    with pytest.raises(ValueError, match="prior_precision must be a finite number > 0"):
+        coreset_logdensity(_gaussian_ll, flat, w, prior_precision=0.0)
