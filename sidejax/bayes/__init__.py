@@ -22,6 +22,8 @@ from sidejax.bayes.pseudocoresets import (
     fkl_surrogate,
     init_pseudocoreset,
     inner_chain,
+    learn_pseudocoreset,
+    trajectory_pairs,
 )
 from sidejax.bayes.variational import (
     MeanField,
@@ -58,4 +60,6 @@ __all__ = [
     "coreset_logdensity",
     "cycled_labels",
     "init_pseudocoreset",
+    "learn_pseudocoreset",
+    "trajectory_pairs",
 ]

@@ -50,6 +50,9 @@ __all__ = [
     "init_pseudocoreset",
     "aggregate_pseudocoresets",
     "coreset_logdensity",
+    "LearnInfo",
+    "learn_pseudocoreset",
+    "trajectory_pairs",
 ]
 
 
@@ -149,10 +152,11 @@ def fkl_gradient(
     if not (isinstance(noise_std, numbers.Real) and 0 <= noise_std < float("inf")):
         raise ValueError(f"noise_std must be a finite number >= 0, got {noise_std!r}")
     theta_c = jax.vmap(lambda th: inner_chain(loss_fn, coreset, th, optimizer, chain_length))(theta_start)
-    value, grad = jax.value_and_grad(
+    value, grad = jax.value_and_grad(  # allow_int: integer labels (classification) get float0 zeros
         lambda c: fkl_surrogate(
             loss_fn, c, theta_data, theta_c, key, noise_std=float(noise_std), num_noise=num_noise
-        )
+        ),
+        allow_int=True,
     )(coreset)
     return FKLGradient(grad, value, theta_c)
 
@@ -257,3 +261,114 @@ def coreset_logdensity(
         return -0.5 * prior_precision * jnp.dot(flat, flat) + likelihood_scale * jnp.sum(weights * ll)
 
     return logdensity
+
+
+class LearnInfo(NamedTuple):
+    """Per-update diagnostics of :func:`learn_pseudocoreset`: the surrogate ``J`` and the gradient norm."""
+
+    surrogate: jax.Array
+    grad_norm: jax.Array
+
+
+def trajectory_pairs(trajectories, *, data_offset: int, save_interval: int, num_pairs: int) -> Callable:
+    """The BPC-fKL sampler of sample pairs from stored expert trajectories (spec A2, lines "τ ~ U(𝒯)",
+    "r ~ U{0, 5, …}"): ``trajectories`` is a pytree with leading axes ``[J, T]`` (``J`` trajectories of ``T``
+    checkpoints, ``save_interval`` optimizer steps apart); pair ``b`` draws a trajectory and a checkpoint
+    ``r`` with ``r + data_offset`` inside it and returns ``θ_D = τ[r + data_offset/save_interval]``,
+    ``θ_start = τ[r]``. ``data_offset = L_D`` in optimizer steps, a multiple of ``save_interval``.
+
+    Returns ``sample_pairs(key, coreset) -> (theta_data [B], theta_start [B])`` for
+    :func:`learn_pseudocoreset`.
+
+    Raises:
+      ValueError: ``L_D`` not a multiple of the save interval, or longer than the trajectories (spec T10:
+        ``r + L_D <= T_pre``).
+    """
+    save_interval = _count(save_interval, "save_interval", 1)
+    data_offset = _count(data_offset, "data_offset", 0)
+    num_pairs = _count(num_pairs, "num_pairs", 1)
+    if data_offset % save_interval:
+        raise ValueError(
+            f"data_offset={data_offset} (L_D) must be a multiple of save_interval={save_interval}: θ_D is a "
+            f"stored checkpoint"
+        )
+    leaf = jax.tree.leaves(trajectories)[0]
+    num_traj, num_ckpt = leaf.shape[:2]
+    shift = data_offset // save_interval
+    if shift >= num_ckpt:
+        raise ValueError(
+            f"data_offset={data_offset} (L_D) reaches past the trajectories' {num_ckpt} checkpoints "
+            f"({(num_ckpt - 1) * save_interval} optimizer steps): lower it or pretrain longer"
+        )
+
+    def sample_pairs(key, coreset):
+        del coreset
+        j = jax.random.randint(draw_key(key, 0), (num_pairs,), 0, num_traj)
+        r = jax.random.randint(draw_key(key, 1), (num_pairs,), 0, num_ckpt - shift)
+        data = jax.tree.map(lambda a: a[j, r + shift], trajectories)
+        start = jax.tree.map(lambda a: a[j, r], trajectories)
+        return data, start
+
+    return sample_pairs
+
+
+def learn_pseudocoreset(
+    loss_fn: Callable,
+    coreset,
+    key,
+    *,
+    sample_pairs: Callable,
+    num_updates: int,
+    optimizer: optax.GradientTransformation,
+    chain_length: int,
+    step_size_inputs: float,
+    step_size_labels: float = 0.0,
+    noise_std: float = 0.0,
+    num_noise: int = 1,
+):
+    """BPC-fKL (spec A2): ``num_updates`` SGD steps on the pseudocoreset along :func:`fkl_gradient`, in
+    ``lax.scan``. Update ``u`` draws its pairs with ``sample_pairs(draw_key(key, 2u), coreset)`` and its
+    noise from ``draw_key(key, 2u + 1)``; inputs move by ``step_size_inputs`` (``ψ_x``), labels by
+    ``step_size_labels`` (``ψ_y``; 0 keeps them, as for classification: integer labels are never moved).
+
+    Args:
+      loss_fn: ``loss_fn(coreset, θ)`` (:func:`fkl_gradient`).
+      coreset: a :class:`Pseudocoreset` (or any pytree with ``inputs`` and ``labels``).
+      key: the learner's key.
+      sample_pairs: ``(key, coreset) -> (theta_data [B], theta_start [B])``, e.g. :func:`trajectory_pairs`.
+      num_updates: ``K_upd``.
+      optimizer, chain_length, noise_std, num_noise: the inner chain and the noise (:func:`fkl_gradient`).
+      step_size_inputs, step_size_labels: ``ψ_x >= 0``, ``ψ_y >= 0`` (0: that part stays fixed).
+
+    Returns:
+      ``(coreset, LearnInfo [num_updates])``.
+    """
+    num_updates = _count(num_updates, "num_updates", 1)
+    if not (isinstance(step_size_inputs, numbers.Real) and 0 <= step_size_inputs < float("inf")):
+        raise ValueError(f"step_size_inputs must be a finite number >= 0, got {step_size_inputs!r}")
+    if not (isinstance(step_size_labels, numbers.Real) and 0 <= step_size_labels < float("inf")):
+        raise ValueError(f"step_size_labels must be a finite number >= 0, got {step_size_labels!r}")
+    move_labels = step_size_labels > 0 and jnp.issubdtype(coreset.labels.dtype, jnp.floating)
+
+    def update(c, u):
+        theta_data, theta_start = sample_pairs(draw_key(key, 2 * u), c)
+        out = fkl_gradient(
+            loss_fn,
+            c,
+            theta_data,
+            theta_start,
+            draw_key(key, 2 * u + 1),
+            optimizer=optimizer,
+            chain_length=chain_length,
+            noise_std=noise_std,
+            num_noise=num_noise,
+        )
+        g = out.grad
+        inputs = c.inputs - step_size_inputs * g.inputs if step_size_inputs > 0 else c.inputs
+        labels = c.labels - step_size_labels * g.labels if move_labels else c.labels
+        norm = jnp.sqrt(
+            sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(g) if jnp.issubdtype(a.dtype, jnp.floating))
+        )
+        return c._replace(inputs=inputs, labels=labels), LearnInfo(out.surrogate, norm)
+
+    return jax.lax.scan(update, coreset, jnp.arange(num_updates))

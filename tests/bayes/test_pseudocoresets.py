@@ -18,6 +18,8 @@ from sidejax.bayes.pseudocoresets import (
     fkl_gradient,
     fkl_surrogate,
     init_pseudocoreset,
+    learn_pseudocoreset,
+    trajectory_pairs,
 )
 
 SIGMA = 0.8  # the pseudo-likelihood's noise std
@@ -257,3 +259,60 @@ def test_aggregation_weights_concatenation_and_symmetry():
         aggregate_pseudocoresets(cs, jnp.asarray([10, 0, 5]))
     with pytest.raises(ValueError, match="prior_precision must be a finite number > 0"):
         coreset_logdensity(_gaussian_ll, flat, w, prior_precision=0.0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the learner (A2): convergence with exact samplers (T3), trajectory pairs (T10)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_learning_the_labels_with_exact_samplers_matches_the_data_posterior_mean():
+    """T3 (second part): SGD on ŷ along the fKL gradient, with exact samples of π_D and of the current π_C,
+    converges to Φ_Zᵀŷ* = σ²(Σ_C⁻¹μ_D − Λ0μ0), i.e. μ_C = μ_D (K = 4 > P = 3 points: the covariance is fixed
+    by Z, the mean is learnable). The remaining error is Monte-Carlo noise of the last steps (annealed step
+    size; measured 2.5%): asserted below 5% of the posterior standard deviations."""
+    phi_z, yhat, lam0, mu0, mu_d, cov_d = _problem()
+    _, cov_c = _coreset_posterior(phi_z, yhat, lam0, mu0)
+    chol_d = jnp.asarray(np.linalg.cholesky(cov_d), jnp.float32)
+    chol_c = jnp.asarray(np.linalg.cholesky(cov_c), jnp.float32)
+    pz = jnp.asarray(phi_z, jnp.float32)
+
+    def loss_fn(c, theta):
+        return jnp.sum((c.labels - c.inputs @ theta) ** 2) / (2 * SIGMA**2)
+
+    def exact_pairs(key, c):  # θ_D ~ π_D, θ_C ~ π_C(current ŷ)
+        mu_c = jnp.asarray(cov_c, jnp.float32) @ (pz.T @ c.labels) / SIGMA**2  # μ0 = 0, Λ0 = I
+        e = jax.random.normal(key, (2, 512, 3))
+        return jnp.asarray(mu_d, jnp.float32) + e[0] @ chol_d.T, mu_c + e[1] @ chol_c.T
+
+    coreset = Pseudocoreset(pz, jnp.asarray(yhat, jnp.float32))
+    common = dict(sample_pairs=exact_pairs, optimizer=optax.sgd(0.0), chain_length=0, step_size_inputs=0.0)
+    # a constant step leaves Monte-Carlo fluctuations of its own size: 600 steps at 0.3, then 300 at 0.03
+    learned, info = learn_pseudocoreset(
+        loss_fn, coreset, jax.random.key(7), num_updates=600, step_size_labels=0.3, **common
+    )
+    learned, _ = learn_pseudocoreset(
+        loss_fn, learned, jax.random.key(8), num_updates=300, step_size_labels=0.03, **common
+    )
+    mu_c, _ = _coreset_posterior(phi_z, np.asarray(learned.labels, np.float64), lam0, mu0)
+    sd = np.sqrt(np.diag(cov_d))
+    start, _ = _coreset_posterior(phi_z, yhat, lam0, mu0)
+    assert np.max(np.abs(start - mu_d) / sd) > 1.0  # it started far away
+    assert np.max(np.abs(mu_c - mu_d) / sd) < 0.05, (mu_c, mu_d)
+    np.testing.assert_array_equal(learned.inputs, coreset.inputs)  # ψ_x = 0 keeps Z
+    assert info.surrogate.shape == (600,)
+
+
+def test_trajectory_pairs_take_the_data_checkpoint_l_d_steps_ahead():
+    """T10: with checkpoints every 5 steps, θ_D is the checkpoint (r + L_D)/5 of the same trajectory as
+    θ_start = checkpoint r/5; L_D must be a multiple of 5 and fit in the trajectory."""
+    traj = {"w": jnp.arange(4 * 7, dtype=jnp.float32).reshape(4, 7, 1) * jnp.ones((1, 1, 2))}  # J=4, 7 ckpts
+    sample = trajectory_pairs(traj, data_offset=10, save_interval=5, num_pairs=500)
+    data, start = sample(jax.random.key(0), None)
+    d, s = np.asarray(data["w"][:, 0]), np.asarray(start["w"][:, 0])
+    np.testing.assert_array_equal(d - s, 2.0)  # 10 steps = 2 checkpoints ahead, same trajectory
+    assert set(np.unique(s % 7)) == set(range(5))  # every admissible start checkpoint 0..4
+    with pytest.raises(ValueError, match="must be a multiple of save_interval"):
+        trajectory_pairs(traj, data_offset=7, save_interval=5, num_pairs=2)
+    with pytest.raises(ValueError, match="reaches past the trajectories' 7 checkpoints"):
+        trajectory_pairs(traj, data_offset=35, save_interval=5, num_pairs=2)
