@@ -18,6 +18,7 @@ from sidejax.bayes.pseudocoresets import (
     aggregate_pseudocoresets,
     coreset_logdensity,
     cycled_labels,
+    expert_trajectories,
     fkl_gradient,
     fkl_surrogate,
     init_pseudocoreset,
@@ -62,4 +63,5 @@ __all__ = [
     "init_pseudocoreset",
     "learn_pseudocoreset",
     "trajectory_pairs",
+    "expert_trajectories",
 ]

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from sidejax.keys import draw_key
+from sidejax.keys import ORDER, draw_key, stream_key
 from sidejax.utils import is_concrete
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "LearnInfo",
     "learn_pseudocoreset",
     "trajectory_pairs",
+    "expert_trajectories",
 ]
 
 
@@ -372,3 +373,84 @@ def learn_pseudocoreset(
         return c._replace(inputs=inputs, labels=labels), LearnInfo(out.surrogate, norm)
 
     return jax.lax.scan(update, coreset, jnp.arange(num_updates))
+
+
+def expert_trajectories(
+    init_fn: Callable,
+    loss_fn: Callable,
+    shared_key,
+    client_key,
+    x: jax.Array,
+    y: jax.Array,
+    valid: jax.Array,
+    *,
+    num_trajectories: int,
+    num_steps: int,
+    save_interval: int,
+    batch_size: int,
+    optimizer: optax.GradientTransformation,
+    trajectories_per_step: int | None = None,
+):
+    """Spec A0: ``J`` MAP-optimisation trajectories on a client's data, checkpoints every ``save_interval``
+    steps (``num_steps / save_interval + 1`` of them, the start included), the approximate samples of
+    ``π_D`` that :func:`trajectory_pairs` draws from.
+
+    Trajectory ``j`` starts from ``init_fn(draw_key(shared_key, j))``: **identical** on every client (the
+    paper shares the initialisation seeds); its minibatches (``batch_size`` examples drawn uniformly from the
+    client's valid examples, with replacement) come from ``stream_key(draw_key(client_key, j), ORDER)``, the
+    client's own. Memory: ``lax.map`` over trajectories, ``trajectories_per_step`` at a time (``None``: all
+    at once, vmapped); only the checkpoints are kept.
+
+    Args:
+      init_fn: ``init_fn(key) -> params``.
+      loss_fn: ``loss_fn(params, x [b, ...], y [b]) -> scalar`` (mean NLL plus the prior's ``λ/2‖θ‖²``).
+      shared_key: the key every client shares (initialisations).
+      client_key: this client's key (minibatch orders).
+      x, y, valid: the client's padded data and its validity mask.
+      num_trajectories, num_steps, save_interval, batch_size: ``J``, ``T_pre``, 5, ``b``.
+      optimizer: the pretraining optimizer.
+      trajectories_per_step: trajectories computed at once.
+
+    Returns:
+      The checkpoints, a pytree like the params with leading axes ``[J, num_steps / save_interval + 1]``.
+
+    Raises:
+      ValueError: ``num_steps`` not a multiple of ``save_interval``, or a count below 1.
+    """
+    num_trajectories = _count(num_trajectories, "num_trajectories", 1)
+    num_steps = _count(num_steps, "num_steps", 1)
+    save_interval = _count(save_interval, "save_interval", 1)
+    batch_size = _count(batch_size, "batch_size", 1)
+    if num_steps % save_interval:
+        raise ValueError(f"num_steps={num_steps} must be a multiple of save_interval={save_interval}")
+    per_step = (
+        None if trajectories_per_step is None else _count(trajectories_per_step, "trajectories_per_step", 1)
+    )
+    num_valid = jnp.maximum(jnp.sum(valid > 0), 1)
+    positions = jnp.argsort(jnp.where(valid > 0, 0, 1), stable=True)  # valid examples first
+    grad = jax.grad(loss_fn)
+
+    def trajectory(j):
+        params = init_fn(draw_key(shared_key, j))
+        order = stream_key(draw_key(client_key, j), ORDER)
+
+        def block(carry, blk):
+            def step(c, t):
+                p, st = c
+                pos = jax.random.randint(draw_key(order, t), (batch_size,), 0, num_valid)
+                idx = positions[pos]
+                updates, st = optimizer.update(grad(p, x[idx], y[idx]), st, p)
+                return (optax.apply_updates(p, updates), st), None
+
+            carry, _ = jax.lax.scan(step, carry, blk * save_interval + jnp.arange(save_interval))
+            return carry, carry[0]
+
+        _, saved = jax.lax.scan(
+            block, (params, optimizer.init(params)), jnp.arange(num_steps // save_interval)
+        )
+        return jax.tree.map(lambda a0, a: jnp.concatenate([a0[None], a]), params, saved)
+
+    ids = jnp.arange(num_trajectories)
+    if per_step is None:
+        return jax.vmap(trajectory)(ids)
+    return jax.lax.map(trajectory, ids, batch_size=per_step)

@@ -15,6 +15,7 @@ from sidejax.bayes.pseudocoresets import (
     aggregate_pseudocoresets,
     coreset_logdensity,
     cycled_labels,
+    expert_trajectories,
     fkl_gradient,
     fkl_surrogate,
     init_pseudocoreset,
@@ -316,3 +317,39 @@ def test_trajectory_pairs_take_the_data_checkpoint_l_d_steps_ahead():
         trajectory_pairs(traj, data_offset=7, save_interval=5, num_pairs=2)
     with pytest.raises(ValueError, match="reaches past the trajectories' 7 checkpoints"):
         trajectory_pairs(traj, data_offset=35, save_interval=5, num_pairs=2)
+
+
+def test_expert_trajectories_share_their_starts_across_clients_and_save_every_interval():
+    """T10: T_pre / 5 + 1 checkpoints, the first the shared initialisation, bit-identical on two clients with
+    different data and keys; the clients' minibatch orders (and so their trajectories) differ; the
+    chunked (lax.map) computation equals the vmapped one; the loss falls along a trajectory."""
+
+    def init_fn(key):
+        return {"w": 0.5 * jax.random.normal(key, (2,))}
+
+    def loss_fn(p, x, y):
+        return jnp.mean((y - x @ p["w"]) ** 2) + 0.01 * jnp.sum(p["w"] ** 2)
+
+    def data(seed):
+        r = np.random.default_rng(seed)
+        x = r.normal(size=(40, 2)).astype(np.float32)
+        return jnp.asarray(x), jnp.asarray(x @ np.array([1.0, -2.0], np.float32)), jnp.ones(40)
+
+    common = dict(num_trajectories=3, num_steps=20, save_interval=5, batch_size=8, optimizer=optax.sgd(0.1))
+    shared = jax.random.key(11)
+    a = expert_trajectories(init_fn, loss_fn, shared, jax.random.key(1), *data(1), **common)
+    b = expert_trajectories(init_fn, loss_fn, shared, jax.random.key(2), *data(2), **common)
+    assert a["w"].shape == (3, 5, 2)
+    np.testing.assert_array_equal(np.asarray(a["w"][:, 0]), np.asarray(b["w"][:, 0]))
+    assert not np.array_equal(np.asarray(a["w"][:, -1]), np.asarray(b["w"][:, -1]))
+    chunked = expert_trajectories(
+        init_fn, loss_fn, shared, jax.random.key(1), *data(1), trajectories_per_step=2, **common
+    )
+    np.testing.assert_allclose(np.asarray(chunked["w"]), np.asarray(a["w"]), rtol=1e-6, atol=1e-6)
+    x, y, _ = data(1)
+    losses = [float(loss_fn({"w": a["w"][0, c]}, x, y)) for c in range(5)]
+    assert losses[-1] < 0.1 * losses[0]
+    with pytest.raises(ValueError, match="num_steps=22 must be a multiple of save_interval=5"):
+        expert_trajectories(
+            init_fn, loss_fn, shared, jax.random.key(1), *data(1), **{**common, "num_steps": 22}
+        )
