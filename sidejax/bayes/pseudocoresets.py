@@ -387,7 +387,7 @@ def expert_trajectories(
     num_trajectories: int,
     num_steps: int,
     save_interval: int,
-    batch_size: int,
+    batch_size: int | None,
     optimizer: optax.GradientTransformation,
     trajectories_per_step: int | None = None,
 ):
@@ -398,8 +398,9 @@ def expert_trajectories(
     Trajectory ``j`` starts from ``init_fn(draw_key(shared_key, j))``: **identical** on every client (the
     paper shares the initialisation seeds); its minibatches (``batch_size`` examples drawn uniformly from the
     client's valid examples, with replacement) come from ``stream_key(draw_key(client_key, j), ORDER)``, the
-    client's own. Memory: ``lax.map`` over trajectories, ``trajectories_per_step`` at a time (``None``: all
-    at once, vmapped); only the checkpoints are kept.
+    client's own; ``batch_size=None`` takes full-batch steps on the valid examples (deterministic).
+    Memory: ``lax.map`` over trajectories, ``trajectories_per_step`` at a time (``None``: all at once,
+    vmapped); only the checkpoints are kept.
 
     Args:
       init_fn: ``init_fn(key) -> params``.
@@ -407,7 +408,8 @@ def expert_trajectories(
       shared_key: the key every client shares (initialisations).
       client_key: this client's key (minibatch orders).
       x, y, valid: the client's padded data and its validity mask.
-      num_trajectories, num_steps, save_interval, batch_size: ``J``, ``T_pre``, 5, ``b``.
+      num_trajectories, num_steps, save_interval, batch_size: ``J``, ``T_pre``, 5, ``b`` (``None``: full
+        batch over ``x, y``, which must then hold only valid examples).
       optimizer: the pretraining optimizer.
       trajectories_per_step: trajectories computed at once.
 
@@ -420,7 +422,7 @@ def expert_trajectories(
     num_trajectories = _count(num_trajectories, "num_trajectories", 1)
     num_steps = _count(num_steps, "num_steps", 1)
     save_interval = _count(save_interval, "save_interval", 1)
-    batch_size = _count(batch_size, "batch_size", 1)
+    batch_size = None if batch_size is None else _count(batch_size, "batch_size", 1)
     if num_steps % save_interval:
         raise ValueError(f"num_steps={num_steps} must be a multiple of save_interval={save_interval}")
     per_step = (
@@ -437,9 +439,13 @@ def expert_trajectories(
         def block(carry, blk):
             def step(c, t):
                 p, st = c
-                pos = jax.random.randint(draw_key(order, t), (batch_size,), 0, num_valid)
-                idx = positions[pos]
-                updates, st = optimizer.update(grad(p, x[idx], y[idx]), st, p)
+                if batch_size is None:  # full batch: the valid examples (the caller passes unpadded data)
+                    g = grad(p, x, y)
+                else:
+                    pos = jax.random.randint(draw_key(order, t), (batch_size,), 0, num_valid)
+                    idx = positions[pos]
+                    g = grad(p, x[idx], y[idx])
+                updates, st = optimizer.update(g, st, p)
                 return (optax.apply_updates(p, updates), st), None
 
             carry, _ = jax.lax.scan(step, carry, blk * save_interval + jnp.arange(save_interval))

@@ -353,3 +353,80 @@ def test_expert_trajectories_share_their_starts_across_clients_and_save_every_in
         expert_trajectories(
             init_fn, loss_fn, shared, jax.random.key(1), *data(1), **{**common, "num_steps": 22}
         )
+
+
+def test_exact_pseudocoreset_has_zero_forward_kl_and_a_mean_zero_gradient():
+    """T2: linear-Gaussian, K = P, Φ_Z = Lᵀ with LLᵀ = Φ_XᵀΦ_X and ŷ = L⁻¹Φ_Xᵀy: π_C = π_D exactly, and the
+    estimator with exact samples has mean 0 within 4 Monte-Carlo standard errors."""
+    rng = np.random.default_rng(8)
+    p, n = 3, 25
+    phi_x = rng.normal(size=(n, p))
+    y = phi_x @ np.array([0.5, 1.0, -1.0]) + SIGMA * rng.normal(size=n)
+    lam0, mu0 = np.eye(p), np.zeros(p)
+    chol = np.linalg.cholesky(phi_x.T @ phi_x)
+    phi_z, yhat = chol.T, np.linalg.solve(chol, phi_x.T @ y)
+    cov_d = np.linalg.inv(lam0 + phi_x.T @ phi_x / SIGMA**2)
+    mu_d = cov_d @ (phi_x.T @ y / SIGMA**2)
+    mu_c, cov_c = _coreset_posterior(phi_z, yhat, lam0, mu0)
+    np.testing.assert_allclose(mu_c, mu_d, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(cov_c, cov_d, rtol=1e-10, atol=1e-12)
+    s = 10_000
+    th_d = rng.multivariate_normal(mu_d, cov_d, size=s).astype(np.float32)
+    th_c = rng.multivariate_normal(mu_c, cov_c, size=s).astype(np.float32)
+    out = fkl_gradient(
+        _loss(phi_z),
+        {"yhat": jnp.asarray(yhat, jnp.float32)},
+        jnp.asarray(th_d),
+        jnp.asarray(th_c),
+        jax.random.key(0),
+        optimizer=optax.sgd(0.0),
+        chain_length=0,
+    )
+    per_pair = (th_c.astype(np.float64) - th_d.astype(np.float64)) @ phi_z.T / SIGMA**2
+    se = per_pair.std(axis=0, ddof=1) / np.sqrt(s)
+    assert np.all(np.abs(np.asarray(out.grad["yhat"], np.float64)) < 4 * se)
+
+
+def test_a_coreset_equal_to_the_data_has_a_zero_gradient():
+    """T5 (float64, deterministic): C = D_m with the same loss, full-batch SGD pretraining, an inner chain of
+    L_C = L_D steps of the same SGD from θ_start = τ[r]: θ_C = θ_D = τ[r + L_D], so g = 0 up to round-off,
+    through expert_trajectories, trajectory_pairs and fkl_gradient together."""
+    from sidejax.utils import enable_x64
+
+    with enable_x64():
+        rng = np.random.default_rng(9)
+        x = jnp.asarray(rng.normal(size=(12, 2)))
+        y = jnp.asarray(rng.normal(size=12))
+
+        def data_loss(params, xs, ys):
+            return jnp.mean((ys - xs @ params) ** 2) / 2 + 0.05 * jnp.sum(params**2)
+
+        traj = expert_trajectories(
+            lambda k: jax.random.normal(k, (2,), jnp.float64),
+            data_loss,
+            jax.random.key(0),
+            jax.random.key(1),
+            x,
+            y,
+            jnp.ones(12),
+            num_trajectories=3,
+            num_steps=30,
+            save_interval=5,
+            batch_size=None,
+            optimizer=optax.sgd(0.1),
+        )
+        pairs = trajectory_pairs(traj, data_offset=10, save_interval=5, num_pairs=6)
+        theta_d, theta_start = pairs(jax.random.key(2), None)
+        coreset = Pseudocoreset(x, y)
+        out = fkl_gradient(
+            lambda c, th: data_loss(th, c.inputs, c.labels),
+            coreset,
+            theta_d,
+            theta_start,
+            jax.random.key(3),
+            optimizer=optax.sgd(0.1),
+            chain_length=10,
+        )
+        np.testing.assert_allclose(np.asarray(out.theta_coreset), np.asarray(theta_d), atol=1e-12)
+        assert float(jnp.max(jnp.abs(out.grad.inputs))) < 1e-10
+        assert float(jnp.max(jnp.abs(out.grad.labels))) < 1e-10
