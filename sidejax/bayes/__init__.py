@@ -11,7 +11,15 @@ from sidejax.bayes.coresets import (
     project_sparse_nonnegative,
     projected_potentials,
 )
-from sidejax.bayes.inference import DivergenceWarning, HMCResult, SGLDResult, hmc, sgld
+from sidejax.bayes.inference import (
+    DivergenceWarning,
+    HMCResult,
+    MAPResult,
+    SGLDResult,
+    hmc,
+    map_estimate,
+    sgld,
+)
 from sidejax.bayes.pseudocoresets import (
     FKLGradient,
     Pseudocoreset,
@@ -52,6 +60,8 @@ __all__ = [
     "SGLDResult",
     "hmc",
     "sgld",
+    "MAPResult",
+    "map_estimate",
     "FKLGradient",
     "fkl_gradient",
     "fkl_surrogate",

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from sidejax.bayes.inference import map_estimate
 from sidejax.bayes.pseudocoresets import (
     Pseudocoreset,
     aggregate_pseudocoresets,
@@ -430,3 +431,21 @@ def test_a_coreset_equal_to_the_data_has_a_zero_gradient():
         np.testing.assert_allclose(np.asarray(out.theta_coreset), np.asarray(theta_d), atol=1e-12)
         assert float(jnp.max(jnp.abs(out.grad.inputs))) < 1e-10
         assert float(jnp.max(jnp.abs(out.grad.labels))) < 1e-10
+
+
+def test_map_on_the_aggregated_coreset_posterior_is_the_closed_form_mean():
+    """A4-A5: MAP (Adam, full batch) on coreset_logdensity of a linear-Gaussian coreset (prior precision λ,
+    unit-noise labels, weights w) reaches the closed-form posterior mean (Λ = λI + Σ w_i z_i z_iᵀ,
+    Λμ = Σ w_i ŷ_i z_i) to float32 precision."""
+    cs = _coresets()
+    flat, w = aggregate_pseudocoresets(cs, jnp.asarray([10, 20, 30]))
+    logd = coreset_logdensity(_gaussian_ll, flat, w, prior_precision=2.0)
+    out = map_estimate(logd, {"w": jnp.zeros(2)}, optimizer=optax.adam(0.05), num_steps=2000)
+    z, yl, wn = np.asarray(flat.inputs, np.float64), np.asarray(flat.labels, np.float64), np.asarray(w)
+    prec = 2.0 * np.eye(2) + (z * wn[:, None]).T @ z
+    mean = np.linalg.solve(prec, (z * wn[:, None]).T @ yl)
+    assert bool(out.finite) and out.objective.shape == (2000,)
+    np.testing.assert_allclose(np.asarray(out.position["w"]), mean, atol=1e-4)
+    assert float(out.objective[-1]) < float(out.objective[0])
+    with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
+        map_estimate(logd, {"w": jnp.zeros(2)}, optimizer=optax.adam(0.05), num_steps=0)
