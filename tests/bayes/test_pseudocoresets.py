@@ -449,3 +449,40 @@ def test_map_on_the_aggregated_coreset_posterior_is_the_closed_form_mean():
     assert float(out.objective[-1]) < float(out.objective[0])
     with pytest.raises(ValueError, match="num_steps must be an integer >= 1"):
         map_estimate(logd, {"w": jnp.zeros(2)}, optimizer=optax.adam(0.05), num_steps=0)
+
+
+def test_hidden_unit_permutations_leave_the_function_and_the_coreset_gradient_unchanged():
+    """T6 (the function-space motivation) on BPC-FL's moons MLP with GroupNorm: permuting the first hidden
+    layer's units within each GroupNorm group (and the GN scale/bias and the next layer's rows with them)
+    leaves f(X, θ), the coreset loss ℓ(C, θ) and ∇_C ℓ unchanged; the naive weight-space average of the two
+    equivalent parameter vectors (the mean of a product of two equal-variance Gaussians centred on them) is a
+    different function."""
+    from sidejax.models import get_model, init_params
+
+    spec = get_model("moons_mlp", num_classes=2, input_shape=(2,))
+    params = init_params(jax.random.key(0), spec)
+    rng = np.random.default_rng(10)
+    perm = np.concatenate([rng.permutation(25), 25 + rng.permutation(25)])  # within the 2 groups of 25
+    permuted = {
+        **params,
+        "fc1": {"kernel": params["fc1"]["kernel"][:, perm], "bias": params["fc1"]["bias"][perm]},
+        "norm1": {"scale": params["norm1"]["scale"][perm], "bias": params["norm1"]["bias"][perm]},
+        "fc2": {"kernel": params["fc2"]["kernel"][perm, :], "bias": params["fc2"]["bias"]},
+    }
+    x = jnp.asarray(rng.normal(size=(64, 2)), jnp.float32)
+    f = spec.module.apply({"params": params}, x)
+    np.testing.assert_allclose(
+        np.asarray(spec.module.apply({"params": permuted}, x)), np.asarray(f), atol=1e-5
+    )
+
+    def loss(c, theta):  # the coreset NLL
+        logits = spec.module.apply({"params": theta}, c.inputs)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), c.labels[:, None], axis=1))
+
+    coreset = Pseudocoreset(x[:8], jnp.asarray([0, 1] * 4))
+    g, g_perm = (jax.grad(loss, allow_int=True)(coreset, th).inputs for th in (params, permuted))
+    np.testing.assert_allclose(float(loss(coreset, permuted)), float(loss(coreset, params)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_perm), np.asarray(g), atol=1e-5)
+    averaged = jax.tree.map(lambda a, b: (a + b) / 2, params, permuted)
+    drift = np.abs(np.asarray(spec.module.apply({"params": averaged}, x)) - np.asarray(f)).max()
+    assert drift > 1e-2, drift
