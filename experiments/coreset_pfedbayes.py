@@ -144,20 +144,23 @@ def write_presets(directory: Path = PRESET_DIR) -> list[Path]:
 def _label(config: dict[str, Any]) -> str:
     method = config["method"]
     name = method["name"]
-    if name == "coreset_pfedbayes":
-        return f"CoreSet-PFedBayes ({round(100 * method['coreset_size'] / _train_size(config))}%)"
-    if name == "pfedbayes_subset":
-        pct = round(100 * method["subset_size"] / _train_size(config))
-        return f"RandomSubset ({pct}%, weights n/k)" if method.get("reweight") else f"RandomSubset ({pct}%)"
+    if name in ("coreset_pfedbayes", "pfedbayes_subset"):
+        k = method["coreset_size" if name == "coreset_pfedbayes" else "subset_size"]
+        n = _train_size(config)
+        size = f"{round(100 * k / n)}%" if n else f"k = {k}"
+        if name == "coreset_pfedbayes":
+            return f"CoreSet-PFedBayes ({size})"
+        return f"RandomSubset ({size}, weights n/k)" if method.get("reweight") else f"RandomSubset ({size})"
     return {"fedavg": "FedAvg", "pfedbayes": "PFedBayes (full)"}.get(name, name)
 
 
-def _train_size(config: dict[str, Any]) -> int:
+def _train_size(config: dict[str, Any]) -> int | None:
+    """Training examples per client of pFedMe's split (every client holds the same number); ``None`` for
+    other partitions, where the table names coresets by their size ``k`` instead of a percentage."""
     data = config["data"]
-    if data.get("partition") == "pfedme":
-        n = data["labels_per_client"] * data["examples_per_label"]
-        return max(1, round(data["train_fraction"] * n))
-    return 1000
+    if data.get("partition") != "pfedme":
+        return None
+    return max(1, round(data["train_fraction"] * data["labels_per_client"] * data["examples_per_label"]))
 
 
 _ORDER = [v[0] for v in METHODS.values()]
@@ -197,7 +200,7 @@ def _run_numbers(run) -> dict[str, float | None]:
     key = "personal_accuracy" if _evaluated(rows, "personal_accuracy") else "test_accuracy"
     personal = [v for _, v in _evaluated(rows, "personal_accuracy")]
     glob = [v for _, v in _evaluated(rows, "test_accuracy")]
-    floats = [r["uplink_bits"] / 32 / len_participants(run) for r in rows if r.get("uplink_bits") is not None]
+    floats = [r["uplink_bits"] / 32 / _participants(run) for r in rows if r.get("uplink_bits") is not None]
     return {
         "personal": 100 * max(personal) if personal else None,
         "final_personal": 100 * personal[-1] if personal else None,
@@ -208,7 +211,7 @@ def _run_numbers(run) -> dict[str, float | None]:
     }
 
 
-def len_participants(run) -> int:
+def _participants(run) -> int:
     return max(1, int(run["config"].get("clients_per_round") or run["config"]["data"]["num_clients"]))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from sidejax.types import PyTree
 
-__all__ = ["is_concrete", "tree_all_finite", "check_count", "enable_x64"]
+__all__ = ["is_concrete", "tree_all_finite", "check_count", "stack_clients", "enable_x64"]
 
 
 def is_concrete(tree: PyTree) -> bool:
@@ -42,6 +42,11 @@ def check_count(value, name: str, minimum: int = 1, maximum: int | None = None) 
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)
+
+
+def stack_clients(tree: PyTree, num_clients: int) -> PyTree:
+    """``tree`` repeated along a new leading axis of ``num_clients`` (every client's initial state)."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
 
 
 def enable_x64():

@@ -52,7 +52,7 @@ from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, Batch, ClientInfo, RoundInfo, initial_round_state
 from sidejax.keys import ORDER, ClientKeys, client_streams, epoch_key, step_key, stream_key
 from sidejax.types import Params
-from sidejax.utils import check_count, tree_all_finite
+from sidejax.utils import check_count, stack_clients, tree_all_finite
 
 __all__ = [
     "CepamServer",
@@ -159,9 +159,7 @@ def _init(optimizer, coder, persistent, noise_levels, key, params, num_clients):
     flat = ravel_pytree(params)[0]
     levels = _check_levels(noise_levels, num_clients)
     opt = optimizer.init(params) if persistent else EmptyState()
-    clients = CepamClient(
-        jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), opt), levels
-    )
+    clients = CepamClient(stack_clients(opt, num_clients), levels)
     return initial_round_state(CepamServer(params, levels, coder.init(flat.shape[0])), clients, num_clients)
 
 

@@ -76,6 +76,7 @@ from sidejax.bayes.variational import MeanField, init_mean_field, mean_field_kl,
 from sidejax.coding.base import Coder, EmptyState, float32_coder
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, Batch, ClientInfo, RoundInfo, initial_round_state
+from sidejax.fl.local import epoch_order
 from sidejax.keys import (
     ORDER,
     POSTERIOR,
@@ -89,7 +90,7 @@ from sidejax.keys import (
     stream_key,
     track_key,
 )
-from sidejax.utils import tree_all_finite
+from sidejax.utils import check_count, stack_clients, tree_all_finite
 
 __all__ = [
     "PFedBayesSettings",
@@ -237,17 +238,11 @@ class TrackInfo(NamedTuple):
     aiht_iterations: jax.Array = 0
 
 
-def _check_int(value, name: str, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
 def _check_settings(s: PFedBayesSettings) -> PFedBayesSettings:
     if not isinstance(s, PFedBayesSettings):
         raise ValueError(f"settings must be a PFedBayesSettings, got {type(s).__name__}")
     for name in ("local_iters", "personal_steps", "batch_size", "mc_samples"):
-        _check_int(getattr(s, name), f"settings.{name}")
+        check_count(getattr(s, name), f"settings.{name}")
     for name in ("zeta", "eps_std", "init_weight_scale"):
         value = getattr(s, name)
         if not (isinstance(value, numbers.Real) and 0 < value < float("inf")):
@@ -278,8 +273,7 @@ def _uniform_slots(key, count, size: int, num: int):
     with_rep = jax.random.randint(draw_key(key, 1), (num,), 0, jnp.maximum(count, 1))
     if num > size:
         return with_rep
-    scores = jnp.where(jnp.arange(size) < count, jax.random.uniform(draw_key(key, 0), (size,)), 2.0)
-    without = jnp.argsort(scores)[:num]
+    without = epoch_order(draw_key(key, 0), count, size)[:num]
     return jnp.where(count >= num, without, with_rep)
 
 
@@ -411,9 +405,7 @@ def coreset_weights(
 
 def _random_subset(key, data, k: int, reweight: bool) -> Coreset:
     """A uniformly random ``k``-subset of the client's valid positions (weights ``n/k`` or 1)."""
-    size = data.indices.shape[0]
-    scores = jnp.where(jnp.arange(size) < data.num_examples, jax.random.uniform(key, (size,)), 2.0)
-    positions = jnp.argsort(scores)[:k].astype(jnp.int32)
+    positions = epoch_order(key, data.num_examples, data.indices.shape[0])[:k]
     valid = jnp.arange(k) < data.num_examples
     mass = data.num_examples.astype(jnp.float32) / k if reweight else 1.0
     return Coreset(positions, jnp.where(valid, mass, 0.0).astype(jnp.float32))
@@ -425,17 +417,12 @@ def _random_subset(key, data, k: int, reweight: bool) -> Coreset:
 
 
 def _flat(v: MeanField) -> jax.Array:
-    return jnp.concatenate([ravel_pytree(v.mu)[0], ravel_pytree(v.rho)[0]])
+    """``[μ, ρ]`` as one vector (the messages' layout)."""
+    return ravel_pytree(v)[0]
 
 
 def _unflat(v: MeanField, flat: jax.Array) -> MeanField:
-    mu, unravel = ravel_pytree(v.mu)
-    _, unravel_rho = ravel_pytree(v.rho)
-    return MeanField(unravel(flat[: mu.shape[0]]), unravel_rho(flat[mu.shape[0] :]))
-
-
-def _stack(tree, num_clients: int):
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *jnp.shape(a))), tree)
+    return ravel_pytree(v)[1](flat)
 
 
 def _server_init(settings: PFedBayesSettings, coder: Coder, key, params) -> PFedBayesServer:
@@ -542,7 +529,7 @@ def _algorithm(settings, coder, clients_per_round, *, init, client_update, metri
 
 def _pfb_init(settings, coder, key, params, num_clients):
     server = _server_init(settings, coder, key, params)
-    clients = _stack(PFedBayesClient(_track0(settings, server.posterior)), num_clients)
+    clients = stack_clients(PFedBayesClient(_track0(settings, server.posterior)), num_clients)
     return initial_round_state(server, clients, num_clients)
 
 
@@ -603,7 +590,7 @@ def _empty_coreset(k: int) -> Coreset:
 def _subset_init(settings, coder, k, key, params, num_clients):
     server = _server_init(settings, coder, key, params)
     client = SubsetClient(_track0(settings, server.posterior), _empty_coreset(k), jnp.asarray(False))
-    return initial_round_state(server, _stack(client, num_clients), num_clients)
+    return initial_round_state(server, stack_clients(client, num_clients), num_clients)
 
 
 def _check_k(k: int, data, name: str) -> None:
@@ -645,7 +632,7 @@ def pfedbayes_subset(
     Raises:
       ValueError: ``subset_size`` not an integer >= 1 (here), or larger than a client's data (when traced).
     """
-    k = _check_int(subset_size, "subset_size")
+    k = check_count(subset_size, "subset_size")
     settings, coder = _common(settings, coder)
     log_lik = per_example_log_likelihood(loss_fn)
     return _algorithm(
@@ -668,7 +655,7 @@ def _coreset_init(settings, coder, k, key, params, num_clients):
     server = _server_init(settings, coder, key, params)
     track = _track0(settings, server.posterior)
     client = CoresetClient(track, track, _empty_coreset(k), jnp.asarray(False))
-    return initial_round_state(server, _stack(client, num_clients), num_clients)
+    return initial_round_state(server, stack_clients(client, num_clients), num_clients)
 
 
 def _coreset_client(
@@ -746,15 +733,15 @@ def coreset_pfedbayes(
       ValueError: ``coreset_size`` not an integer >= 1 (here) or larger than a client's data (when traced),
         bad settings.
     """
-    k = _check_int(coreset_size, "coreset_size")
+    k = check_count(coreset_size, "coreset_size")
     settings, coder = _common(settings, coder)
     if not isinstance(coreset, CoresetSettings):
         raise ValueError(f"coreset must be a CoresetSettings, got {type(coreset).__name__}")
-    _check_int(coreset.every, "coreset.every")
-    _check_int(coreset.max_iter, "coreset.max_iter")
+    check_count(coreset.every, "coreset.every")
+    check_count(coreset.max_iter, "coreset.max_iter")
     if (
         coreset.projection_samples is not None
-        and _check_int(coreset.projection_samples, "coreset.projection_samples", 2) <= k
+        and check_count(coreset.projection_samples, "coreset.projection_samples", 2) <= k
     ):
         raise ValueError(
             f"coreset.projection_samples={coreset.projection_samples} must exceed coreset_size={k}: with "

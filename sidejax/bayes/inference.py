@@ -38,7 +38,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.keys import ORDER, draw_key, stream_key
-from sidejax.utils import is_concrete
+from sidejax.utils import check_count, is_concrete, tree_all_finite
 
 __all__ = ["DivergenceWarning", "HMCResult", "SGLDResult", "MAPResult", "hmc", "sgld", "map_estimate"]
 
@@ -79,12 +79,6 @@ def _positive(value, name: str) -> float:
     if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < float("inf")):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
-
-
-def _count(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def _inverse_mass(inverse_mass_matrix, dim: int) -> jax.Array:
@@ -139,9 +133,9 @@ def hmc(
       DivergenceWarning: when any transition diverged (the count and the fraction, and what to do).
     """
     step_size = _positive(step_size, "step_size")
-    num_integration_steps = _count(num_integration_steps, "num_integration_steps", 1)
-    num_samples = _count(num_samples, "num_samples", 1)
-    num_burnin = _count(num_burnin, "num_burnin", 1 if mode == "chains" else 0)
+    num_integration_steps = check_count(num_integration_steps, "num_integration_steps", 1)
+    num_samples = check_count(num_samples, "num_samples", 1)
+    num_burnin = check_count(num_burnin, "num_burnin", 1 if mode == "chains" else 0)
     divergence_threshold = _positive(divergence_threshold, "divergence_threshold")
     if mode not in HMC_MODES:
         raise ValueError(f"mode must be one of {HMC_MODES}, got {mode!r}")
@@ -222,16 +216,16 @@ def sgld(
     """
     step_size = _positive(step_size, "step_size")
     temperature = _positive(temperature, "temperature")
-    num_burnin = _count(num_burnin, "num_burnin", 0)
-    num_samples = _count(num_samples, "num_samples", 1)
-    thinning = _count(thinning, "thinning", 1)
+    num_burnin = check_count(num_burnin, "num_burnin", 0)
+    num_samples = check_count(num_samples, "num_samples", 1)
+    thinning = check_count(thinning, "thinning", 1)
     if data is None:
         if batch_size is not None:
             raise ValueError("batch_size needs data (the examples to draw minibatches from)")
         grad_fn = jax.grad(lambda p, _: logdensity_fn(p))
     else:
         n = jax.tree.leaves(data)[0].shape[0]
-        batch_size = _count(batch_size, "batch_size", 1)
+        batch_size = check_count(batch_size, "batch_size", 1)
         if batch_size > n:
             raise ValueError(f"batch_size={batch_size} exceeds the {n} examples in data")
         grad_fn = jax.grad(logdensity_fn)
@@ -255,8 +249,7 @@ def sgld(
         return jax.tree.map(lambda a: a[keep], positions)
 
     samples = jax.jit(run)(key)
-    finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(samples)]))
-    return SGLDResult(samples, finite)
+    return SGLDResult(samples, tree_all_finite(samples))
 
 
 class MAPResult(NamedTuple):
@@ -278,7 +271,7 @@ def map_estimate(
     Raises:
       ValueError: ``num_steps`` not an integer >= 1.
     """
-    num_steps = _count(num_steps, "num_steps", 1)
+    num_steps = check_count(num_steps, "num_steps", 1)
     value_and_grad = jax.value_and_grad(lambda p: -logdensity_fn(p))
 
     def run(position):
@@ -291,7 +284,6 @@ def map_estimate(
         (position, _), objective = jax.lax.scan(
             step, (position, optimizer.init(position)), None, length=num_steps
         )
-        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(position)]))
-        return MAPResult(position, objective, finite & jnp.all(jnp.isfinite(objective)))
+        return MAPResult(position, objective, tree_all_finite((position, objective)))
 
     return jax.jit(run)(init_position)

@@ -38,7 +38,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.keys import ORDER, draw_key, stream_key
-from sidejax.utils import is_concrete
+from sidejax.utils import check_count, is_concrete
 
 __all__ = [
     "FKLGradient",
@@ -64,12 +64,6 @@ class FKLGradient(NamedTuple):
     grad: object
     surrogate: jax.Array
     theta_coreset: object
-
-
-def _count(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def inner_chain(
@@ -102,7 +96,7 @@ def fkl_surrogate(
 
     Noise ``s`` of pair ``b`` is drawn from ``draw_key(key, 2(bS + s))`` for ``ε_D`` and
     ``draw_key(key, 2(bS + s) + 1)`` for ``ε_C``; ``noise_std = 0`` uses the samples as given."""
-    num_noise = _count(num_noise, "num_noise", 1)
+    num_noise = check_count(num_noise, "num_noise", 1)
     theta_data = jax.lax.stop_gradient(theta_data)
     theta_coreset = jax.lax.stop_gradient(theta_coreset)
     num_pairs = jax.tree.leaves(theta_data)[0].shape[0]
@@ -149,7 +143,7 @@ def fkl_gradient(
     Returns:
       :class:`FKLGradient`.
     """
-    chain_length = _count(chain_length, "chain_length", 0)
+    chain_length = check_count(chain_length, "chain_length", 0)
     if not (isinstance(noise_std, numbers.Real) and 0 <= noise_std < float("inf")):
         raise ValueError(f"noise_std must be a finite number >= 0, got {noise_std!r}")
     theta_c = jax.vmap(lambda th: inner_chain(loss_fn, coreset, th, optimizer, chain_length))(theta_start)
@@ -194,7 +188,7 @@ def init_pseudocoreset(
     """Spec A3: pseudo-inputs ``z ~ N(X̄, σ_z² I)`` (``X̄`` the element-wise mean of the client's valid
     inputs, ``σ_z = init_std``), labels by :func:`cycled_labels` (classification, ``num_classes`` given) or
     ``mean(y)`` for every point (regression, ``num_classes=None``). Jittable and vmappable over clients."""
-    num_points = _count(num_points, "num_points", 1)
+    num_points = check_count(num_points, "num_points", 1)
     if not (isinstance(init_std, numbers.Real) and 0 < init_std < float("inf")):
         raise ValueError(f"init_std must be a finite number > 0, got {init_std!r}")
     w = valid.astype(x.dtype)
@@ -204,7 +198,7 @@ def init_pseudocoreset(
     if num_classes is None:
         labels = jnp.full((num_points,), jnp.sum(w * y.astype(x.dtype)) / denom, x.dtype)
     else:
-        labels = cycled_labels(y, valid, _count(num_classes, "num_classes", 1), num_points)
+        labels = cycled_labels(y, valid, check_count(num_classes, "num_classes", 1), num_points)
     return Pseudocoreset(z, labels)
 
 
@@ -285,9 +279,9 @@ def trajectory_pairs(trajectories, *, data_offset: int, save_interval: int, num_
       ValueError: ``L_D`` not a multiple of the save interval, or longer than the trajectories (spec T10:
         ``r + L_D <= T_pre``).
     """
-    save_interval = _count(save_interval, "save_interval", 1)
-    data_offset = _count(data_offset, "data_offset", 0)
-    num_pairs = _count(num_pairs, "num_pairs", 1)
+    save_interval = check_count(save_interval, "save_interval", 1)
+    data_offset = check_count(data_offset, "data_offset", 0)
+    num_pairs = check_count(num_pairs, "num_pairs", 1)
     if data_offset % save_interval:
         raise ValueError(
             f"data_offset={data_offset} (L_D) must be a multiple of save_interval={save_interval}: θ_D is a "
@@ -344,7 +338,7 @@ def learn_pseudocoreset(
     Returns:
       ``(coreset, LearnInfo [num_updates])``.
     """
-    num_updates = _count(num_updates, "num_updates", 1)
+    num_updates = check_count(num_updates, "num_updates", 1)
     if not (isinstance(step_size_inputs, numbers.Real) and 0 <= step_size_inputs < float("inf")):
         raise ValueError(f"step_size_inputs must be a finite number >= 0, got {step_size_inputs!r}")
     if not (isinstance(step_size_labels, numbers.Real) and 0 <= step_size_labels < float("inf")):
@@ -419,15 +413,15 @@ def expert_trajectories(
     Raises:
       ValueError: ``num_steps`` not a multiple of ``save_interval``, or a count below 1.
     """
-    num_trajectories = _count(num_trajectories, "num_trajectories", 1)
-    num_steps = _count(num_steps, "num_steps", 1)
-    save_interval = _count(save_interval, "save_interval", 1)
-    batch_size = None if batch_size is None else _count(batch_size, "batch_size", 1)
+    num_trajectories = check_count(num_trajectories, "num_trajectories", 1)
+    num_steps = check_count(num_steps, "num_steps", 1)
+    save_interval = check_count(save_interval, "save_interval", 1)
+    batch_size = None if batch_size is None else check_count(batch_size, "batch_size", 1)
     if num_steps % save_interval:
         raise ValueError(f"num_steps={num_steps} must be a multiple of save_interval={save_interval}")
-    per_step = (
-        None if trajectories_per_step is None else _count(trajectories_per_step, "trajectories_per_step", 1)
-    )
+    per_step = trajectories_per_step
+    if per_step is not None:
+        per_step = check_count(per_step, "trajectories_per_step", 1)
     num_valid = jnp.maximum(jnp.sum(valid > 0), 1)
     positions = jnp.argsort(jnp.where(valid > 0, 0, 1), stable=True)  # valid examples first
     grad = jax.grad(loss_fn)
