@@ -4,7 +4,8 @@ The contract is :class:`Coder` (:mod:`sidejax.coding.base`): transmit one sample
 information ``p`` that both ends know. Coders: :func:`klms_coder` (KLMS channel simulation, Fixed and
 Adaptive blocks), :func:`klms_avg_coder` (BICompFL's Adaptive-Avg: equal blocks of one adaptive size),
 :func:`float32_coder`, :func:`fixed_width_coder`, :func:`elias_coder`, :func:`mask_coder` (sample-then-code
-baselines), :func:`scaled_sign_coder` (the deterministic scaled-sign compressor of the error-feedback
+baselines), :func:`pseudocoreset_coder` (BPC-FL's one-shot uplink of a pseudocoreset and its example
+count), :func:`scaled_sign_coder` (the deterministic scaled-sign compressor of the error-feedback
 baselines), and the combinator :func:`with_side_info`. CEPAM's mechanisms: :func:`lrsuq_coder` (quantization
 noise that is exactly Gaussian or Laplace), :func:`sdq_coder`, :func:`additive_noise_coder` and the update
 normalisation :func:`clip_update` (:mod:`sidejax.coding.lattice`, per-block quantizers in
@@ -125,6 +126,12 @@ from sidejax.coding.lossless import (
     mask_encode,
 )
 from sidejax.coding.lrsuq import GaussianNoise, LaplaceNoise
+from sidejax.coding.pseudocoreset import (
+    PseudocoresetInfo,
+    pack_pseudocoreset,
+    pseudocoreset_coder,
+    unpack_pseudocoreset,
+)
 from sidejax.coding.sample import SampleInfo, elias_coder, fixed_width_coder, mask_coder
 
 __all__ = [
@@ -233,4 +240,8 @@ __all__ = [
     "elias_coder",
     "fixed_width_coder",
     "mask_coder",
+    "PseudocoresetInfo",
+    "pseudocoreset_coder",
+    "pack_pseudocoreset",
+    "unpack_pseudocoreset",
 ]

@@ -34,6 +34,8 @@ from sidejax.coding import (
     klms_avg_coder,
     klms_coder,
     mask_coder,
+    pack_pseudocoreset,
+    pseudocoreset_coder,
     scaled_sign_coder,
     sent_words,
     with_side_info,
@@ -100,6 +102,15 @@ def _point(seed):
     return PointMass(jnp.asarray(rng.standard_normal(DIM), jnp.float32)), PointMass(
         jnp.zeros(DIM, jnp.float32)
     )
+
+
+def _pseudocoreset(seed):
+    # BPC-FL's uplink: K = 2 pseudo-points of D = 100 inputs, labels of 10 classes, n_m; 2 * 100 + 2 + 1 = DIM
+    rng = np.random.default_rng(seed)
+    z = jnp.asarray(rng.standard_normal((2, 100)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 10, 2), jnp.int32)
+    q = PointMass(pack_pseudocoreset(z, labels, int(rng.integers(1, 5000))))
+    return q, PointMass(jnp.zeros(DIM, jnp.float32))
 
 
 def _with_side(make):
@@ -222,6 +233,7 @@ CASES = [
     ("elias", elias_coder(3), _levels, _sample_oracle),
     ("mask", mask_coder(), _bernoulli, _sample_oracle),
     ("scaled-sign", scaled_sign_coder(), _point, _scaled_sign_oracle),
+    ("pseudocoreset", pseudocoreset_coder(2, 10), _pseudocoreset, _sample_oracle),
     ("klms-adaptive-bernoulli", klms_coder(_ADAPTIVE), _bernoulli, _klms_oracle(_ADAPTIVE)),
     ("klms-fixed-gaussian", klms_coder(_FIXED), _gauss, _klms_oracle(_FIXED)),
     ("klms-crc-signs", klms_coder(_CRC), _signs, _klms_oracle(_CRC)),
