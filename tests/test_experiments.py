@@ -559,8 +559,9 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
     assert "--resume" in text and "--overwrite" in text
     # method and coder flags say who has them and the defaults, per method
     assert (
-        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser; default unset for fedavg; "
-        "1.0 for qsgd; 0.02 for signsgd; 0.1 for memsgd, doublesqueeze, neolithic, cser)" in text
+        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa; default unset for "
+        "fedavg; 1.0 for qsgd; 0.02 for signsgd; 0.1 for memsgd, doublesqueeze, neolithic, cser; 0.5 for "
+        "fedpa)" in text
     )
     assert (
         "(coders klms, klms_avg; default 2 for klms; 8 for klms_avg; without a preset, as tuned for the "
@@ -824,7 +825,7 @@ def _write_preset(directory, name, text):
         (
             "[method]\nname = 'fedpm'\nserver_lr = 0.1\n",
             r"\[method\] key 'server_lr' is not a field of method 'fedpm' \(methods with it: fedavg, qsgd, "
-            r"signsgd, memsgd, doublesqueeze, neolithic, cser\); valid keys: name, local_epochs, "
+            r"signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa\); valid keys: name, local_epochs, "
             r"local_steps, batch_size, client_optimizer, client_lr, estimator$",
         ),
         ("[method]\nname = 'fedpm'\nclient_lrr = 0.1\n", r"\[method\] unknown key 'client_lrr' for method"),
@@ -917,7 +918,7 @@ def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
     assert cli_main(["fedpm", "--method.server_lr", "0.1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
-    assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser)" in err
+    assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa)" in err
     assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
     err = capsys.readouterr().err
     assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms, klms_avg)" in err
@@ -1127,3 +1128,33 @@ def test_the_round_table_shows_personal_accuracy():
     header_bars = [i for i, c in enumerate(PERSONAL_TABLE_HEADER) if c == "|"]
     row_bars = [i for i, c in enumerate(_fmt_row({**row, "personal_accuracy": 0.75})) if c == "|"]
     assert row_bars == header_bars
+
+
+def test_fedpa_config_defaults_are_table_5_and_its_fields_are_checked(small_model):
+    """``[method] name = "fedpa"`` (BPC-FL's baseline): Table 5's values by default, built into the algorithm
+    with FedPASettings; a bad value names the field."""
+    from sidejax.algorithms import FedPASettings
+
+    method_name = "fedpa+float32"
+    config = default_config(method_name)
+    method = config.method
+    assert config.algorithm == method_name and config.coder.name == "float32"
+    assert (method.client_optimizer, method.client_lr, method.server_optimizer, method.server_lr) == (
+        "momentum",
+        0.01,
+        "momentum",
+        0.5,
+    )
+    assert method.settings() == FedPASettings(burn_in_rounds=500, num_samples=10, shrinkage=0.1)
+    algo = build_algorithm(config, small_model[2])
+    assert algo.clients_per_round == config.clients_per_round
+    for field, value, rule in [
+        ("shrinkage", 1.5, r"shrinkage must be in \(0, 1\]"),
+        ("num_samples", 0, "num_samples must be >= 1"),
+        ("burn_in_rounds", -1, "burn_in_rounds must be >= 0"),
+        ("server_lr", 0.0, "server_lr must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=rule):
+            default_config(method_name, **{f"method.{field}": value})
+    fedpa_form = default_config(method_name, **{"method.shrinkage_form": "fedpa", "method.shrinkage": 2.0})
+    assert fedpa_form.method.settings().shrinkage_form == "fedpa"

@@ -11,7 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidejax.algorithms import LangevinSettings, bicompfl_pr, fedavg, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import (
+    FedPASettings,
+    LangevinSettings,
+    bicompfl_pr,
+    fedavg,
+    fedpa,
+    fedpm,
+    qlsd,
+    qsgd,
+    sgld,
+    signsgd,
+)
 from sidejax.algorithms.cepam import cepam
 from sidejax.algorithms.pfedbayes import CoresetSettings, PFedBayesSettings, coreset_pfedbayes
 from sidejax.coding.klms import KLMSConfig, klms_coder
@@ -97,6 +108,15 @@ def _all_algorithms(loss):
     lang = dict(num_clients=10, clients_per_round=3, settings=LangevinSettings(batch_size=32))
     return {
         "fedavg": fedavg(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        # FedPA past its burn-in (round 0 runs the FedPA branch): 2 local burn-in steps, 3 windows of 2 steps
+        "fedpa": fedpa(
+            loss,
+            client_optimizer=optax.sgd(0.1, momentum=0.9),
+            batch_size=32,
+            settings=FedPASettings(burn_in_rounds=0, num_samples=3, local_burnin_steps=2, steps_per_sample=2),
+            server_optimizer=optax.sgd(0.5, momentum=0.9),
+            **common,
+        ),
         "fedpm": fedpm(loss, LocalTraining(optax.adam(0.1), **local), **common),
         "fedpm_klms": fedpm(loss, LocalTraining(optax.adam(0.1), **local), coder=SMALL_KLMS, **common),
         "qsgd": qsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
@@ -143,6 +163,7 @@ _ROUND = {"ROUND", "round", "SAMPLING", "DOWNLINK", "CLIENTS", "client", "SHARED
 _TRAIN = {"TRAIN", "EPOCHS", "epoch", "ORDER", "STEPS", "step"}
 _EXPECTED = {
     "fedavg": _ROUND | _TRAIN,
+    "fedpa": _ROUND | _TRAIN,
     "fedpm": _ROUND | _TRAIN | {"SAMPLE", "SIGNS", "leaf", "SCORES", "EVAL", "MASK", "LOSS"},
     "qsgd": _ROUND | _TRAIN | {"SAMPLE"},
     "signsgd": _ROUND | _TRAIN | {"SAMPLE"},

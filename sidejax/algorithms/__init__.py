@@ -1,6 +1,8 @@
 """Federated algorithms on the round engine, one module per method; each takes a ``coder=``.
 
 - :func:`fedavg`: FedAvg / FedOpt (float32 uplink by default).
+- :func:`fedpa`: FedPA, federated posterior averaging (FedAvg for the burn-in rounds, then the clients'
+  shrinkage-covariance deltas from local IASG samples, :func:`fedpa_delta`).
 - :func:`fedpm`: FedPM (Golomb-coded mask) and FedPM-KLMS (``coder=klms_coder(...)``).
 - :func:`qsgd`: QSGD (Elias stream) and QSGD-KLMS.
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
@@ -39,6 +41,7 @@ from sidejax.algorithms.dense import (
     dense_algorithm,
 )
 from sidejax.algorithms.fedavg import FedAvgServerInfo, FedAvgState, fedavg, weighted_mean
+from sidejax.algorithms.fedpa import FedPASettings, FedPAState, fedpa, fedpa_delta
 from sidejax.algorithms.fedpm import (
     FedPMState,
     bayes_agg,
@@ -109,6 +112,10 @@ __all__ = [
     "FedAvgState",
     "fedavg",
     "weighted_mean",
+    "FedPASettings",
+    "FedPAState",
+    "fedpa",
+    "fedpa_delta",
     "FedPMState",
     "bayes_agg",
     "bernoulli_mask",

@@ -22,11 +22,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 
 from sidejax.fl.base import Batch, ClientData
 from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 from sidejax.types import Params, PRNGKey
-from sidejax.utils import tree_all_finite
+from sidejax.utils import check_count, tree_all_finite
 
 __all__ = [
     "LocalInfo",
@@ -35,6 +36,7 @@ __all__ = [
     "classification_loss",
     "masked_mean",
     "build_local_trainer",
+    "build_sampling_trainer",
     "LocalTraining",
 ]
 
@@ -151,9 +153,24 @@ def build_local_trainer(
         num_epochs = _check_count(num_epochs, "num_epochs")
     else:
         num_steps = _check_count(num_steps, "num_steps")
+    return _scan_trainer(loss_fn, optimizer, batch_size, num_epochs, num_steps, None)
+
+
+class _Recorder(NamedTuple):
+    """What a trainer records along its steps: ``init(params) -> buffer`` and
+    ``record(buffer, t, params) -> buffer``, called after schedule step ``t`` (1-based count of the schedule's
+    steps, padding steps included) with the parameters after it."""
+
+    init: Callable
+    record: Callable
+
+
+def _scan_trainer(loss_fn, optimizer, batch_size: int, num_epochs, num_steps, recorder: _Recorder | None):
+    """The local trainer of :func:`build_local_trainer` (``recorder=None``) and of
+    :func:`build_sampling_trainer` (which also carries the recorder's buffer through the same steps)."""
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def train(key: PRNGKey, params: Params, data: ClientData) -> tuple[Params, LocalInfo]:
+    def train(key: PRNGKey, params: Params, data: ClientData):
         max_examples = data.indices.shape[0]
         steps = num_local_steps(max_examples, batch_size)
         padded = steps * batch_size
@@ -165,7 +182,7 @@ def build_local_trainer(
             order = jnp.pad(order, (0, padded - max_examples))
 
             def step(carry, s):
-                params, opt_state, loss_sum, n_steps, finite = carry
+                params, opt_state, loss_sum, n_steps, finite, *buffer = carry
                 pos = jax.lax.dynamic_slice_in_dim(order, s * batch_size, batch_size)
                 valid = (s * batch_size + jnp.arange(batch_size)) < data.num_examples
                 gidx = data.indices[pos]
@@ -179,21 +196,104 @@ def build_local_trainer(
                 opt_state = keep(new_opt, opt_state)
                 loss_sum = loss_sum + jnp.where(has_data, loss, 0.0)
                 finite = finite & (jnp.isfinite(loss) | ~has_data)
-                return (params, opt_state, loss_sum, n_steps + has_data.astype(jnp.int32), finite), None
+                if recorder is not None:
+                    buffer = [recorder.record(buffer[0], e * steps + s + 1, params)]
+                carry = (params, opt_state, loss_sum, n_steps + has_data.astype(jnp.int32), finite, *buffer)
+                return carry, None
 
             carry, _ = jax.lax.scan(step, carry, jnp.arange(length))
             return carry
 
         carry = (params, optimizer.init(params), jnp.float32(0.0), jnp.int32(0), jnp.asarray(True))
+        if recorder is not None:
+            carry = (*carry, recorder.init(params))
         if full_epochs:
             epoch = lambda carry, e: (run_epoch(carry, e, steps), None)
             carry, _ = jax.lax.scan(epoch, carry, jnp.arange(full_epochs))
         if last_steps:  # the partial epoch that num_steps ends in: its first last_steps steps
             carry = run_epoch(carry, jnp.int32(full_epochs), last_steps)
-        params, _, loss_sum, n_steps, finite = carry
+        params, _, loss_sum, n_steps, finite, *buffer = carry
         finite = finite & tree_all_finite(params)
         loss = loss_sum / jnp.maximum(n_steps, 1).astype(jnp.float32)
-        return params, LocalInfo(loss=loss, num_steps=n_steps, finite=finite)
+        info = LocalInfo(loss=loss, num_steps=n_steps, finite=finite)
+        return (params, info) if recorder is None else (params, buffer[0], info)
+
+    return train
+
+
+def build_sampling_trainer(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    batch_size: int,
+    burnin_steps: int,
+    steps_per_sample: int,
+    num_samples: int,
+    average: bool = True,
+):
+    """Builds ``train(key, params, data) -> (params, samples, LocalInfo)``: local training that also collects
+    ``num_samples`` iterates along the way (FedPA's local posterior samples, Al-Shedivat et al. 2021).
+
+    The training is :func:`build_local_trainer`'s with ``num_steps = burnin_steps + num_samples ·
+    steps_per_sample`` (the same keys, batches and updates: the returned ``params`` and ``LocalInfo`` equal
+    that trainer's bit for bit). After the ``burnin_steps`` first steps, the steps fall into ``num_samples``
+    consecutive windows of ``steps_per_sample`` steps; sample ``l`` is, with ``average=True``, the mean of
+    the ``steps_per_sample`` iterates after the steps of window ``l`` (iterate-averaged SGD, IASG, Mandt et
+    al. 2017, the sampler of FedPA's experiments), and with ``average=False`` the iterate after the window's
+    last step. The last sample's window ends at the last step. Steps are counted along the schedule (padding
+    steps of a client smaller than ``max_examples`` included, as in ``num_steps``), so every client fills
+    all its samples; such a padding step leaves the iterate unchanged, and it still counts in a window.
+
+    Memory: one ``[num_samples, P]`` buffer carried through the steps (``P`` the flat parameter count).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, key) -> scalar`` (masked mean over ``batch.mask``).
+      optimizer: any Optax gradient transformation.
+      batch_size: examples per step (static).
+      burnin_steps: steps before the first window (an integer >= 0).
+      steps_per_sample: steps per window (an integer >= 1).
+      num_samples: number of windows, i.e. of samples (an integer >= 1).
+      average: IASG window means (``True``) or the window's last iterate (``False``).
+
+    Returns:
+      The pure training function; ``samples`` is float32 ``[num_samples, P]`` in
+      :func:`jax.flatten_util.ravel_pytree` order.
+
+    Raises:
+      ValueError: if a count is not an integer in its range or ``average`` is not a bool.
+    """
+    batch_size = _check_count(batch_size, "batch_size")
+    burnin = check_count(burnin_steps, "burnin_steps", minimum=0)
+    every = check_count(steps_per_sample, "steps_per_sample")
+    count = check_count(num_samples, "num_samples")
+    if not isinstance(average, bool):
+        raise ValueError(f"average must be a bool, got {average!r}")
+
+    def init(params):
+        flat = ravel_pytree(params)[0]
+        return jnp.zeros((count, flat.shape[0]), flat.dtype)
+
+    def record(buffer, t, params):
+        flat = ravel_pytree(params)[0]
+        after = t - burnin  # steps done inside the windows
+        if average:  # add the iterate to its window's sum: window (after - 1) // every
+            active = after >= 1
+            slot = jnp.clip((after - 1) // every, 0, count - 1)
+            row = jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(active, row + flat, row), slot, 0)
+        hit = (after >= every) & (after % every == 0)  # the last step of window after // every - 1
+        slot = jnp.clip(after // every - 1, 0, count - 1)
+        row = jax.lax.dynamic_index_in_dim(buffer, slot, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(hit, flat, row), slot, 0)
+
+    recorder = _Recorder(init, record)
+    inner = _scan_trainer(loss_fn, optimizer, batch_size, None, burnin + count * every, recorder)
+    if not average:
+        return inner
+
+    def train(key: PRNGKey, params: Params, data: ClientData):
+        params, sums, info = inner(key, params, data)
+        return params, sums / jnp.asarray(every, sums.dtype), info
 
     return train
 

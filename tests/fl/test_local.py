@@ -9,7 +9,7 @@ import optax
 import pytest
 from helpers import tree_equal
 
-from sidejax.fl import ClientData, build_local_trainer, epoch_order, num_local_steps
+from sidejax.fl import ClientData, build_local_trainer, build_sampling_trainer, epoch_order, num_local_steps
 from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 
 # The recorder federation: 23 examples whose input is their own id; a client owns 17 of them (a permutation)
@@ -82,6 +82,61 @@ def test_schedule_is_exactly_the_documented_one(schedule):
     assert np.abs(w).max() > 0  # the recorder recorded something
     np.testing.assert_array_equal(params["w"], w)
     assert int(info.num_steps) == updates and float(info.loss) == loss and bool(info.finite)
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_sampling_trainer_collects_the_documented_iterates(average):
+    """FedPA's sampler: 3 burn-in steps, then 4 windows of 2 steps (11 steps: past the first epoch and its
+    empty 7th step). The training is the num_steps trainer's, and sample l is the iterate after the last step
+    of window l (average=False) or the float32 mean of the window's iterates (IASG, average=True), all exact
+    against the numpy oracle's iterates (windows of 2: the halving is exact; XLA may divide by another
+    constant as a multiplication by its reciprocal, one ulp away)."""
+    key, data = jax.random.key(11), recorder_client(0, 17)
+    burnin, every, count = 3, 2, 4
+    total = burnin + count * every
+    train = build_sampling_trainer(
+        recorder_loss,
+        optax.sgd(LR, MOMENTUM),
+        batch_size=BATCH,
+        burnin_steps=burnin,
+        steps_per_sample=every,
+        num_samples=count,
+        average=average,
+    )
+    params, samples, info = jax.jit(train)(key, {"w": jnp.zeros(NUM_TOTAL)}, data)
+    iterates = [recorder_oracle(key, data, t)[0] for t in range(1, total + 1)]
+    expected = []
+    for window in range(count):
+        steps = iterates[burnin + window * every : burnin + (window + 1) * every]
+        if average:
+            acc = np.zeros(NUM_TOTAL, np.float32)
+            for w in steps:
+                acc = acc + w
+            expected.append(acc / np.float32(every))
+        else:
+            expected.append(steps[-1])
+    assert samples.shape == (count, NUM_TOTAL) and samples.dtype == jnp.float32
+    np.testing.assert_array_equal(samples, np.stack(expected))
+    assert len({np.asarray(e).tobytes() for e in expected}) == count  # different samples
+    w, updates, loss = recorder_oracle(key, data, total)
+    np.testing.assert_array_equal(params["w"], w)
+    assert int(info.num_steps) == updates and float(info.loss) == loss and bool(info.finite)
+
+
+def test_sampling_trainer_argument_errors(small_model):
+    _, _, loss = small_model
+    opt = optax.sgd(0.1)
+    ok = dict(batch_size=4, burnin_steps=0, steps_per_sample=1, num_samples=2)
+    for name, value, match in [
+        ("burnin_steps", -1, "burnin_steps must be an integer >= 0"),
+        ("steps_per_sample", 0, "steps_per_sample must be an integer >= 1"),
+        ("num_samples", 0, "num_samples must be an integer >= 1"),
+        ("num_samples", 2.0, "num_samples must be an integer >= 1"),
+        ("batch_size", 0, "batch_size must be an integer >= 1"),
+        ("average", 1, "average must be a bool"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            build_sampling_trainer(loss, opt, **{**ok, name: value})
 
 
 def test_num_steps_schedule_vmaps_over_clients_of_different_sizes():
