@@ -13,6 +13,7 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
        └─ ROUND ─ round t
           ├─ SAMPLING                  the participants
           ├─ DOWNLINK                  the broadcast: SHARED / PRIVATE (one stream for every client),
+          │  ├─ EXPERTS ─ DRAWS ─ j    BPC-FL: trajectory j's initialisation, identical on every client
           │  └─ RECIPIENTS ─ client i  a per-recipient stream (server and client i only): SHARED, PRIVATE
           ├─ SERVER                    the server's noise (QLSD)
           └─ CLIENTS ─ client i        i = global client id
@@ -26,9 +27,12 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
                 └─ TRAIN ─ EPOCHS ─ epoch e
                    │  ├─ ORDER         the epoch's example order
                    │  └─ STEPS ─ step s   passed to loss_fn (FedPM: MASK uniforms, LOSS)
-                   └─ TRACKS ─ track   pFedBayes' variational tracks, each with EPOCHS ─ 0 ─ STEPS ─
-                                       iteration r: ORDER (the minibatch), DRAWS ─ the reparameterisation
-                                       noise of inner step p, MC sample k (draw p·K + k)
+                   ├─ TRACKS ─ track   pFedBayes' variational tracks, each with EPOCHS ─ 0 ─ STEPS ─
+                   │                   iteration r: ORDER (the minibatch), DRAWS ─ the reparameterisation
+                   │                   noise of inner step p, MC sample k (draw p·K + k)
+                   ├─ EXPERTS          BPC-FL: the client's expert-trajectory minibatches (DRAWS ─ j ─ ORDER)
+                   └─ PSEUDOCORESET    BPC-FL: DRAWS ─ 0 the initial pseudo-inputs, DRAWS ─ 1 the BPC-fKL
+                                       learner (pairs and noise of update u: DRAWS ─ 2u, 2u + 1)
 
 Two rules make a collision between two streams impossible by construction (up to a 2^-64 hash accident):
 
@@ -95,6 +99,8 @@ __all__ = [
     "POSTERIOR",
     "PROJECTIONS",
     "SUBSETS",
+    "EXPERTS",
+    "PSEUDOCORESET",
     "TAGS",
     "ClientKeys",
     "ClientStreams",
@@ -147,6 +153,9 @@ PROJECTIONS = (
     27  # private key -> the posterior samples of a coreset's Monte-Carlo projection (DRAWS: sample s)
 )
 SUBSETS = 28  # private key -> a client's initial random coreset / fixed random subset (CoreSet-PFedBayes)
+#: BPC-FL: downlink key -> the shared expert initialisations (every client); train key -> its minibatches
+EXPERTS = 29
+PSEUDOCORESET = 30  # train key -> BPC-FL's pseudocoreset: its initialisation (draw 0) and learner (draw 1)
 
 #: name of every tag (what :func:`record_keys` reports for a tag derivation)
 TAGS = {
@@ -180,9 +189,11 @@ TAGS = {
         POSTERIOR=POSTERIOR,
         PROJECTIONS=PROJECTIONS,
         SUBSETS=SUBSETS,
+        EXPERTS=EXPERTS,
+        PSEUDOCORESET=PSEUDOCORESET,
     ).items()
 }
-assert len(TAGS) == 28, "tag values must be distinct"
+assert len(TAGS) == 30, "tag values must be distinct"
 
 
 class ClientKeys(NamedTuple):

@@ -12,12 +12,15 @@ import numpy as np
 import optax
 
 from sidejax.algorithms import (
+    BPCFLSettings,
     FedPASettings,
     LangevinSettings,
     bicompfl_pr,
+    bpcfl,
     fedavg,
     fedpa,
     fedpm,
+    hmc_inference,
     qlsd,
     qsgd,
     sgld,
@@ -41,6 +44,7 @@ from sidejax.keys import (
     run_keys,
 )
 from sidejax.lattices import integer_lattice
+from sidejax.models import init_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +106,7 @@ SMALL_KLMS = klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=64))
 BI_FIXED = KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=64)
 
 
-def _all_algorithms(loss):
+def _all_algorithms(loss, spec=None):
     common = dict(clients_per_round=3)
     local = dict(batch_size=32, num_epochs=2)
     lang = dict(num_clients=10, clients_per_round=3, settings=LangevinSettings(batch_size=32))
@@ -155,6 +159,37 @@ def _all_algorithms(loss):
             coreset=CoresetSettings(projection_samples=6),
             **common,
         ),
+        # BPC-FL (one round, every client): shared expert initialisations (EXPERTS under the downlink key),
+        # each client's minibatches (EXPERTS under TRAIN, DRAWS, ORDER), its pseudocoreset (PSEUDOCORESET:
+        # init draw 0, learner draw 1 and its updates' draws), the server's HMC (SERVER, DRAWS)
+        "bpcfl": bpcfl(
+            loss,
+            lambda key: init_params(key, spec),
+            input_shape=(8, 8, 1),
+            num_clients=10,
+            settings=BPCFLSettings(
+                num_points=2,
+                num_classes=10,
+                prior_precision=0.1,
+                init_std=0.5,
+                num_updates=2,
+                step_size_inputs=1e-2,
+                step_size_labels=0.0,
+                pairs_per_update=2,
+                num_noise=2,
+                noise_std=1e-2,
+                num_trajectories=2,
+                pretrain_steps=10,
+                pretrain_batch_size=8,
+                pretrain_optimizer=optax.sgd(1e-2),
+                chain_optimizer=optax.sgd(1e-2),
+                data_chain_length=5,
+                coreset_chain_length=2,
+            ),
+            inference=hmc_inference(
+                step_size=1e-3, num_integration_steps=2, inverse_mass_matrix=1.0, num_burnin=1, num_samples=2
+            ),
+        ),
     }
 
 
@@ -201,6 +236,15 @@ _EXPECTED["coreset_pfedbayes"] = _ROUND | {
     "PROJECTIONS",
     "SUBSETS",
 }
+_EXPECTED["bpcfl"] = _ROUND | {
+    "TRAIN",
+    "EXPERTS",
+    "PSEUDOCORESET",
+    "DRAWS",
+    "draw",
+    "ORDER",
+    "SERVER",
+}
 _EXPECTED["bicompfl_pr_splitdl"] = _EXPECTED["fedpm"] | {"DRAWS", "draw", "RECIPIENTS", "recipient"}
 
 
@@ -213,11 +257,11 @@ def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digi
     Before the fix, client 2's key equalled the round's sampling key (``fold_in(round_key, 2)``,
     SAMPLING = 2), client 3's the downlink key and client 7's the server key, and FedAvg's second-epoch key
     ``fold_in(private, 1)`` equalled the sampling stream of the compressed methods."""
-    _, params, loss = small_model
+    spec, params, loss = small_model
     init_key, rounds_key = run_keys(0)
     derivations = defaultdict(set)
     names_by_algorithm = {}
-    for name, algo in _all_algorithms(loss).items():
+    for name, algo in _all_algorithms(loss, spec).items():
         with record_keys() as records:
             state = algo.init(init_key, params, 10)
             jax.jit(build_round_step(algo, client_map="map"))(round_key(rounds_key, 0), state, digits_fed)

@@ -15,12 +15,27 @@
   per-client noise levels.
 - :func:`pfedbayes`, :func:`pfedbayes_subset`, :func:`coreset_pfedbayes`: personalized variational Bayesian
   FL (pFedBayes), its RandomSubset baseline, and CoreSet-PFedBayes (A-IHT coreset weights per client).
+- :func:`bpcfl`: BPC-FL, one-shot Bayesian FL with function-space pseudocoresets (one upload per client,
+  then MAP / HMC / SGLD on the aggregated pseudocoreset: :func:`map_inference`, :func:`hmc_inference`,
+  :func:`sgld_inference`).
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 - :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
   (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
 """
 
 from sidejax.algorithms.bicompfl import bicompfl_gr, bicompfl_gr_reconst, bicompfl_pr, fixed_rates
+from sidejax.algorithms.bpcfl import (
+    BPCFLServer,
+    BPCFLSettings,
+    Inference,
+    InferenceResult,
+    bpcfl,
+    check_client_sizes,
+    hmc_inference,
+    map_inference,
+    sgld_inference,
+    uplink_floats,
+)
 from sidejax.algorithms.cepam import CepamClient, CepamServer, cepam, sampled_sgd
 from sidejax.algorithms.compressed import (
     CompressedClientState,
@@ -81,6 +96,16 @@ from sidejax.algorithms.qsgd import (
 from sidejax.algorithms.signsgd import sign_law, signsgd, stochastic_sign_probs
 
 __all__ = [
+    "bpcfl",
+    "BPCFLSettings",
+    "BPCFLServer",
+    "Inference",
+    "InferenceResult",
+    "map_inference",
+    "hmc_inference",
+    "sgld_inference",
+    "check_client_sizes",
+    "uplink_floats",
     "pfedbayes",
     "pfedbayes_subset",
     "coreset_pfedbayes",

@@ -486,3 +486,79 @@ def test_hidden_unit_permutations_leave_the_function_and_the_coreset_gradient_un
     averaged = jax.tree.map(lambda a, b: (a + b) / 2, params, permuted)
     drift = np.abs(np.asarray(spec.module.apply({"params": averaged}, x)) - np.asarray(f)).max()
     assert drift > 1e-2, drift
+
+
+def _gaussian_kl(mu1, cov1, mu2, cov2) -> float:
+    """KL(N(mu1, cov1) || N(mu2, cov2)) in float64."""
+    d = mu1.shape[0]
+    inv2 = np.linalg.inv(cov2)
+    diff = mu2 - mu1
+    _, logdet1 = np.linalg.slogdet(cov1)
+    _, logdet2 = np.linalg.slogdet(cov2)
+    return 0.5 * (np.trace(inv2 @ cov1) + diff @ inv2 @ diff - d + logdet2 - logdet1)
+
+
+def test_product_of_client_posteriors_is_the_full_posterior_and_exact_pseudocoresets_recover_it():
+    """T1 (eq. 2, float64): Bayesian linear regression over M = 4 clients. The global posterior
+    (Λ = Λ0 + Σ_m Φ_mᵀΦ_m/σ², Λμ = Λ0μ0 + Σ_m Φ_mᵀy_m/σ²) equals p0^{1−M} Π_m p(θ|D_m) in natural parameters
+    to 1e-10. Then each client's exact pseudocoreset (K = P, Φ_Z = Lᵀ, ŷ = L⁻¹Φ_Xᵀy, as in T2), sent
+    through the library's aggregation (equal n_m: weights 1) and coreset_logdensity, gives exactly the
+    full-data posterior: its Hessian is −Λ and its mode is μ."""
+    from sidejax.utils import enable_x64
+
+    rng = np.random.default_rng(11)
+    p, m, n = 3, 4, 15
+    lam = 0.7
+    mu0, lam0 = np.zeros(p), lam * np.eye(p)  # the library's prior is N(0, λ⁻¹ I)
+    phis = [rng.normal(size=(n, p)) for _ in range(m)]
+    ys = [phi @ np.array([1.0, -2.0, 0.5]) + SIGMA * rng.normal(size=n) for phi in phis]
+    prec = lam0 + sum(phi.T @ phi for phi in phis) / SIGMA**2
+    shift = lam0 @ mu0 + sum(phi.T @ y for phi, y in zip(phis, ys, strict=True)) / SIGMA**2
+    mu = np.linalg.solve(prec, shift)
+    local_prec = [lam0 + phi.T @ phi / SIGMA**2 for phi in phis]
+    local_shift = [lam0 @ mu0 + phi.T @ y / SIGMA**2 for phi, y in zip(phis, ys, strict=True)]
+    product_prec = sum(local_prec) - (m - 1) * lam0
+    product_shift = sum(local_shift) - (m - 1) * lam0 @ mu0
+    np.testing.assert_allclose(product_prec, prec, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.linalg.solve(product_prec, product_shift), mu, rtol=1e-10, atol=1e-12)
+
+    zs, yhats = [], []
+    for phi, y in zip(phis, ys, strict=True):
+        chol = np.linalg.cholesky(phi.T @ phi)
+        zs.append(chol.T)
+        yhats.append(np.linalg.solve(chol, phi.T @ y))
+    with enable_x64():
+        coresets = Pseudocoreset(jnp.asarray(np.stack(zs)), jnp.asarray(np.stack(yhats)))
+        flat, w = aggregate_pseudocoresets(coresets, jnp.full((m,), n))
+        np.testing.assert_array_equal(np.asarray(w), 1.0)
+
+        def log_lik(theta, z, yhat):
+            return -((yhat - z @ theta) ** 2) / (2 * SIGMA**2)
+
+        logd = coreset_logdensity(log_lik, flat, w.astype(jnp.float64), prior_precision=lam)
+        hess = np.asarray(jax.hessian(logd)(jnp.zeros(p, jnp.float64)))
+        grad_at_mu = np.asarray(jax.grad(logd)(jnp.asarray(mu)))
+    np.testing.assert_allclose(-hess, prec, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(grad_at_mu, 0.0, atol=1e-10 * np.abs(shift).max())
+
+
+def test_a_linear_map_never_increases_the_kl_between_gaussians():
+    """T7 (eq. 5, the data-processing inequality behind function space): for Gaussians and a linear map A,
+    KL(N(Aμ1, AΣ1Aᵀ) || N(Aμ2, AΣ2Aᵀ)) <= KL(N(μ1, Σ1) || N(μ2, Σ2)), over 200 random instances (maps to
+    fewer dimensions, square and well conditioned; equality for an invertible A)."""
+    rng = np.random.default_rng(5)
+    gaps = []
+    for trial in range(200):
+        d = int(rng.integers(2, 7))
+        k = int(rng.integers(1, d + 1))
+        mu1, mu2 = rng.normal(size=d), rng.normal(size=d)
+        b1, b2 = rng.normal(size=(d, d)), rng.normal(size=(d, d))
+        cov1, cov2 = b1 @ b1.T + 0.1 * np.eye(d), b2 @ b2.T + 0.1 * np.eye(d)
+        a = rng.normal(size=(k, d))
+        kl = _gaussian_kl(mu1, cov1, mu2, cov2)
+        kl_mapped = _gaussian_kl(a @ mu1, a @ cov1 @ a.T, a @ mu2, a @ cov2 @ a.T)
+        assert kl_mapped <= kl * (1 + 1e-9) + 1e-12, (trial, kl_mapped, kl)
+        gaps.append(kl - kl_mapped)
+        if k == d:  # an invertible map keeps the KL
+            np.testing.assert_allclose(kl_mapped, kl, rtol=1e-7)
+    assert max(gaps) > 1e-2  # the inequality is strict for maps that lose dimensions
