@@ -5,6 +5,7 @@ algorithm (:meth:`experiments.methods.MethodConfig.build`) with the coder its co
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from experiments.config import ExperimentConfig, default_config
 from experiments.methods import OPTIMIZERS, SHORTCUTS, make_optimizer
@@ -52,9 +53,27 @@ def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:
     return config.coder.klms_config(**values)
 
 
-def build_algorithm(config: ExperimentConfig, loss_fn: Callable) -> Algorithm:
-    """The algorithm of ``config``'s method, sending its messages with ``config``'s coder."""
+class ModelContext(NamedTuple):
+    """What a method that trains from the network's initialisation needs besides the loss (BPC-FL's shared
+    expert initialisations and pseudo-input shapes): ``init_fn(key) -> params``, one example's
+    ``input_shape`` and ``num_classes``."""
+
+    init_fn: Callable
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def build_algorithm(
+    config: ExperimentConfig, loss_fn: Callable, model: ModelContext | None = None
+) -> Algorithm:
+    """The algorithm of ``config``'s method, sending its messages with ``config``'s coder; a method with
+    ``needs_model`` (BPC-FL) also gets ``model``."""
     coder = config.coder.build(config.method, client_strategy=resolve_client_strategy(config))
+    extra = {"model": model} if getattr(config.method, "needs_model", False) else {}
     return config.method.build(
-        loss_fn, coder, num_clients=config.data.num_clients, clients_per_round=config.clients_per_round
+        loss_fn,
+        coder,
+        num_clients=config.data.num_clients,
+        clients_per_round=config.clients_per_round,
+        **extra,
     )

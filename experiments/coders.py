@@ -20,6 +20,8 @@ Which coders a method accepts is the method's choice (:attr:`experiments.methods
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -39,6 +41,7 @@ from sidejax.coding import (
     klms_coder,
     lrsuq_coder,
     mask_coder,
+    pseudocoreset_coder,
     scaled_sign_coder,
     sdq_coder,
 )
@@ -145,6 +148,18 @@ class Float32CoderConfig(CoderConfig):
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         return float32_coder()
+
+
+@dataclass(frozen=True)
+class PseudocoresetCoderConfig(CoderConfig):
+    """BPC-FL's uplink of a pseudocoreset, :func:`sidejax.coding.pseudocoreset_coder` (no fields): K·D
+    float32 inputs, K labels in ceil(log2 C) bits each, the example count in 32 bits. Its label width depends
+    on the dataset, so :meth:`build` returns the factory ``coder(num_classes)`` the method calls."""
+
+    name: ClassVar[str] = "pseudocoreset"
+
+    def build(self, method: MethodConfig, *, client_strategy: str) -> Callable[[int | None], Coder]:
+        return functools.partial(pseudocoreset_coder, method.num_points)
 
 
 @dataclass(frozen=True)
@@ -353,5 +368,6 @@ CODERS: dict[str, type[CoderConfig]] = {
         LRSUQCoderConfig,
         NoiseCoderConfig,
         SDQCoderConfig,
+        PseudocoresetCoderConfig,
     )
 }

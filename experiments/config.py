@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 from experiments.coders import CODERS, CoderConfig, Float32CoderConfig
 from experiments.methods import METHODS, FedAvgConfig, MethodConfig, algorithm_name, parse_algorithm
 from experiments.sections import Section, choice, coerce_value
-from sidejax.data import DATASETS, PARTITION_KINDS
+from sidejax.data import DATASETS, EMNIST_SUBSETS, PARTITION_KINDS
 from sidejax.models import MODELS
 
 __all__ = [
@@ -75,6 +75,9 @@ class RunConfig(Section):
       client_strategy: auto (the library's backend default, sidejax.fl.default_client_strategy: map on CPU,
         vmap on GPU/TPU), or map (sequential) / vmap to force one.
       stop_at_accuracy: stop once test accuracy (a fraction, e.g. 0.9) reaches this (unset: never).
+      init_from: the results folder of a finished run whose final model (its final_params/, for a posterior
+        the first sample) starts this run instead of a fresh initialisation (BPC-FL's MAP as a FedAvg warm
+        start); it must be the same model (unset: a fresh initialisation from the seed).
     """
 
     table: ClassVar[str] = "run"
@@ -84,6 +87,7 @@ class RunConfig(Section):
     eval_batch_size: int = 1000
     client_strategy: str = choice("auto", ("auto", "map", "vmap"))
     stop_at_accuracy: float | None = None
+    init_from: str | None = None
 
     def check(self) -> None:
         self.require(self.seed >= 0, "seed", "must be >= 0")
@@ -121,6 +125,7 @@ class DataConfig(Section):
         needed by) partition pfedme.
       train_fraction: fraction of a client's examples in its train set (the rest is its test set), in (0, 1),
         for (and needed by) partition pfedme.
+      subset: the EMNIST split, for dataset emnist (byclass: EMNIST-62, BPC-FL's; unset: balanced).
       train_subset: use a fixed random subset of this many training examples (reduced-scale runs; unset:
         all of them); not with partition pfedme, which sets the clients' sizes itself.
     """
@@ -133,6 +138,7 @@ class DataConfig(Section):
         "labels_per_client": ("partition", ("pfedme",), True),
         "examples_per_label": ("partition", ("pfedme",), True),
         "train_fraction": ("partition", ("pfedme",), True),
+        "subset": ("dataset", ("emnist",), False),
     }
 
     dataset: str = choice("digits", tuple(DATASETS))
@@ -147,9 +153,15 @@ class DataConfig(Section):
     examples_per_label: int | None = None
     train_fraction: float | None = None
     train_subset: int | None = None
+    subset: str | None = None
 
     def check(self) -> None:
         self.require(self.num_clients >= 1, "num_clients", "must be >= 1")
+        self.require(
+            self.subset is None or self.subset in EMNIST_SUBSETS,
+            "subset",
+            f"must be one of {', '.join(EMNIST_SUBSETS)} (or unset: balanced)",
+        )
         self.require(0 < self.participation <= 1, "participation", "must be in (0, 1]")
         for name in (
             "c_max",
@@ -179,6 +191,10 @@ class DataConfig(Section):
     def per_client_test(self) -> bool:
         """Whether every client has its own test set (partition pfedme)."""
         return self.partition == PFEDME
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`sidejax.data.load_dataset` (EMNIST's subset when set)."""
+        return {"subset": self.subset} if self.subset is not None else {}
 
     def partition_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`sidejax.data.partition` for :attr:`partition`; for ``pfedme``
@@ -220,6 +236,17 @@ class ExperimentConfig:
         if not isinstance(self.coder, CoderConfig):
             raise TypeError(f"coder must be a CoderConfig, got {self.coder!r}")
         self.method.check_coder(self.coder)
+        if getattr(self.method, "one_shot", False):
+            if self.run.rounds != 1:
+                raise ValueError(
+                    f"run.rounds must be 1 for {self.method.name}: it is one-shot (every client uploads "
+                    f"once); got {self.run.rounds}"
+                )
+            if self.data.clients_per_round != self.data.num_clients:
+                raise ValueError(
+                    f"data.participation must be 1 for {self.method.name}: it is one-shot, every client "
+                    f"uploads in its one round; got participation {self.data.participation}"
+                )
 
     @property
     def algorithm(self) -> str:

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.algorithms import build_algorithm, client_map
+from experiments import checkpoint
+from experiments.algorithms import ModelContext, build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import TABLES, ExperimentConfig, OldConfigError, config_from_dict
 from sidejax.coding import stream_errors
@@ -81,6 +82,7 @@ METRIC_COLUMNS = (
     "round",
     "test_accuracy",
     "test_loss",
+    "test_ece",
     "train_loss",
     "uplink_bpp",
     "downlink_bpp",
@@ -220,8 +222,8 @@ def prepare(config: ExperimentConfig) -> Prepared:
       a :class:`Prepared` ``(algorithm, spec, fed, (x_test, y_test), client_test)``.
     """
     data, seed = config.data, config.run.seed
-    train = load_dataset(data.dataset, "train")
-    test = load_dataset(data.dataset, "test")
+    train = load_dataset(data.dataset, "train", **data.dataset_kwargs())
+    test = load_dataset(data.dataset, "test", **data.dataset_kwargs())
     client_test = None
     if data.per_client_test:
         if data.train_subset is not None:  # DataConfig refuses it; a guard for hand-built configs
@@ -242,9 +244,17 @@ def prepare(config: ExperimentConfig) -> Prepared:
             x, y = x[keep], y[keep]
         parts = partition(data.partition, y, data.num_clients, seed=seed, **data.partition_kwargs())
         x_test, y_test = test.x, test.y
+    check_data = getattr(config.method, "check_data", None)
+    if check_data is not None:  # e.g. BPC-FL: a pseudocoreset larger than a client's data
+        check_data([len(p) for p in parts])
     fed = make_federated_data(x, y, parts)
     spec = get_model(data.model, num_classes=train.num_classes, input_shape=tuple(x.shape[1:]))
-    algorithm = build_algorithm(config, classification_loss(spec.module.apply))
+    extra = {}
+    if getattr(config.method, "needs_model", False):  # BPC-FL: shared initialisations, the inputs' shape
+        extra["model"] = ModelContext(
+            lambda key: init_params(key, spec), tuple(x.shape[1:]), train.num_classes
+        )
+    algorithm = build_algorithm(config, classification_loss(spec.module.apply), **extra)
     return Prepared(algorithm, spec, fed, (jnp.asarray(x_test), jnp.asarray(y_test)), client_test)
 
 
@@ -499,6 +509,35 @@ RUN_FILES = (
 """The files a run writes in its folder (besides ``checkpoint/``): what ``overwrite`` removes."""
 
 
+#: the folder (a checksummed checkpoint file) holding a finished run's final model: the evaluated parameters,
+#: or the first posterior sample of an ensemble (BPC-FL + SGD/Adam: the MAP estimate); what ``run.init_from``
+#: of another run loads (BPC-FL as a FedAvg warm start, spec bpcfl.md A6)
+FINAL_PARAMS = "final_params"
+
+
+def load_init_params(folder: str | Path, template):
+    """The final model of the finished run in ``folder`` (``FINAL_PARAMS``), shaped like ``template``.
+
+    Raises:
+      FileNotFoundError: ``folder`` holds no finished run's final model.
+      ValueError: the model does not match ``template`` (another architecture), or the file is damaged.
+    """
+    path = Path(folder) / FINAL_PARAMS
+    if not checkpoint_exists(path):
+        raise FileNotFoundError(
+            f"run.init_from={str(folder)!r}: no {FINAL_PARAMS}/ there; it must be the results folder of a "
+            f"finished run (every run writes its final model when it ends)"
+        )
+    try:
+        params, meta = load_checkpoint(path, template)
+    except CheckpointError as e:
+        raise ValueError(
+            f"run.init_from={str(folder)!r}: its final model cannot initialise this run ({e}); it must be a "
+            f"run of the same data.model on the same data"
+        ) from e
+    return params, meta
+
+
 class RunExistsError(FileExistsError):
     """The output folder already holds a run, and neither ``resume`` nor ``overwrite`` was asked for."""
 
@@ -516,8 +555,9 @@ def is_run_folder(output_dir: str | Path) -> bool:
 def _remove_run(out: Path) -> None:
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    if (out / "checkpoint").is_dir():
-        shutil.rmtree(out / "checkpoint")
+    for folder in ("checkpoint", FINAL_PARAMS):
+        if (out / folder).is_dir():
+            shutil.rmtree(out / folder)
 
 
 def check_resumable_folder(output_dir: str | Path) -> None:
@@ -618,6 +658,8 @@ def run_experiment(
     rounds = config.run.rounds
     init_key, rounds_key = run_keys(config.run.seed)
     params = init_params(init_key, spec)
+    if config.run.init_from:  # e.g. BPC-FL's MAP estimate as FedAvg's start (spec bpcfl.md A6)
+        params, _ = load_init_params(config.run.init_from, params)
     num_params = count_params(params)
     state = algorithm.init(init_key, params, int(fed.num_examples.shape[0]))
     rows: list[dict[str, Any]] = []
@@ -691,7 +733,7 @@ def run_experiment(
         _check_streams(infos, ckpt_dir, done)
         state = new_state
         ev = evaluate(algorithm.eval_params(state), x_test, y_test)
-        acc, tloss = float(ev.accuracy), float(ev.loss)
+        acc, tloss, tece = float(ev.accuracy), float(ev.loss), float(ev.ece)
         personal_ev = {}
         if personal:
             pev = client_mean(
@@ -715,6 +757,7 @@ def run_experiment(
                     "round": done + s + 1,
                     "test_accuracy": acc if last else None,
                     "test_loss": tloss if last else None,
+                    "test_ece": tece if last else None,
                     "train_loss": float(train_loss[s]),
                     "uplink_bpp": float(up[s].mean() / num_params),
                     "downlink_bpp": float(down[s].mean() / num_params),
@@ -744,6 +787,16 @@ def run_experiment(
             if verbose:
                 bar.write(f"reached run.stop_at_accuracy={stop_at} at round {done}")
     bar.close()
+    if algorithm.eval_axis in (None, "sample"):
+        final = algorithm.eval_params(state)
+        if algorithm.eval_axis == "sample":
+            final = jax.tree.map(lambda a: a[0], final)
+        # (also written by a resume of a finished run, so an interrupt while writing it loses nothing)
+        checkpoint.save_checkpoint(
+            out / FINAL_PARAMS,
+            final,
+            {"algorithm": config.algorithm, "round": done, "sample": 0 if algorithm.eval_axis else None},
+        )
 
     accs = [r["test_accuracy"] for r in rows if r["test_accuracy"] is not None]
     personal_accs = [r["personal_accuracy"] for r in rows if r.get("personal_accuracy") is not None]

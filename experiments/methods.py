@@ -21,18 +21,23 @@ import optax
 from experiments.coders import CODERS, CoderConfig
 from experiments.sections import Section, choice
 from sidejax.algorithms import (
+    BPCFLSettings,
     FedPASettings,
     LangevinSettings,
     bicompfl_gr,
     bicompfl_gr_reconst,
     bicompfl_pr,
+    bpcfl,
     cepam,
+    check_client_sizes,
     coreset_pfedbayes,
     cser,
     doublesqueeze,
     fedavg,
     fedpa,
     fedpm,
+    hmc_inference,
+    map_inference,
     memsgd,
     neolithic,
     pfedbayes,
@@ -40,6 +45,7 @@ from sidejax.algorithms import (
     qlsd,
     qsgd,
     sgld,
+    sgld_inference,
     signsgd,
 )
 from sidejax.algorithms.fedpa import SHRINKAGE_FORMS
@@ -73,6 +79,7 @@ __all__ = [
     "PFedBayesConfig",
     "PFedBayesSubsetConfig",
     "CoresetPFedBayesConfig",
+    "BPCFLConfig",
     "FedPAConfig",
     "ERROR_FEEDBACK_METHODS",
     "METHODS",
@@ -1004,6 +1011,212 @@ class FedPAConfig(MethodConfig):
         )
 
 
+@dataclass(frozen=True)
+class BPCFLConfig(MethodConfig):
+    """BPC-FL (:func:`sidejax.algorithms.bpcfl`): one round in which every client uploads a learned
+    pseudocoreset, then downstream inference on the server. Defaults: the paper's 2-D moons column (spec
+    bpcfl.md Tables 2 and 7); full-batch pretraining (spec §8.5: 20 points < the batch size 50).
+
+    Attributes:
+      num_points: K, pseudo-points per client.
+      prior_precision: lambda of the Gaussian prior N(0, 1/lambda I).
+      init_std: sigma_z, std of the initial pseudo-inputs around the client's mean input.
+      num_updates: BPC-fKL updates (the paper's "client update steps").
+      step_size_inputs: psi_x, SGD step on the pseudo-inputs.
+      pairs_per_update: B_w, (trajectory, start) pairs per update ("weight mc samples per update").
+      num_noise: S, noise draws per pair.
+      noise_std: sigma_eps.
+      num_trajectories: J, expert trajectories per client (shared initialisations).
+      pretrain_steps: T_pre (only max_start + L_D steps are run: later checkpoints are never drawn).
+      pretrain_batch_size: minibatch of pretraining (unset: full batch).
+      pretrain_lr: learning rate of pretraining (with the sampler's optimizer, spec §8.6).
+      sampler: the inner chain's optimizer, the paper's "mcmc sampler" (sgd or adam).
+      sampler_lr: eta, its step size.
+      data_chain_length: L_D in optimizer steps (a multiple of 5).
+      coreset_chain_length: L_C.
+      max_start: the latest start checkpoint r in steps (unset: L_D, the literal "r <= L_D").
+      likelihood_scale: beta, the server posterior's likelihood scale.
+      trajectories_per_step: trajectories pretrained at once (unset: all; fewer bound the memory).
+      inference: the server's downstream inference: sgd or adam (MAP), hmc (blackjax), sgld.
+      map_lr: learning rate of the MAP optimizer (sgd, adam, and hmc_start = map).
+      map_steps: MAP steps.
+      hmc_step_size: HMC leapfrog step epsilon.
+      hmc_inverse_mass: c of the inverse mass matrix c I.
+      hmc_integration_steps: L, leapfrog steps per transition.
+      hmc_burnin: transitions before the first kept sample (the paper's "number of steps").
+      hmc_samples: samples kept.
+      hmc_mode: consecutive (burn-in then consecutive states) or chains (independent chains, final states).
+      hmc_start: init (the network initialisation) or map (the MAP estimate).
+      sgld_step_size: SGLD step.
+      sgld_burnin: SGLD steps before the first sample.
+      sgld_samples: SGLD samples kept.
+      sgld_thinning: SGLD steps between kept samples.
+    """
+
+    name: ClassVar[str] = "bpcfl"
+    coders: ClassVar[tuple[str, ...]] = ("pseudocoreset",)
+    default_coder: ClassVar[str] = "pseudocoreset"
+    run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
+    #: the method runs exactly one round with every client (experiments.config checks it)
+    one_shot: ClassVar[bool] = True
+    #: build() needs the model's initialiser, input shape and number of classes
+    needs_model: ClassVar[bool] = True
+
+    num_points: int = 5
+    prior_precision: float = 0.1
+    init_std: float = 0.6
+    num_updates: int = 700
+    step_size_inputs: float = 1e-3
+    pairs_per_update: int = 20
+    num_noise: int = 10
+    noise_std: float = 1e-2
+    num_trajectories: int = 100
+    pretrain_steps: int = 400
+    pretrain_batch_size: int | None = None
+    pretrain_lr: float = 1e-2
+    sampler: str = choice("adam", ("sgd", "adam"))
+    sampler_lr: float = 1e-2
+    data_chain_length: int = 150
+    coreset_chain_length: int = 200
+    max_start: int | None = None
+    likelihood_scale: float = 1.0
+    trajectories_per_step: int | None = None
+    inference: str = choice("sgd", ("sgd", "adam", "hmc", "sgld"))
+    map_lr: float = 2e-2
+    map_steps: int = 500
+    hmc_step_size: float = 2e-3
+    hmc_inverse_mass: float = 100.0
+    hmc_integration_steps: int = 30
+    hmc_burnin: int = 40
+    hmc_samples: int = 50
+    hmc_mode: str = choice("consecutive", ("consecutive", "chains"))
+    hmc_start: str = choice("init", ("init", "map"))
+    sgld_step_size: float = 1e-4
+    sgld_burnin: int = 1000
+    sgld_samples: int = 50
+    sgld_thinning: int = 10
+
+    def check(self) -> None:
+        for name in ("num_points", "num_updates", "pairs_per_update", "num_noise", "num_trajectories"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        for name in ("pretrain_steps", "map_steps", "hmc_integration_steps", "hmc_samples", "sgld_samples"):
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(self.sgld_thinning >= 1, "sgld_thinning", "must be >= 1")
+        for name in ("coreset_chain_length", "hmc_burnin", "sgld_burnin"):
+            self.require(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("data_chain_length", "max_start"):
+            value = getattr(self, name)
+            self.require(
+                value is None or (value >= 0 and value % 5 == 0), name, "must be a multiple of 5 (>= 0)"
+            )
+        start = self.data_chain_length if self.max_start is None else self.max_start
+        self.require(
+            start + self.data_chain_length <= self.pretrain_steps,
+            "pretrain_steps",
+            "must be >= max_start + data_chain_length (spec T10: r + L_D <= T_pre)",
+        )
+        for name in (
+            "prior_precision",
+            "init_std",
+            "pretrain_lr",
+            "sampler_lr",
+            "likelihood_scale",
+            "map_lr",
+            "hmc_step_size",
+            "hmc_inverse_mass",
+            "sgld_step_size",
+        ):
+            self.require(getattr(self, name) > 0, name, "must be > 0")
+        self.require(self.step_size_inputs >= 0, "step_size_inputs", "must be >= 0")
+        self.require(self.noise_std >= 0, "noise_std", "must be >= 0")
+        for name in ("pretrain_batch_size", "trajectories_per_step"):
+            value = getattr(self, name)
+            self.require(value is None or value >= 1, name, "must be >= 1 (or unset)")
+
+    def check_data(self, client_sizes) -> None:
+        """Refuses a federation in which a client has fewer than ``num_points`` examples, or none at all
+        (:func:`sidejax.algorithms.check_client_sizes`), before anything runs."""
+        check_client_sizes(self.num_points, client_sizes)
+
+    def settings(self, num_classes: int) -> BPCFLSettings:
+        """The library's :class:`sidejax.algorithms.BPCFLSettings` (classification with ``num_classes``)."""
+        sampler = make_optimizer(self.sampler, self.sampler_lr)
+        return BPCFLSettings(
+            num_points=self.num_points,
+            num_classes=num_classes,
+            prior_precision=self.prior_precision,
+            init_std=self.init_std,
+            num_updates=self.num_updates,
+            step_size_inputs=self.step_size_inputs,
+            step_size_labels=0.0,
+            pairs_per_update=self.pairs_per_update,
+            num_noise=self.num_noise,
+            noise_std=self.noise_std,
+            num_trajectories=self.num_trajectories,
+            pretrain_steps=self.pretrain_steps,
+            pretrain_batch_size=self.pretrain_batch_size,
+            pretrain_optimizer=make_optimizer(self.sampler, self.pretrain_lr),
+            chain_optimizer=sampler,
+            data_chain_length=self.data_chain_length,
+            coreset_chain_length=self.coreset_chain_length,
+            max_start=self.max_start,
+            likelihood_scale=self.likelihood_scale,
+            trajectories_per_step=self.trajectories_per_step,
+        )
+
+    def inference_kernel(self):
+        """The :class:`sidejax.algorithms.Inference` of :attr:`inference`."""
+        if self.inference in ("sgd", "adam"):
+            return map_inference(
+                make_optimizer(self.inference, self.map_lr), self.map_steps, name=self.inference
+            )
+        if self.inference == "hmc":
+            start = map_inference(optax.sgd(self.map_lr), self.map_steps) if self.hmc_start == "map" else None
+            return hmc_inference(
+                step_size=self.hmc_step_size,
+                num_integration_steps=self.hmc_integration_steps,
+                inverse_mass_matrix=self.hmc_inverse_mass,
+                num_burnin=self.hmc_burnin,
+                num_samples=self.hmc_samples,
+                mode=self.hmc_mode,
+                start=start,
+            )
+        return sgld_inference(
+            step_size=self.sgld_step_size,
+            num_burnin=self.sgld_burnin,
+            num_samples=self.sgld_samples,
+            thinning=self.sgld_thinning,
+        )
+
+    def build(
+        self,
+        loss_fn: Callable,
+        coder: Callable,
+        *,
+        num_clients: int,
+        clients_per_round: int,
+        model: Any = None,
+    ) -> Algorithm:
+        """``coder`` is the pseudocoreset coder config's factory ``coder(num_classes)`` (the stream's label
+        width depends on the dataset); ``model`` the :class:`experiments.algorithms.ModelContext`."""
+        if model is None:
+            raise ValueError("bpcfl needs the model context (init_fn, input_shape, num_classes) to build")
+        if clients_per_round != num_clients:
+            raise ValueError(
+                f"bpcfl is one-shot: every client uploads once, so data.participation must be 1 (got "
+                f"{clients_per_round} of {num_clients} clients per round)"
+            )
+        return bpcfl(
+            loss_fn,
+            model.init_fn,
+            input_shape=model.input_shape,
+            num_clients=num_clients,
+            settings=self.settings(model.num_classes),
+            inference=self.inference_kernel(),
+            coder=coder(model.num_classes),
+        )
+
+
 #: the method configs by ``[method] name``
 METHODS: dict[str, type[MethodConfig]] = {
     m.name: m
@@ -1023,6 +1236,7 @@ METHODS: dict[str, type[MethodConfig]] = {
         PFedBayesSubsetConfig,
         CoresetPFedBayesConfig,
         FedPAConfig,
+        BPCFLConfig,
     )
 }
 

@@ -773,7 +773,8 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
                     "partition_kwargs": data.partition_kwargs(),
                     "train_subset": data.train_subset,
                 },
-                "run": config.run.to_dict(),
+                # fields added since, unset (their default keeps the run as it was): run.init_from
+                "run": {k: v for k, v in config.run.to_dict().items() if not (k == "init_from" and v is None)},
             }
         )
     )

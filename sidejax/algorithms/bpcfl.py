@@ -206,9 +206,10 @@ def check_settings(settings: BPCFLSettings) -> BPCFLSettings:
     return s
 
 
-def check_client_sizes(settings: BPCFLSettings, num_examples) -> None:
-    """Host-side check of a federation before a run: every client needs at least ``K`` examples (a
-    pseudocoreset larger than the client's data is refused) and there must be at least one client.
+def check_client_sizes(num_points: int, num_examples) -> None:
+    """Host-side check of a federation before a run: every client needs at least ``num_points`` (``K``)
+    examples (a pseudocoreset larger than the client's data is refused) and there must be at least one
+    client.
 
     Raises:
       ValueError: naming the clients at fault.
@@ -216,10 +217,10 @@ def check_client_sizes(settings: BPCFLSettings, num_examples) -> None:
     n = np.asarray(num_examples).reshape(-1)
     if n.size == 0:
         raise ValueError("BPC-FL needs at least one client with data; got zero clients")
-    small = np.flatnonzero(n < settings.num_points)
+    small = np.flatnonzero(n < num_points)
     if small.size:
         raise ValueError(
-            f"settings.num_points={settings.num_points} (the pseudocoreset size K) exceeds the data of "
+            f"num_points={num_points} (the pseudocoreset size K) exceeds the data of "
             f"client(s) {small[:10].tolist()} (with {n[small[:10]].tolist()} examples): a pseudocoreset must "
             f"be smaller than its client's data; lower num_points"
         )

@@ -165,9 +165,9 @@ def test_emnist_stream_length_is_measured_from_the_message():
 def test_bad_input_is_refused_with_the_argument_named(moons):
     _, fed, spec = moons
     with pytest.raises(ValueError, match="num_points=13 .* exceeds the data of client\\(s\\) \\[0, 1\\]"):
-        check_client_sizes(_settings(num_points=13), np.asarray(SIZES))
+        check_client_sizes(13, np.asarray(SIZES))
     with pytest.raises(ValueError, match="zero clients"):
-        check_client_sizes(_settings(), np.zeros((0,), int))
+        check_client_sizes(3, np.zeros((0,), int))
     with pytest.raises(ValueError, match="step_size_labels must be 0 for classification"):
         check_settings(_settings(step_size_labels=0.5))
     with pytest.raises(ValueError, match="r \\+ L_D <= T_pre"):
