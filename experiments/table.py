@@ -221,18 +221,26 @@ def run_presets(
     directory: Path, presets, *, load, rounds, force: bool, resume_command: str, seeds=None
 ) -> int:
     """:func:`run_configs` of named presets: ``presets`` is ``[(preset name, label)]``, each loaded with
-    ``load(name)`` and its ``run.rounds`` replaced by ``rounds`` if given. With ``seeds`` (a list of ints)
-    every preset runs once per seed, into ``<preset>_s<seed>`` (``run.seed`` replaced)."""
+    ``load(name)`` and its ``run.rounds`` replaced by ``rounds`` if given (not for a one-shot method). With
+    ``seeds`` (a list of ints) every preset runs once per seed, into ``<preset>_s<seed>`` (``run.seed``
+    replaced). A relative ``run.init_from`` that is not a folder names another preset of the suite: it
+    becomes that preset's run folder (of the same seed) in ``directory``, which must come earlier in
+    ``presets``."""
     runs = []
     for name, label in presets:
         config = load(name)
-        if rounds:
+        if rounds and not getattr(config.method, "one_shot", False):  # a one-shot method keeps its 1 round
             config = config.override({"run.rounds": rounds}, source="--rounds")
-        if seeds:
-            for seed in seeds:
-                runs.append((f"{name}_s{seed}", config.override({"run.seed": seed}, source="--seeds"), label))
-        else:
-            runs.append((name, config, label))
+        for seed in seeds or [None]:
+            run_name, cfg = name, config
+            if seed is not None:
+                run_name, cfg = f"{name}_s{seed}", config.override({"run.seed": seed}, source="--seeds")
+            source = cfg.run.init_from
+            if source and not Path(source).is_absolute() and not Path(source).exists():
+                # a suite's warm start names a sibling preset: its run folder of the same seed here
+                sibling = directory / (source if seed is None else f"{source}_s{seed}")
+                cfg = cfg.override({"run.init_from": str(sibling)}, source=name)
+            runs.append((run_name, cfg, label))
     return run_configs(directory, runs, force=force, resume_command=resume_command)
 
 

@@ -1,0 +1,152 @@
+"""The BPC-FL experiment tooling (experiments.bpcfl): presets, the bpcfl method section's checks, the table
+command (NLL / accuracy / ECE / measured floats, communication to match), the FedAvg warm start from a
+BPC-FL run's final model, and the fault paths (one-shot rounds, K larger than a client's data, a missing
+or mismatched warm start)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.bpcfl import METHODS, SETTINGS, main, preset_name, suite_config, write_presets
+from experiments.config import PRESET_DIR, list_presets, load_preset
+from experiments.driver import run_experiment
+
+# a tiny moons federation and BPC-FL (a few updates, short chains): the tooling, not the method's quality
+_TINY_BPC = {
+    "method.num_updates": 3,
+    "method.pairs_per_update": 2,
+    "method.num_noise": 2,
+    "method.num_trajectories": 2,
+    "method.pretrain_steps": 20,
+    "method.data_chain_length": 10,
+    "method.coreset_chain_length": 3,
+    "method.map_steps": 20,
+    "method.hmc_burnin": 2,
+    "method.hmc_samples": 3,
+    "method.hmc_integration_steps": 3,
+}
+_TINY_FL = {"run.rounds": 4, "run.eval_every": 2}
+
+
+def _tiny(method: str):
+    cfg = suite_config("moons", method)
+    return cfg.override(_TINY_BPC if cfg.method.name == "bpcfl" else _TINY_FL)
+
+
+def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
+    written = write_presets(tmp_path)
+    assert len(written) == len(SETTINGS) * len(METHODS)
+    for path in written:
+        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
+    assert {preset_name(s, m) for s in SETTINGS for m in METHODS} <= set(list_presets())
+    # the paper's moons column (spec Tables 2, 3, 7) and EMNIST's (Table 2)
+    hmc = load_preset("bpcfl_moons_bpcfl_hmc")
+    m = hmc.method
+    assert (hmc.run.rounds, hmc.data.num_clients, hmc.data.train_subset, hmc.data.model) == (
+        1,
+        5,
+        100,
+        "moons_mlp",
+    )
+    assert (m.num_points, m.prior_precision, m.init_std, m.num_updates, m.step_size_inputs) == (
+        5,
+        0.1,
+        0.6,
+        700,
+        1e-3,
+    )
+    assert (m.pairs_per_update, m.num_trajectories, m.pretrain_steps, m.data_chain_length) == (
+        20,
+        100,
+        400,
+        150,
+    )
+    assert (m.coreset_chain_length, m.num_noise, m.noise_std, m.sampler) == (200, 10, 1e-2, "adam")
+    assert (m.hmc_step_size, m.hmc_inverse_mass, m.hmc_integration_steps, m.hmc_burnin, m.hmc_samples) == (
+        2e-3,
+        100.0,
+        30,
+        40,
+        50,
+    )
+    emnist = load_preset("bpcfl_emnist_bpcfl_sgd")
+    e = emnist.method
+    assert (emnist.data.subset, emnist.data.model, emnist.data.num_clients, e.num_points) == (
+        "byclass",
+        "bpcfl_convnet",
+        100,
+        62,
+    )
+    assert (e.step_size_inputs, e.init_std, e.noise_std, e.sampler, e.coreset_chain_length) == (
+        100.0,
+        1e-3,
+        1e-4,
+        "sgd",
+        250,
+    )
+    assert load_preset("bpcfl_moons_bpcfl_fedavg").run.init_from == "bpcfl_moons_bpcfl_sgd"
+    assert load_preset("bpcfl_moons_fedavg_oneshot").run.rounds == 1
+
+
+def test_bad_configs_say_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="unknown method"):
+        suite_config("moons", "bpcfl_nuts")
+    with pytest.raises(ValueError, match="run.rounds must be 1 for bpcfl: it is one-shot"):
+        suite_config("moons", "bpcfl_sgd").override({"run.rounds": 3})
+    with pytest.raises(ValueError, match="data.participation must be 1 for bpcfl"):
+        suite_config("moons", "bpcfl_sgd").override({"data.participation": 0.4})
+    with pytest.raises(ValueError, match="pretrain_steps"):
+        suite_config("moons", "bpcfl_sgd").override({"method.pretrain_steps": 200})
+    # K larger than a client's 20 points: refused before anything is written
+    out = tmp_path / "big_k"
+    with pytest.raises(ValueError, match="num_points=25 .* exceeds the data of client"):
+        run_experiment(
+            _tiny("bpcfl_sgd").override({"method.num_points": 25}), out, progress=False, verbose=False
+        )
+    assert not out.exists()
+    # a warm start from a folder without a finished run
+    with pytest.raises(FileNotFoundError, match="run.init_from=.*no final_params"):
+        run_experiment(
+            _tiny("fedavg").override({"run.init_from": str(tmp_path)}),
+            tmp_path / "w",
+            progress=False,
+            verbose=False,
+        )
+
+
+def test_table_runs_bpcfl_and_warm_started_fedavg(tmp_path, monkeypatch, capsys):
+    """End to end on a tiny moons federation: BPC-FL + SGD, FedAvg and the warm start over one seed; the
+    table has NLL / accuracy / ECE, measured floats (BPC-FL: the streams' bits / 32), FedAvg's floats to
+    reach BPC-FL's NLL, and the warm start counts BPC-FL's upload; a second call skips finished runs."""
+    import experiments.bpcfl as bp
+
+    chosen = ("bpcfl_sgd", "fedavg", "bpcfl_fedavg")
+    small = {m: _tiny(m) for m in chosen}
+    monkeypatch.setattr(bp, "load_preset", lambda name: small[name.split("moons_", 1)[1]])
+    args = ["table", str(tmp_path), "--setting", "moons", "--only", *chosen, "--seeds", "0"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.count("finished run found") == 3
+    md = (tmp_path / "table.md").read_text()
+    assert md.splitlines()[0].startswith("| method | NLL | acc (%) | ECE | uplink floats | total floats |")
+    lines = {line.split("|")[1].strip(): line.split("|") for line in md.splitlines()[2:]}
+    assert set(lines) == {"BPC-FL + SGD", "FedAvg", "BPC-FL + SGD, then FedAvg"}
+    bpc_run = tmp_path / (preset_name("moons", "bpcfl_sgd") + "_s0")
+    rows = [json.loads(line) for line in (bpc_run / "metrics.jsonl").read_text().splitlines()]
+    # 5 clients x (32 x 5 x 2 + 5 x 1 + 32) bits = 5 x 357 bits, nothing downlink
+    assert len(rows) == 1 and rows[0]["uplink_bits"] == 5 * 357 and rows[0]["downlink_bits"] == 0
+    assert rows[0]["test_ece"] is not None and rows[0]["test_loss"] is not None
+    bpc_floats = 5 * 357 / 32
+    assert float(lines["BPC-FL + SGD"][5]) == pytest.approx(bpc_floats, rel=1e-3)
+    # the warm start: its FedAvg rounds plus BPC-FL's upload
+    warm = tmp_path / (preset_name("moons", "bpcfl_fedavg") + "_s0")
+    config = json.loads((warm / "config.json").read_text())
+    assert config["run"]["init_from"] == str(bpc_run)
+    fed_rows = [json.loads(line) for line in (warm / "metrics.jsonl").read_text().splitlines()]
+    assert float(lines["BPC-FL + SGD, then FedAvg"][6]) == pytest.approx(
+        bpc_floats + fed_rows[-1]["cumulative_bits"] / 32, rel=1e-3
+    )
+    assert (tmp_path / "accuracy_vs_floats.png").stat().st_size > 1000
