@@ -20,6 +20,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 # compiling their round programs). 04_cepam: smaller messages, two of the error laws,
 # two lattices' rates, three rounds at one noise level and without noise. 05_coreset_pfedbayes: a smaller
 # regression with two coreset sizes and one seed, two federated rounds of two minibatches per method.
+# 06_bpcfl: a few BPC-fKL updates of short chains from 3 trajectories, 3 HMC samples, 3 FedAvg rounds.
 TEST_PARAMETERS = {
     "01_quickstart.ipynb": "ROUNDS = 5",  # label shards, 50% participation: round 3 dips below round 1
     "02_klms.ipynb": "\n".join(
@@ -51,6 +52,20 @@ TEST_PARAMETERS = {
             "MAP_KS = (40,)",
             "FL_ROUNDS = 2",
             "FL_LOCAL_ITERS = 2",
+        ]
+    ),
+    "06_bpcfl.ipynb": "\n".join(
+        [
+            "NUM_UPDATES = 5",
+            "NUM_TRAJECTORIES = 3",
+            "PAIRS = 2",
+            "CHAIN = 5",
+            "DATA_CHAIN = 10",
+            "PRETRAIN = 20",
+            "NOISE_DRAWS = 2",
+            "HMC_BURNIN, HMC_SAMPLES = 2, 3",
+            "FEDAVG_ROUNDS = 3",
+            "GAUSS_SAMPLES = 2_000",
         ]
     ),
     "03_bicompfl.ipynb": "\n".join(
