@@ -1,0 +1,607 @@
+"""Benchmark: BPC-FL's client hot path, one BPC-fKL update (spec ``bpcfl.md`` §A2; Kim et al. 2022):
+``B_w`` inner chains of ``L_C`` optimizer steps on the pseudocoreset from expert-trajectory checkpoints,
+then the gradient of the surrogate ``J`` with respect to the pseudocoreset, ``S`` noise draws per chain,
+then the SGD step on the pseudo-inputs. Measured in one process, variants interleaved.
+
+Problem: the paper's moons client (spec §5.1-5.2, Table 2 moons column): ``moons_mlp`` (Dense50-GN-ReLU x2,
+Dense2; P = 3,002) with the masked softmax cross-entropy plus ``λ/2‖θ‖²`` (λ = 0.1), the client's 20 points
+from ``sidejax.data.load_dataset("moons", "train", num_samples=20)``, ``K = 5`` pseudo-points
+(``init_pseudocoreset``, σ_z = 0.6, labels cycled by frequency), ``B_w = 20`` pairs per update, ``L_C = 200``
+Adam(1e-2) inner steps, ``S = 10`` noise draws, ``σ_ε = 1e-2``, ``ψ_x = 1e-3``, ``L_D = 150``; the pairs are
+drawn by :func:`sidejax.bayes.trajectory_pairs` from :func:`sidejax.bayes.expert_trajectories` (full batch,
+Adam 1e-2, ``--trajectories`` 10 x ``--pretrain-steps`` 300 steps, a modest J instead of the paper's 100:
+the pairs' cost does not depend on J).
+
+Variants (all float32, all computing the same math with the same pairs and noise keys):
+
+- ``sidejax``: :func:`sidejax.bayes.learn_pseudocoreset` for ``--updates`` updates, jitted, one call (the
+  library's path: chains vmapped inside one update, updates in one ``lax.scan``);
+- ``unrolled``: a Python loop over updates calling a jitted single update (:func:`sidejax.bayes.fkl_gradient`
+  with vmapped chains, then the SGD step): isolates what the ``lax.scan`` over updates buys;
+- ``per_chain``: the structure of the authors' PyTorch code (a Python loop over chains): per update, a jitted
+  pair sampler, then for each of the ``B_w`` chains a jitted single-chain inner chain and a jitted
+  single-chain surrogate gradient (noise keys ``draw_key(key, 2(bS + s))``, ``+ 1``, as in
+  :func:`sidejax.bayes.fkl_surrogate`), the gradients averaged on the host side (eager JAX), then the SGD
+  step;
+- ``through_chain`` (a **different estimator**, wrong for fKL, the rKL/MTT-style path spec A2 warns against):
+  the jitted single update with the gradient taken *through* the inner chain (no ``stop_gradient``), in a
+  Python loop over updates. Timed for context only; its pseudocoreset is not compared.
+
+Cross-check: the final pseudo-inputs of ``unrolled`` and ``per_chain`` against ``sidejax``, and the first
+update's gradient of ``per_chain`` against :func:`sidejax.bayes.fkl_gradient` (max abs difference relative to
+the largest entry; float32 round-off, from vmapped vs single-chain reductions, is the only expected
+difference).
+
+Times are after compilation (compile time of each variant's jitted functions reported separately), best of
+``--repeats`` interleaved repetitions, wall and process CPU time, reported per update; ``ratio`` = variant
+wall time / sidejax wall time (> 1: slower than sidejax), ``cpu_ratio`` the same for process CPU time (less
+sensitive to other jobs on a shared machine). ``temp_bytes`` is XLA's ``memory_analysis()`` temporary
+buffer size of each variant's main compiled function (a proxy for peak memory; ``null`` where the backend
+does not report it).
+
+Writes JSON (default ``results/bench/bpcfl_update.json``; ``results/`` is not committed) with the machine,
+the settings and every number, and prints a table.
+
+Run: ``python -m experiments.bench.bpcfl_update [--quick] [--out FILE] [--repeats 3] [--updates 20]``
+(``--quick``: B_w = 3, L_C = 5, S = 2, 3 updates, 2 trajectories x 20 steps, one repetition, no
+``through_chain``, for tests; ``--skip-through`` drops that variant at any size).
+
+Measured with ``python -m experiments.bench.bpcfl_update --repeats 5`` on the 2-core CPU shared with two
+other experiment processes (``uptime`` load average 4.95 before
+and 5.80 after the run: loaded, not idle; best-of-5 wall equals process CPU time, so the best repetitions
+had a core to themselves); default sizes, 20 updates, best of 5, ms per update; ``dZ/move`` = final
+``max|Z − Z_sidejax| / max|Z_sidejax − Z_0|``; temp MB of the main compiled function (the per-chain one is a
+single chain):
+
+::
+
+    variant        compile_s   wall_ms    cpu_ms   ratio cpu_ratio  temp_MB  dZ/move
+    --------------------------------------------------------------------------------
+    sidejax             6.29     92.46     92.11   1.000     1.000    27.39  0.0e+00
+    unrolled            6.78     92.45     92.13   1.000     1.000    27.36  0.0e+00
+    per_chain           3.57     99.04     98.70   1.071     1.072     0.06  3.6e-02
+    through_chain       8.17    545.59    545.17   5.901     5.918   420.48  1.1e+06
+    first update, per_chain vs sidejax, float32: gradient 2.3e-02, at the same chain ends 1.3e-07,
+      chain ends max 8.6e-02 (median 1.0e-04)
+    first update, per_chain vs sidejax, float64: gradient 4.4e-12, at the same chain ends 1.5e-15,
+      chain ends max 5.9e-12 (median 1.0e-13)
+
+An earlier run (best of 3, load average about 7) gave sidejax 140.9 / unrolled 96.1 / per_chain 128.5 /
+through_chain 954.7 ms wall but 97.0 / 95.5 / 109.5 / 571.3 ms CPU: under that load only the CPU ratios
+(1.00 / 0.98 / 1.13 / 5.9) are meaningful, and they agree with the run above.
+
+Findings (CPU; no GPU was measured). (1) The update is compute-bound: 20 x 200 Adam steps of a
+3,002-parameter MLP on 5 points cost about 90 ms, so the per-update Python dispatch that ``lax.scan`` removes
+(unrolled = 1.000) and the about ``4 B_w`` dispatches per update of the per-chain loop (7% slower) are small;
+vmapping the chains gains at most that 7% on 2 CPU cores. Compiling sidejax's whole scan takes about as long
+as compiling one update. A device with parallel throughput (GPU) is where the vmapped chains would matter;
+not measured here. (2) The per-chain loop computes the same update: in float64 its first-update gradient
+matches sidejax's to 4e-12; in float32 the gradient at the same chain end points matches to 1e-7, but 200
+Adam steps amplify float32 round-off (vmapped vs single-chain reductions) to up to 9% in some chain end
+points (median 1e-4), which moves the first gradient by 2% and the final Z by 4% of its move after 20
+updates: chaotic amplification, not a different algorithm. (3) Differentiating through the inner chain (the
+wrong estimator for fKL) costs 5.9x the time and 15x the temporary memory (420 MB vs 27 MB per update), and
+with ψ_x = 1e-3 its pseudo-inputs blow up (``|Z|`` about 1e4 after 20 updates): backpropagating through 200
+Adam steps gives exploding gradients, besides being biased.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+METHODS = ("sidejax", "unrolled", "per_chain", "through_chain")
+
+
+# ----------------------------------------------------------------------------------------------- problem
+
+
+def build_problem(args):
+    """The moons client: data, loss, expert trajectories, pair sampler and initial pseudocoreset."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.flatten_util import ravel_pytree
+
+    from sidejax.bayes import expert_trajectories, init_pseudocoreset, trajectory_pairs
+    from sidejax.data import load_dataset
+    from sidejax.fl import Batch, classification_loss
+    from sidejax.keys import draw_key
+    from sidejax.models import get_model
+
+    data = load_dataset("moons", "train", num_samples=args.points, seed=args.seed)
+    x = jnp.asarray(np.asarray(data.x, np.float32))
+    y = jnp.asarray(np.asarray(data.y, np.int32))
+    valid = jnp.ones((x.shape[0],), bool)
+    spec = get_model("moons_mlp")
+    module = spec.module
+
+    def init_fn(key):
+        return module.init(key, jnp.zeros((1, *spec.input_shape), jnp.float32), train=True)["params"]
+
+    ce = classification_loss(module.apply)
+    lam = args.prior_precision
+
+    def sq_norm(params):
+        flat, _ = ravel_pytree(params)
+        return jnp.dot(flat, flat)
+
+    def pretrain_loss(params, xb, yb):
+        return ce(params, Batch(xb, yb, jnp.ones((xb.shape[0],), jnp.float32)), None) + 0.5 * lam * sq_norm(
+            params
+        )
+
+    ones = jnp.ones((args.num_points,), jnp.float32)
+
+    def coreset_loss(c, params):  # as sidejax.algorithms.bpcfl's client: ℓ̄(C, θ) + λ/2‖θ‖²
+        return ce(params, Batch(c.inputs, c.labels, ones), None) + 0.5 * lam * sq_norm(params)
+
+    key = jax.random.key(args.seed)
+    t0 = time.perf_counter()
+    trajectories = jax.block_until_ready(
+        jax.jit(
+            lambda k1, k2: expert_trajectories(
+                init_fn,
+                pretrain_loss,
+                k1,
+                k2,
+                x,
+                y,
+                valid,
+                num_trajectories=args.trajectories,
+                num_steps=args.pretrain_steps,
+                save_interval=5,
+                batch_size=None,
+                optimizer=optax.adam(1e-2),
+            )
+        )(draw_key(key, 0), draw_key(key, 1))
+    )
+    pretrain_s = time.perf_counter() - t0
+    pairs = trajectory_pairs(
+        trajectories, data_offset=args.data_chain_length, save_interval=5, num_pairs=args.pairs
+    )
+    coreset = init_pseudocoreset(
+        draw_key(key, 2), x, y, valid, args.num_points, init_std=args.init_std, num_classes=2
+    )
+    num_params = int(ravel_pytree(init_fn(key))[0].shape[0])
+    return {
+        "loss": coreset_loss,
+        "pairs": pairs,
+        "coreset": coreset,
+        "key": draw_key(key, 3),
+        "num_params": num_params,
+        "pretrain_seconds": pretrain_s,
+        "num_examples": int(x.shape[0]),
+        "label_counts": np.bincount(np.asarray(y), minlength=2).tolist(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------- variants
+
+
+def make_variants(problem, args):
+    """``{name: (compile_fn, run_fn)}``: ``compile_fn()`` compiles the variant's jitted functions and returns
+    ``(compile seconds, temp bytes)``; ``run_fn()`` runs ``args.updates`` updates and returns the final
+    pseudo-inputs."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.flatten_util import ravel_pytree
+
+    from sidejax.bayes import fkl_gradient, inner_chain, learn_pseudocoreset
+    from sidejax.bayes.pseudocoresets import _perturb
+    from sidejax.keys import draw_key
+
+    loss = problem["loss"]
+    pairs = problem["pairs"]
+    c0 = problem["coreset"]
+    key = problem["key"]
+    opt = optax.adam(args.chain_lr)
+    common = {
+        "optimizer": opt,
+        "chain_length": args.chain_length,
+        "noise_std": args.noise_std,
+        "num_noise": args.num_noise,
+    }
+    psi = args.step_size
+    updates = args.updates
+    S = args.num_noise
+
+    def sgd(c, g_inputs):
+        return c._replace(inputs=c.inputs - psi * g_inputs)
+
+    # sidejax: the library's scan over updates
+    learn = jax.jit(
+        lambda c, k: learn_pseudocoreset(
+            loss, c, k, sample_pairs=pairs, num_updates=updates, step_size_inputs=psi, **common
+        )[0]
+    )
+
+    # one update, vmapped chains (unrolled loop over updates)
+    @jax.jit
+    def one_update(c, k, u):
+        theta_data, theta_start = pairs(draw_key(k, 2 * u), c)
+        out = fkl_gradient(loss, c, theta_data, theta_start, draw_key(k, 2 * u + 1), **common)
+        return sgd(c, out.grad.inputs)
+
+    # per chain: the authors' loop structure
+    sample = jax.jit(lambda c, k, u: pairs(draw_key(k, 2 * u), c))
+    pick = jax.jit(lambda tree, b: jax.tree.map(lambda a: a[b], tree))
+    chain = jax.jit(lambda c, th: inner_chain(loss, c, th, opt, args.chain_length))
+
+    def pair_surrogate(c, th_d, th_c, nkey, b):  # fkl_surrogate's term for pair b (its noise keys)
+        def one(s):
+            index = 2 * (b * S + s)
+            ed = _perturb(draw_key(nkey, index), th_d, args.noise_std) if args.noise_std > 0 else th_d
+            ec = _perturb(draw_key(nkey, index + 1), th_c, args.noise_std) if args.noise_std > 0 else th_c
+            return loss(c, ed) - loss(c, ec)
+
+        return jnp.mean(jax.vmap(one)(jnp.arange(S)))
+
+    pair_grad = jax.jit(
+        lambda c, th_d, th_c, nkey, b: jax.grad(pair_surrogate, allow_int=True)(c, th_d, th_c, nkey, b).inputs
+    )
+
+    def per_chain_update(c, u):
+        theta_data, theta_start = sample(c, key, u)
+        nkey = draw_key(key, 2 * u + 1)
+        grads = []
+        for b in range(args.pairs):
+            th_d, th_s = pick((theta_data, theta_start), b)
+            th_c = chain(c, th_s)
+            grads.append(pair_grad(c, th_d, th_c, nkey, b))
+        g = functools.reduce(jnp.add, grads) / args.pairs  # host-side average (eager JAX)
+        return sgd(c, g)
+
+    # through the chain (a different estimator: no stop_gradient on the inner chain)
+    def chain_through(c, th):
+        g = jax.grad(lambda t: loss(c, t))
+
+        def step(carry, _):
+            t, st = carry
+            upd, st = opt.update(g(t), st, t)
+            return (optax.apply_updates(t, upd), st), None
+
+        (t, _), _ = jax.lax.scan(step, (th, opt.init(th)), None, length=args.chain_length)
+        return t
+
+    @jax.jit
+    def through_update(c, k, u):
+        theta_data, theta_start = pairs(draw_key(k, 2 * u), c)
+        nkey = draw_key(k, 2 * u + 1)
+        theta_data = jax.lax.stop_gradient(theta_data)
+
+        def objective(inputs):
+            cc = c._replace(inputs=inputs)
+            theta_c = jax.vmap(lambda th: chain_through(cc, th))(theta_start)
+            terms = jax.vmap(lambda b, d, t: pair_surrogate(cc, d, t, nkey, b))(
+                jnp.arange(args.pairs), theta_data, theta_c
+            )
+            return jnp.mean(terms)
+
+        return sgd(c, jax.grad(objective)(c.inputs))
+
+    def temp_bytes(compiled):
+        try:
+            return int(compiled.memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 - not every backend reports it
+            return None
+
+    compiled = {}
+
+    def compile_sidejax():
+        t0 = time.perf_counter()
+        compiled["learn"] = learn.lower(c0, key).compile()
+        return time.perf_counter() - t0, temp_bytes(compiled["learn"])
+
+    def compile_unrolled():
+        t0 = time.perf_counter()
+        comp = one_update.lower(c0, key, 0).compile()
+        jax.block_until_ready(one_update(c0, key, 0))  # the jit cache the loop uses
+        return time.perf_counter() - t0, temp_bytes(comp)
+
+    def compile_per_chain():
+        t0 = time.perf_counter()
+        jax.block_until_ready(per_chain_update(c0, 0))  # traces and compiles sample, pick, chain, pair_grad
+        th = pick(sample(c0, key, 0), 0)
+        comp = chain.lower(c0, th[1]).compile()
+        return time.perf_counter() - t0, temp_bytes(comp)
+
+    def compile_through():
+        t0 = time.perf_counter()
+        comp = through_update.lower(c0, key, 0).compile()
+        jax.block_until_ready(through_update(c0, key, 0))
+        return time.perf_counter() - t0, temp_bytes(comp)
+
+    def run_sidejax():
+        return compiled["learn"](c0, key).inputs
+
+    def run_unrolled():
+        c = c0
+        for u in range(updates):
+            c = one_update(c, key, u)
+        return c.inputs
+
+    def run_per_chain():
+        c = c0
+        for u in range(updates):
+            c = per_chain_update(c, u)
+        return c.inputs
+
+    def run_through():
+        c = c0
+        for u in range(updates):
+            c = through_update(c, key, u)
+        return c.inputs
+
+    variants = {
+        "sidejax": (compile_sidejax, run_sidejax),
+        "unrolled": (compile_unrolled, run_unrolled),
+        "per_chain": (compile_per_chain, run_per_chain),
+        "through_chain": (compile_through, run_through),
+    }
+
+    def first_update_check(dtype_name):
+        """The first update in ``dtype_name``: sidejax's :func:`fkl_gradient` (vmapped chains) against the
+        per-chain loop (single chains, host-side average), and the per-chain gradient at sidejax's own chain
+        end points (the surrogate-gradient math alone). Returns relative max abs differences."""
+        import numpy as np
+
+        dtype = jnp.dtype(dtype_name)
+        theta_data, theta_start = pairs(draw_key(key, 0), c0)
+        cast = functools.partial(jax.tree.map, lambda a: a.astype(dtype))
+        theta_data, theta_start = cast(theta_data), cast(theta_start)
+        c = c0._replace(inputs=c0.inputs.astype(dtype))
+        nkey = draw_key(key, 1)
+        ref = jax.jit(lambda c, d, t: fkl_gradient(loss, c, d, t, nkey, **common))(c, theta_data, theta_start)
+        grads, grads_given, chain_diff = [], [], []
+        for b in range(args.pairs):
+            th_d, th_s = pick((theta_data, theta_start), b)
+            th_c = chain(c, th_s)
+            grads.append(pair_grad(c, th_d, th_c, nkey, b))
+            ref_c = pick(ref.theta_coreset, b)
+            grads_given.append(pair_grad(c, th_d, ref_c, nkey, b))
+            a, r = ravel_pytree(th_c)[0], ravel_pytree(ref_c)[0]
+            chain_diff.append(_rel_diff(a, r))
+        g_ref = ref.grad.inputs
+        g_loop = functools.reduce(jnp.add, grads) / args.pairs
+        g_given = functools.reduce(jnp.add, grads_given) / args.pairs
+        assert g_ref.dtype == dtype and g_loop.dtype == dtype
+        return {
+            "gradient_rel_diff": _rel_diff(g_loop, g_ref),
+            "gradient_at_same_chain_ends_rel_diff": _rel_diff(g_given, g_ref),
+            "chain_ends_rel_diff_max": float(np.max(chain_diff)),
+            "chain_ends_rel_diff_median": float(np.median(chain_diff)),
+            "gradient_norm": float(np.linalg.norm(np.asarray(g_ref, np.float64))),
+        }
+
+    return variants, first_update_check
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def _clock(fn):
+    """``(result, wall seconds, process CPU seconds)`` of ``fn()`` (JAX results waited for)."""
+    import jax
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _rel_diff(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def _move_diff(a, ref, start) -> float:
+    import numpy as np
+
+    return float(np.max(np.abs(a - ref)) / max(float(np.max(np.abs(ref - start))), 1e-30))
+
+
+def run(args) -> dict:
+    import numpy as np
+
+    problem = build_problem(args)
+    variants, first_update_check = make_variants(problem, args)
+    methods = [m for m in METHODS if m != "through_chain" or not args.skip_through]
+    compile_s, temp = {}, {}
+    for m in methods:
+        compile_s[m], temp[m] = variants[m][0]()
+    inf = float("inf")
+    best = {m: [inf, inf] for m in methods}
+    out = {}
+    for _ in range(args.repeats):  # interleaved, so load changes hit every variant alike
+        for m in methods:
+            out[m], wall, cpu = _clock(variants[m][1])
+            best[m] = [min(best[m][0], wall), min(best[m][1], cpu)]
+    from sidejax.utils import enable_x64
+
+    check32 = first_update_check("float32")
+    with enable_x64():  # the same first update in float64: round-off no longer amplified to visible size
+        check64 = first_update_check("float64")
+    final = {m: np.asarray(out[m], np.float64) for m in methods}
+    z0 = np.asarray(problem["coreset"].inputs, np.float64)
+    u = args.updates
+    wall = {m: best[m][0] / u for m in methods}
+    cpu = {m: best[m][1] / u for m in methods}
+    return {
+        "problem": {
+            "num_params": problem["num_params"],
+            "num_examples": problem["num_examples"],
+            "label_counts": problem["label_counts"],
+            "pretrain_seconds": problem["pretrain_seconds"],
+        },
+        "compile_seconds": compile_s,
+        "temp_bytes": temp,
+        "wall_seconds_per_update": wall,
+        "cpu_seconds_per_update": cpu,
+        "wall_seconds_total": {m: best[m][0] for m in methods},
+        "ratio_to_sidejax": {m: wall[m] / wall["sidejax"] for m in methods},
+        "cpu_ratio_to_sidejax": {m: cpu[m] / cpu["sidejax"] for m in methods},
+        "cross_check": {
+            "first_update_float32": check32,
+            "first_update_float64": check64,
+            # final pseudo-inputs: max |Z_variant - Z_sidejax| / max |Z_sidejax - Z_0| (relative to the move)
+            "final_inputs_diff_over_move": {
+                m: _move_diff(final[m], final["sidejax"], z0) for m in methods if m != "sidejax"
+            },
+            "final_inputs_rel_diff": {m: _rel_diff(final[m], final["sidejax"]) for m in methods},
+            "inputs_move_max_abs": float(np.max(np.abs(final["sidejax"] - z0))),
+            "finite": bool(all(np.all(np.isfinite(v)) for v in final.values())),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bench.bpcfl_update", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for tests")
+    parser.add_argument("--updates", type=int, default=None, help="BPC-fKL updates timed (default 20)")
+    parser.add_argument("--pairs", type=int, default=None, help="B_w (default 20)")
+    parser.add_argument("--chain-length", type=int, default=None, help="L_C (default 200)")
+    parser.add_argument("--num-noise", type=int, default=None, help="S (default 10)")
+    parser.add_argument("--trajectories", type=int, default=None, help="expert trajectories J (default 10)")
+    parser.add_argument("--pretrain-steps", type=int, default=None, help="steps per trajectory (default 300)")
+    parser.add_argument("--data-chain-length", type=int, default=None, help="L_D (default 150)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions, best kept (default 3)")
+    parser.add_argument("--num-points", type=int, default=5, help="K")
+    parser.add_argument("--points", type=int, default=20, help="the client's data points")
+    parser.add_argument("--noise-std", type=float, default=1e-2)
+    parser.add_argument("--chain-lr", type=float, default=1e-2)
+    parser.add_argument("--step-size", type=float, default=1e-3, help="psi_x")
+    parser.add_argument("--prior-precision", type=float, default=0.1)
+    parser.add_argument("--init-std", type=float, default=0.6)
+    parser.add_argument(
+        "--skip-through",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="skip the through-the-chain variant (default: skipped with --quick only)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/bench/bpcfl_update.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    quick = {
+        "updates": 3,
+        "pairs": 3,
+        "chain_length": 5,
+        "num_noise": 2,
+        "trajectories": 2,
+        "pretrain_steps": 20,
+        "data_chain_length": 10,
+        "repeats": 1,
+        "skip_through": True,
+    }
+    full = {
+        "updates": 20,
+        "pairs": 20,
+        "chain_length": 200,
+        "num_noise": 10,
+        "trajectories": 10,
+        "pretrain_steps": 300,
+        "data_chain_length": 150,
+        "repeats": 3,
+        "skip_through": False,
+    }
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for name in ("updates", "pairs", "num_noise", "trajectories", "pretrain_steps", "repeats", "num_points"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.chain_length < 0 or args.data_chain_length < 0 or args.data_chain_length % 5:
+        parser.error("--chain-length >= 0 and --data-chain-length a multiple of 5 (>= 0) required")
+    if args.pretrain_steps % 5 or args.data_chain_length >= args.pretrain_steps:
+        parser.error("--pretrain-steps must be a multiple of 5 and > --data-chain-length")
+    if args.num_points > args.points:
+        parser.error("--num-points (K) must not exceed --points")
+
+    import jax
+    import numpy as np
+    import optax
+
+    res = run(args)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result = {
+        "machine": {
+            "devices": [str(dev) for dev in jax.devices()],
+            "backend": jax.default_backend(),
+            "cpu_count": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "load_average_after": list(load) if load else None,
+            "platform": platform.platform(),
+            "jax_version": jax.__version__,
+            "numpy_version": np.__version__,
+            "optax_version": optax.__version__,
+        },
+        "settings": {
+            "model": "moons_mlp",
+            "dataset": "moons train",
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "inner_optimizer": f"adam({args.chain_lr})",
+            "pretrain_optimizer": "adam(0.01), full batch",
+            "dtype": "float32",
+        },
+        **res,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    print(f"wrote {out}")
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The readable table: per variant, compile s, ms per update (wall and CPU), ratio, temp MB, final-Z
+    difference from sidejax relative to sidejax's move; then the first-update cross-check."""
+    s = result["settings"]
+    cc = result["cross_check"]
+    lines = [
+        f"BPC-fKL update, moons_mlp (P = {result['problem']['num_params']}), K = {s['num_points']}, "
+        f"B_w = {s['pairs']}, L_C = {s['chain_length']}, S = {s['num_noise']}, {s['updates']} updates; "
+        f"ms per update, best of {s['repeats']}; ratio = variant / sidejax (wall; cpu_ratio: process CPU)"
+    ]
+    head = (
+        f"{'variant':<14} {'compile_s':>9} {'wall_ms':>9} {'cpu_ms':>9} {'ratio':>7} {'cpu_ratio':>9} "
+        f"{'temp_MB':>8} "
+        f"{'dZ/move':>8}"
+    )
+    lines += [head, "-" * len(head)]
+    diffs = {"sidejax": 0.0, **cc["final_inputs_diff_over_move"]}
+    for m, wall in result["wall_seconds_per_update"].items():
+        tb = result["temp_bytes"][m]
+        tb_s = "n/a" if tb is None else f"{tb / 2**20:.2f}"
+        lines.append(
+            f"{m:<14} {result['compile_seconds'][m]:9.2f} {1e3 * wall:9.2f} "
+            f"{1e3 * result['cpu_seconds_per_update'][m]:9.2f} {result['ratio_to_sidejax'][m]:7.3f} "
+            f"{result['cpu_ratio_to_sidejax'][m]:9.3f} "
+            f"{tb_s:>8} {diffs[m]:8.1e}"
+        )
+    for name in ("float32", "float64"):
+        c = cc[f"first_update_{name}"]
+        lines.append(
+            f"first update, per_chain vs sidejax, {name}: gradient {c['gradient_rel_diff']:.1e}, at the same "
+            f"chain ends {c['gradient_at_same_chain_ends_rel_diff']:.1e}, chain ends max "
+            f"{c['chain_ends_rel_diff_max']:.1e} (median {c['chain_ends_rel_diff_median']:.1e})"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
