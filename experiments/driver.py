@@ -33,6 +33,7 @@ import csv
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -327,6 +328,22 @@ def algorithm_metrics(algorithm, infos, num_params: int) -> dict[str, np.ndarray
             name, values = name[: -len("_bits")] + "_bpp", values / num_params
         out[name] = values
     return out
+
+
+def _warn_divergences(own: dict[str, np.ndarray], done: int, config: ExperimentConfig) -> None:
+    """Reports, on stderr, every round in which a sampler's ``*_divergent`` metric (BPC-FL's HMC) counted
+    divergent transitions: their proposals were rejected and the posterior samples are unreliable."""
+    for name, values in own.items():
+        if not name.endswith("_divergent"):
+            continue
+        for s, count in enumerate(np.asarray(values)):
+            if np.isfinite(count) and count > 0:
+                print(
+                    f"warning: round {done + s + 1}: {int(count)} divergent transitions ({name}); the "
+                    f"samples are unreliable: lower the step size (e.g. method.hmc_step_size, now "
+                    f"{getattr(config.method, 'hmc_step_size', '?')}) or the inverse mass",
+                    file=sys.stderr,
+                )
 
 
 def _metric_or_none(value: float) -> float | None:
@@ -746,6 +763,7 @@ def run_experiment(
         down = np.asarray(infos.downlink_bits, np.float64)
         train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
         own = algorithm_metrics(algorithm, infos, num_params)
+        _warn_divergences(own, done, config)
         bc_down = broadcast_downlink_bpp(infos, own, num_params)
         new_rows = []
         for s in range(chunk):

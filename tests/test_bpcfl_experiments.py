@@ -151,3 +151,16 @@ def test_table_runs_bpcfl_and_warm_started_fedavg(tmp_path, monkeypatch, capsys)
         bpc_floats + fed_rows[-1]["cumulative_bits"] / 32, rel=1e-3
     )
     assert (tmp_path / "accuracy_vs_floats.png").stat().st_size > 1000
+
+
+def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
+    """An HMC step far past stability on the server: the run finishes, its metrics count the divergent
+    transitions and the driver says so on stderr, with what to change."""
+    out = tmp_path / "hmc"
+    run_experiment(
+        _tiny("bpcfl_hmc").override({"method.hmc_step_size": 5.0}), out, progress=False, verbose=False
+    )
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["hmc_divergent"] > 0
+    err = capsys.readouterr().err
+    assert "divergent transitions (hmc_divergent)" in err and "method.hmc_step_size, now 5.0" in err
