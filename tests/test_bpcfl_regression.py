@@ -30,6 +30,7 @@ def test_files_and_fields(quick_run):
     fields = (
         "test_rmse",
         "test_nll",
+        "test_nll_eval_sigma",
         "epistemic_std_inside",
         "epistemic_std_gaps",
         "epistemic_std_outside",
@@ -139,6 +140,9 @@ def test_gaussian_nll_loss_and_predictive_numbers():
     a = predictive_numbers(f, np.array([0.3, 0.7]), np.zeros((1, 25)), grid, 0.3)
     b = predictive_numbers(np.repeat(f, 4, axis=0), np.array([0.3, 0.7]), np.zeros((4, 25)), grid, 0.3)
     assert a["test_nll"] == pytest.approx(b["test_nll"]) and a["test_rmse"] == pytest.approx(0.3)
+    assert a["test_nll_eval_sigma"] == a["test_nll"]
+    c = predictive_numbers(f, np.array([0.3, 0.7]), np.zeros((1, 25)), grid, 1.0, eval_sigma=0.3)
+    assert c["test_nll_eval_sigma"] == pytest.approx(a["test_nll"]) and c["test_nll"] != a["test_nll"]
 
 
 @pytest.mark.parametrize(
