@@ -51,6 +51,34 @@ Outputs in ``--out`` (default ``results/bpcfl_regression``; ``results/`` is not 
 ``curves.npz`` (the sampled functions on the grid, per method) and ``predictive.png`` (Fig. 2's style: the
 clients' points in colours, the true function, BPC-FL Adam MAP, BPC-FL HMC mean ± 1 and 2 std (epistemic),
 FedAvg, and the pseudo-points ``(Z, ŷ)`` marked).
+
+Measured (seed 0, 5 x 100 points, the loaded 2-core CPU, wall times with compilation; figures in
+``docs/figures/bpcfl_regression*.png``). RMSE / NLL on 1,000 fresh test points; NLL at the data's σ = 0.3:
+
+::
+
+    σ = 0.3 (the spec's default, Table 2/7 settings)       RMSE    NLL     uplink floats (total)  wall
+      BPC-FL + Adam MAP                                     nan     nan     65                     523 s
+      BPC-FL + HMC (from init)                              1.476   11.82   65                     +4 s
+      FedAvg, 100 rounds                                    0.337   0.345   8,448,500 (+ same down) 5 s
+      one-shot FedAvg                                       0.939   4.61    84,485 (+ same down)   5 s
+    σ = 1.0 (extra variant; NLL at σ = 0.3 in brackets)
+      BPC-FL + Adam MAP                                     0.723   1.18 (2.62)                    565 s
+      BPC-FL + HMC from init                                0.990   1.41 (5.15)   acc 0.12, 106/240 divergent
+      BPC-FL + HMC from MAP (--hmc-start map)               0.970   1.39 (4.65)   acc 0.15, 86/240 divergent
+      FedAvg, 100 rounds                                    0.362   0.98 (0.44)   reaches 0.723 at round 15
+      one-shot FedAvg                                       0.939   1.36 (4.61)
+
+With σ = 0.3 BPC-fKL diverges on 3 of 5 clients (pseudo-inputs at ~1e9 on one, NaN on another; the two
+others decrease the surrogate), so the server posterior is NaN: MAP is NaN and every HMC transition is
+divergent (the samples are the network initialisation). A likely cause: ``∂ℓ̄/∂ŷ = (ŷ − f)/(σ² K)``, so the
+label step ψ_y = 1 has gain ``ψ_y / (σ² K) = 1.85`` at σ = 0.3, K = 6 (close to the stability limit 2 of a
+gradient step when the inner chain fits the labels), against 0.17 at σ = 1: the paper's step sizes fit a
+unit-variance likelihood (or MSE). With σ = 1 every client converges (surrogate 0.11-5.0 → 0.04-0.07), the
+uplink is 13 floats per client (416 bits, the stream formula), but the MAP fit is still much worse than 100
+rounds of FedAvg (it misses the right interval), HMC with Table 7's step (1e-3, M⁻¹ = 50) hardly moves
+(acceptance 0.12-0.15; from init the 40 kept samples are identical), and its epistemic std is small:
+0.063 inside the intervals, 0.096 in the gaps (from MAP; T15's ordering holds but the bands are narrow).
 """
 
 from __future__ import annotations

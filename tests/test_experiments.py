@@ -774,7 +774,9 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
                     "train_subset": data.train_subset,
                 },
                 # fields added since, unset (their default keeps the run as it was): run.init_from
-                "run": {k: v for k, v in config.run.to_dict().items() if not (k == "init_from" and v is None)},
+                "run": {
+                    k: v for k, v in config.run.to_dict().items() if not (k == "init_from" and v is None)
+                },
             }
         )
     )
