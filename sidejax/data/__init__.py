@@ -2,7 +2,8 @@
 
 * :mod:`sidejax.data.datasets`: :func:`load_dataset` and friends (host numpy arrays): the registry and the
   search path; the formats are read by :mod:`sidejax.data.idx` (MNIST family), :mod:`sidejax.data.cifar`,
-  :mod:`sidejax.data.builtin` (no files needed) and :mod:`sidejax.data.tfds`, into the common
+  :mod:`sidejax.data.builtin` (no files needed; also BPC-FL's
+  three-interval regression, :func:`interval_regression`) and :mod:`sidejax.data.tfds`, into the common
   :class:`Dataset` of :mod:`sidejax.data.base`.
 * :mod:`sidejax.data.partition`: deterministic host-side client partitions (index arrays), and pFedMe's
   label split into per-client train and test sets (:func:`label_split_train_test`).
@@ -10,6 +11,13 @@
   per-client index table, ready for ``jax.vmap`` over clients.
 """
 
+from sidejax.data.builtin import (
+    INTERVALS,
+    IntervalRegression,
+    interval_regression,
+    interval_regression_test,
+    interval_target,
+)
 from sidejax.data.datasets import (
     DATASETS,
     EMNIST_SUBSETS,
@@ -41,6 +49,8 @@ from sidejax.data.partition import (
 __all__ = [
     "DATASETS",
     "EMNIST_SUBSETS",
+    "INTERVALS",
+    "IntervalRegression",
     "PARTITION_KINDS",
     "Dataset",
     "FederatedData",
@@ -50,6 +60,9 @@ __all__ = [
     "dirichlet_partition",
     "fixed_size_partition",
     "iid_partition",
+    "interval_regression",
+    "interval_regression_test",
+    "interval_target",
     "klms_noniid_partition",
     "label_shard_partition",
     "label_split_train_test",

@@ -1,7 +1,10 @@
-"""Datasets that need no files: scikit-learn's bundled ``digits``, the generated ``moons``, and the synthetic
-linear and logistic regressions (:func:`synthetic_regression`)."""
+"""Datasets that need no files: scikit-learn's bundled ``digits``, the generated ``moons``, the synthetic
+linear and logistic regressions (:func:`synthetic_regression`) and BPC-FL's 1-D three-interval regression
+(:func:`interval_regression`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,7 +17,16 @@ from sidejax.data.base import (
     check_split,
 )
 
-__all__ = ["synthetic_regression", "load_digits", "load_moons"]
+__all__ = [
+    "synthetic_regression",
+    "load_digits",
+    "load_moons",
+    "INTERVALS",
+    "IntervalRegression",
+    "interval_target",
+    "interval_regression",
+    "interval_regression_test",
+]
 
 
 def synthetic_regression(
@@ -92,3 +104,94 @@ def load_moons(split: str, num_samples: int, noise: float, seed: int) -> Dataset
     random_state = seed if split == "train" else seed + 1
     x, y = make_moons(n_samples=num_samples, noise=noise, random_state=random_state)
     return Dataset(x.astype(np.float32), y.astype(np.int32), 2)
+
+
+#: BPC-FL's synthetic regression (spec ``bpcfl.md`` §5.1): the three input intervals.
+INTERVALS: tuple[tuple[float, float], ...] = ((-0.8, -0.6), (-0.2, 0.0), (0.5, 0.8))
+
+
+def interval_target(x) -> np.ndarray:
+    """The noiseless target ``f(x) = 1.5 sin(0.4 π x) + 1.5 cos(2 π x)`` (any shape; float64 numpy)."""
+    x = np.asarray(x, np.float64)
+    return 1.5 * np.sin(0.4 * np.pi * x) + 1.5 * np.cos(2.0 * np.pi * x)
+
+
+class IntervalRegression(NamedTuple):
+    """A federation of the three-interval regression.
+
+    Attributes:
+      x: float32 ``[M n, 1]`` inputs, client-major (client ``m`` holds rows ``m n .. (m + 1) n - 1``).
+      y: float32 ``[M n]`` noisy targets.
+      parts: one int64 index array per client (into ``x`` / ``y``), for
+        :func:`sidejax.data.make_federated_data`.
+      proportions: float64 ``[M, 3]``, each client's interval probabilities (``Dirichlet([1, 1, 1])``).
+      interval: int32 ``[M n]``, the interval each point was drawn from.
+      noise: the noise std.
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    parts: list[np.ndarray]
+    proportions: np.ndarray
+    interval: np.ndarray
+    noise: float
+
+
+def _draw_points(rng: np.random.Generator, probs: np.ndarray, num: int, noise: float):
+    which = rng.choice(len(INTERVALS), size=num, p=probs)
+    bounds = np.asarray(INTERVALS, np.float64)
+    x = rng.uniform(bounds[which, 0], bounds[which, 1])
+    y = interval_target(x) + noise * rng.standard_normal(num)
+    return x.astype(np.float32)[:, None], y.astype(np.float32), which.astype(np.int32)
+
+
+def interval_regression(num_clients: int, per_client: int, *, noise: float = 0.3, seed: int = 0):
+    """BPC-FL's 1-D synthetic regression (spec ``bpcfl.md`` §5.1, §8.15): ``num_clients`` clients of
+    ``per_client`` points each. Client ``m`` draws its interval probabilities ``π_m ~ Dirichlet([1, 1, 1])``;
+    each point picks an interval of :data:`INTERVALS` from ``π_m``, ``x`` uniform inside it, and
+    ``y = f(x) + ε`` with ``f`` = :func:`interval_target` and ``ε ~ N(0, noise²)`` (``noise`` is the std).
+
+    Everything is a function of ``seed`` (numpy ``default_rng([seed, 0])``; the test set of
+    :func:`interval_regression_test` uses another stream).
+
+    Returns:
+      An :class:`IntervalRegression`.
+
+    Raises:
+      ValueError: naming the argument out of range.
+    """
+    num_clients = check_positive_int(num_clients, "num_clients")
+    per_client = check_positive_int(per_client, "per_client")
+    noise = check_nonneg_float(noise, "noise")
+    seed = check_seed(seed)
+    rng = np.random.default_rng([seed, 0])
+    proportions = rng.dirichlet(np.ones(len(INTERVALS)), size=num_clients)
+    xs, ys, ws = zip(*(_draw_points(rng, p, per_client, noise) for p in proportions), strict=True)
+    parts = [np.arange(m * per_client, (m + 1) * per_client) for m in range(num_clients)]
+    return IntervalRegression(
+        np.concatenate(xs), np.concatenate(ys), parts, proportions, np.concatenate(ws), noise
+    )
+
+
+def interval_regression_test(
+    proportions, num_points: int, *, noise: float = 0.3, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fresh noisy test points ``(x float32 [n, 1], y float32 [n])`` from the federation's pooled mixture:
+    the interval probabilities are the mean of the clients' ``proportions`` (``[M, 3]``; the pooled data of
+    equal-size clients), ``x`` uniform inside the interval, ``y = f(x) + N(0, noise²)``. Seeded by
+    ``default_rng([seed, 1])``, a stream the training data never uses.
+
+    Raises:
+      ValueError: naming the argument out of range.
+    """
+    num_points = check_positive_int(num_points, "num_points")
+    noise = check_nonneg_float(noise, "noise")
+    seed = check_seed(seed)
+    props = np.asarray(proportions, np.float64)
+    if props.ndim != 2 or props.shape[1] != len(INTERVALS) or props.shape[0] < 1:
+        raise ValueError(f"proportions must have shape [num_clients, {len(INTERVALS)}]; got {props.shape}.")
+    if not (np.all(np.isfinite(props)) and np.all(props >= 0)) or np.any(props.sum(axis=1) <= 0):
+        raise ValueError("proportions must be finite, non-negative, with positive row sums.")
+    mix = (props / props.sum(axis=1, keepdims=True)).mean(axis=0)
+    x, y, _ = _draw_points(np.random.default_rng([seed, 1]), mix / mix.sum(), num_points, noise)
+    return x, y

@@ -1,0 +1,164 @@
+"""BPC-FL's 1-D regression experiment (experiments.bpcfl_regression): one ``--quick`` run (module fixture)
+checked for its files, its JSON fields, the measured uplink (the pseudocoreset stream formula) and finite
+numbers; bad input exits with code 2 and one line, writing nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from experiments.bpcfl_regression import PAPER, QUICK, gaussian_nll_loss, main, predictive_numbers
+
+METHODS = ("bpcfl_map", "bpcfl_hmc", "fedavg", "fedavg_one_shot")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bpcfl_regression")
+    assert main(["--quick", "--out", str(out), "--seed", "1"]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_files_and_fields(quick_run):
+    out, report = quick_run
+    assert (out / "predictive.png").stat().st_size > 10_000
+    assert report["quick"] is True and report["clients"] == 5 and report["num_params"] == 16_897
+    assert set(report["methods"]) == set(METHODS)
+    fields = (
+        "test_rmse",
+        "test_nll",
+        "test_nll_eval_sigma",
+        "epistemic_std_inside",
+        "epistemic_std_gaps",
+        "epistemic_std_outside",
+        "predictive_std_inside",
+        "predictive_std_gaps",
+        "uplink_bits_per_client_round",
+        "uplink_floats_total",
+        "downlink_floats_total",
+        "wall_s",
+    )
+    for name in METHODS:
+        entry = report["methods"][name]
+        for field in fields:
+            assert field in entry, (name, field)
+        for field in fields:
+            values = np.atleast_1d(np.asarray(entry[field], np.float64))
+            assert np.all(np.isfinite(values)), (name, field)
+    hmc = report["methods"]["bpcfl_hmc"]
+    assert 0.0 <= hmc["hmc_acceptance"] <= 1.0 and hmc["hmc_finite"]
+    fed = report["methods"]["fedavg"]
+    assert fed["rounds"] == QUICK["fedavg_rounds"] and len(fed["test_rmse_per_round"]) == fed["rounds"]
+    # point estimates carry no epistemic std; their predictive std is the likelihood's sigma
+    for name in ("bpcfl_map", "fedavg", "fedavg_one_shot"):
+        assert report["methods"][name]["epistemic_std_gaps"] == 0.0
+        assert report["methods"][name]["predictive_std_gaps"] == pytest.approx(report["sigma"])
+    # (whether HMC moves at all on the tiny --quick coreset is not checked: --quick is a smoke run)
+    assert hmc["epistemic_std_gaps"] >= 0.0 and hmc["hmc_divergent"] >= 0
+
+
+def test_bpcfl_uplink_is_the_stream_formula(quick_run):
+    _, report = quick_run
+    k = QUICK["num_points"]
+    formula = 32 * k * 1 + 32 * k + 32  # [Z: K x 1 float32][labels: K float32][n_m: 32 bits]
+    assert report["bpcfl_uplink_formula_bits"] == formula
+    for name in ("bpcfl_map", "bpcfl_hmc"):
+        entry = report["methods"][name]
+        assert entry["uplink_bits_per_client_round"] == [formula] * 5
+        assert entry["uplink_floats_total"] == 5 * (2 * k + 1)
+        assert entry["downlink_floats_total"] == 0
+    assert report["bpcfl_diagnostics"]["uplink_errors"] == [0] * 5
+    # FedAvg sends (at least) the P float32 parameters up per client per round
+    fed = report["methods"]["fedavg"]
+    assert min(fed["uplink_bits_per_client_round"]) >= 32 * 16_897
+    assert fed["uplink_floats_total"] >= 5 * fed["rounds"] * 16_897
+    one = report["methods"]["fedavg_one_shot"]
+    assert one["rounds"] == 1 and one["uplink_floats_total"] == pytest.approx(fed["uplink_floats_total"] / 3)
+
+
+def test_pseudocoreset_is_reported(quick_run):
+    _, report = quick_run
+    pc = report["pseudocoreset"]
+    k = QUICK["num_points"]
+    assert np.asarray(pc["inputs"]).shape == (5, k) and np.asarray(pc["labels"]).shape == (5, k)
+    np.testing.assert_allclose(pc["weights"], 1.0, rtol=1e-6)  # equal n_m: w_m = M n_m / N = 1
+    assert np.all(np.isfinite(pc["inputs"])) and np.all(np.isfinite(pc["labels"]))
+
+
+def test_paper_settings_are_table_2_3_7():
+    p = PAPER
+    assert (p["num_points"], p["prior_precision"], p["init_std"], p["step_size_inputs"]) == (
+        6,
+        1e-2,
+        1.0,
+        1e-2,
+    )
+    assert (p["step_size_labels"], p["pairs_per_update"], p["num_noise"], p["noise_std"]) == (
+        1.0,
+        10,
+        10,
+        1e-2,
+    )
+    assert (p["num_trajectories"], p["pretrain_steps"], p["save_interval"], p["pretrain_batch_size"]) == (
+        100,
+        300,
+        5,
+        20,
+    )
+    assert (p["data_chain_length"], p["coreset_chain_length"], p["num_updates"]) == (150, 200, 400)
+    assert (p["map_lr"], p["map_steps"]) == (1e-2, 300)
+    assert (p["hmc_step_size"], p["hmc_inverse_mass"], p["hmc_integration_steps"]) == (1e-3, 50.0, 20)
+    assert (p["hmc_burnin"], p["hmc_samples"]) == (200, 40)
+    assert (p["fedavg_client_lr"], p["fedavg_server_lr"], p["fedavg_local_steps"], p["fedavg_rounds"]) == (
+        1e-2,
+        0.1,
+        10,
+        100,
+    )
+
+
+def test_gaussian_nll_loss_and_predictive_numbers():
+    import jax.numpy as jnp
+
+    from sidejax.fl import Batch
+
+    def apply_fn(variables, x):
+        return x * variables["params"]["w"]
+
+    loss = gaussian_nll_loss(apply_fn, 0.5)
+    x = jnp.array([[1.0], [2.0], [3.0]])
+    y = jnp.array([1.0, 1.0, 100.0])
+    value = loss({"w": jnp.float32(1.0)}, Batch(x, y, jnp.array([1.0, 1.0, 0.0])), None)
+    want = np.mean([0.0, 0.5 * (1.0 / 0.5) ** 2]) + math.log(0.5) + 0.5 * math.log(2 * math.pi)
+    assert float(value) == pytest.approx(want, rel=1e-6)
+    # S identical samples: the mixture NLL is the single-model NLL (spec T12)
+    grid = np.linspace(-1.2, 1.2, 25)
+    f = np.array([[0.0, 1.0]])
+    a = predictive_numbers(f, np.array([0.3, 0.7]), np.zeros((1, 25)), grid, 0.3)
+    b = predictive_numbers(np.repeat(f, 4, axis=0), np.array([0.3, 0.7]), np.zeros((4, 25)), grid, 0.3)
+    assert a["test_nll"] == pytest.approx(b["test_nll"]) and a["test_rmse"] == pytest.approx(0.3)
+    assert a["test_nll_eval_sigma"] == a["test_nll"]
+    c = predictive_numbers(f, np.array([0.3, 0.7]), np.zeros((1, 25)), grid, 1.0, eval_sigma=0.3)
+    assert c["test_nll_eval_sigma"] == pytest.approx(a["test_nll"]) and c["test_nll"] != a["test_nll"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--per-client", "4"], "--per-client 4 is smaller than the pseudocoreset size K = 6"),
+        (["--quick", "--per-client", "2"], "--per-client 2 is smaller than the pseudocoreset size K = 3"),
+        (["--clients", "0"], "--clients must be >= 1"),
+        (["--sigma", "0"], "--sigma must be"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
