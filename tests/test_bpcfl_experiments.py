@@ -164,3 +164,40 @@ def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     assert row["hmc_divergent"] > 0
     err = capsys.readouterr().err
     assert "divergent transitions (hmc_divergent)" in err and "method.hmc_step_size, now 5.0" in err
+
+
+def test_the_emnist_preset_traces_one_round_of_the_convnet():
+    """The GPU preset's algorithm (EMNIST-62, the ConvNet, K = 62, 100 clients) on a stand-in federation of
+    the right shapes (EMNIST's files are not here): one round traces (shapes only, nothing runs), the
+    posterior samples have the ConvNet's shapes (the upload's length at these sizes:
+    tests/algorithms/test_bpcfl.py::test_emnist_stream_length_is_measured_from_the_message)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from experiments.algorithms import ModelContext, build_algorithm
+    from sidejax.data import make_federated_data
+    from sidejax.fl import build_round_step, classification_loss
+    from sidejax.keys import round_key, run_keys
+    from sidejax.models import count_params, get_model, init_params
+
+    config = load_preset("bpcfl_emnist_bpcfl_sgd")
+    spec = get_model(config.data.model, num_classes=62, input_shape=(28, 28, 1))
+    model = ModelContext(lambda key: init_params(key, spec), (28, 28, 1), 62)
+    algo = build_algorithm(config, classification_loss(spec.module.apply), model=model)
+    x = np.zeros((100 * 70, 28, 28, 1), np.float32)
+    y = np.arange(100 * 70, dtype=np.int32) % 62
+    fed = make_federated_data(x, y, [np.arange(70 * c, 70 * (c + 1)) for c in range(100)])
+    init_key, rounds_key = run_keys(0)
+    state = jax.eval_shape(lambda k: algo.init(k, init_params(k, spec), 100), init_key)
+    new_state, info = jax.eval_shape(
+        build_round_step(algo, client_map="map"), round_key(rounds_key, 0), state, fed
+    )
+    samples = algo.eval_params(new_state)
+    assert (
+        sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(samples))
+        == count_params(jax.eval_shape(lambda k: init_params(k, spec), init_key))
+        == 1_206_590
+    )
+    assert new_state.server.coreset.inputs.shape == (100 * 62, 28, 28, 1)
+    assert info.uplink_bits.shape == (100,) and info.uplink_bits.dtype == jnp.float32
