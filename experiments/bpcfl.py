@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
-from experiments.table import read_run_folders, suite_main
+from experiments.table import by_label, mean_std, read_run_folders, suite_main
 
 __all__ = ["SETTINGS", "METHODS", "suite_config", "preset_name", "write_presets", "collect", "main"]
 
@@ -355,15 +355,6 @@ COLUMNS = (
 )
 
 
-def _mean_std(values, spec: str) -> str:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return "-"
-    if len(vals) == 1:
-        return format(vals[0], spec)
-    return f"{format(statistics.fmean(vals), spec)} ± {format(statistics.stdev(vals), spec)}"
-
-
 def _reference(runs) -> dict[int, dict[str, float]]:
     """BPC-FL + SGD's final NLL and accuracy per seed: the targets of "floats to match"."""
     out = {}
@@ -379,23 +370,20 @@ def _reference(runs) -> dict[int, dict[str, float]]:
 def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """One row per method label: mean ± sample std over its runs (seeds)."""
     reference = _reference(runs)
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault(r["label"], []).append(r)
+    groups = by_label(runs)
     out = []
     for label, group in groups.items():
         nums = [_run_numbers(r, reference) for r in group]
-        reached = [n for n in nums]
         out.append(
             {
                 "method": label,
-                "NLL": _mean_std([n["nll"] for n in nums], ".3f"),
-                "acc (%)": _mean_std([n["acc"] for n in nums], ".2f"),
-                "ECE": _mean_std([n["ece"] for n in nums], ".3f"),
-                "uplink floats": _mean_std([n["up"] for n in nums], ".4g"),
-                "total floats": _mean_std([n["total"] for n in nums], ".4g"),
-                "floats to NLL": _mean_std([n["to_nll"] for n in reached], ".3g"),
-                "floats to acc": _mean_std([n["to_acc"] for n in reached], ".3g"),
+                "NLL": mean_std([n["nll"] for n in nums], ".3f"),
+                "acc (%)": mean_std([n["acc"] for n in nums], ".2f"),
+                "ECE": mean_std([n["ece"] for n in nums], ".3f"),
+                "uplink floats": mean_std([n["up"] for n in nums], ".4g"),
+                "total floats": mean_std([n["total"] for n in nums], ".4g"),
+                "floats to NLL": mean_std([n["to_nll"] for n in nums], ".3g"),
+                "floats to acc": mean_std([n["to_acc"] for n in nums], ".3g"),
                 "seeds": ", ".join(str(r["config"]["run"]["seed"]) for r in group),
                 "runs": ", ".join(r["name"] for r in group),
             }
@@ -410,9 +398,7 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault(r["label"], []).append(r)
+    groups = by_label(runs)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for i, (label, group) in enumerate(groups.items()):
         colour = f"C{i % 10}"

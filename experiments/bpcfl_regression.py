@@ -54,7 +54,8 @@ FedAvg, and the pseudo-points ``(Z, ŷ)`` marked).
 
 Measured (seed 0, 5 x 100 points, the loaded 2-core CPU, wall times with compilation; figures in
 ``docs/figures/bpcfl_regression*.png``; the HMC rows with HMC's key drawn outside the key schedule, before it
-moved to the engine server's inference key: the same law, other draws). RMSE / NLL on 1,000 fresh test points; NLL at the data's σ = 0.3:
+moved to the engine server's inference key: the same law, other draws). RMSE / NLL on 1,000 fresh test
+points; NLL at the data's σ = 0.3:
 
 ::
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
-from experiments.table import read_run_folders, suite_main
+from experiments.table import by_label, mean_std, read_run_folders, suite_main
 
 __all__ = ["SETTINGS", "METHODS", "suite_config", "preset_name", "write_presets", "collect", "main"]
 
@@ -228,32 +228,21 @@ COLUMNS = (
 )
 
 
-def _mean_std(values, spec: str) -> str:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return "-"
-    if len(vals) == 1:
-        return format(vals[0], spec)
-    return f"{format(statistics.fmean(vals), spec)} ± {format(statistics.stdev(vals), spec)}"
-
-
 def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """One row per method label: mean ± sample std over its runs (seeds)."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault(r["label"], []).append(r)
+    groups = by_label(runs)
     out = []
     for label, group in groups.items():
         nums = [_run_numbers(r) for r in group]
         out.append(
             {
                 "method": label,
-                "personal acc (%)": _mean_std([n["personal"] for n in nums], ".2f"),
-                "final personal (%)": _mean_std([n["final_personal"] for n in nums], ".2f"),
-                "global acc (%)": _mean_std([n["global"] for n in nums], ".2f"),
-                "final global (%)": _mean_std([n["final_global"] for n in nums], ".2f"),
-                "rounds to 99%": _mean_std([n["rounds99"] for n in nums], ".0f"),
-                "uplink floats / client / round": _mean_std([n["floats"] for n in nums], ".0f"),
+                "personal acc (%)": mean_std([n["personal"] for n in nums], ".2f"),
+                "final personal (%)": mean_std([n["final_personal"] for n in nums], ".2f"),
+                "global acc (%)": mean_std([n["global"] for n in nums], ".2f"),
+                "final global (%)": mean_std([n["final_global"] for n in nums], ".2f"),
+                "rounds to 99%": mean_std([n["rounds99"] for n in nums], ".0f"),
+                "uplink floats / client / round": mean_std([n["floats"] for n in nums], ".0f"),
                 "seeds": ", ".join(str(r["config"]["run"]["seed"]) for r in group),
                 "runs": ", ".join(r["name"] for r in group),
             }
@@ -268,9 +257,7 @@ def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault(r["label"], []).append(r)
+    groups = by_label(runs)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for i, (label, group) in enumerate(groups.items()):
         colour = f"C{i % 10}"

@@ -29,6 +29,7 @@ import argparse
 import csv
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,25 @@ def run_configs(directory: Path, runs, *, force: bool, resume_command: str) -> i
             )
             return 130
     return 0
+
+
+def mean_std(values, spec: str) -> str:
+    """``"mean ± sample std"`` of the non-``None`` ``values`` formatted with ``spec`` (one value: itself;
+    none: ``"-"``): a suite table's cell over seeds."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return format(vals[0], spec)
+    return f"{format(statistics.fmean(vals), spec)} ± {format(statistics.stdev(vals), spec)}"
+
+
+def by_label(runs: list[dict]) -> dict[str, list[dict]]:
+    """A suite's collected runs grouped by their ``"label"`` (the table row), in order of appearance."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r["label"], []).append(r)
+    return groups
 
 
 def run_presets(
