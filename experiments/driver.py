@@ -543,7 +543,9 @@ def load_init_params(folder: str | Path, template):
     if not checkpoint_exists(path):
         raise FileNotFoundError(
             f"run.init_from={str(folder)!r}: no {FINAL_PARAMS}/ there; it must be the results folder of a "
-            f"finished run (every run writes its final model when it ends)"
+            f"finished run (every run writes its final model when it ends). A suite preset's bare name (e.g. "
+            f"bpcfl_moons_bpcfl_sgd) is resolved by its table command to that preset's run folder; with "
+            f"experiments.run, pass --run.init_from <that folder>"
         )
     try:
         params, meta = load_checkpoint(path, template)

@@ -200,3 +200,32 @@ def test_the_emnist_preset_traces_one_round_of_the_convnet():
     )
     assert new_state.server.coreset.inputs.shape == (100 * 62, 28, 28, 1)
     assert info.uplink_bits.shape == (100,) and info.uplink_bits.dtype == jnp.float32
+
+
+def test_a_warm_start_from_another_model_or_a_damaged_file_is_refused(tmp_path):
+    """run.init_from must hold a finished run of the same model; a damaged final model is refused by its
+    checksum; neither leaves a run folder behind."""
+    source = tmp_path / "fedavg"
+    run_experiment(
+        _tiny("fedavg").override({"run.rounds": 1, "run.eval_every": 1}),
+        source,
+        progress=False,
+        verbose=False,
+    )
+    other = suite_config("fmnist_cpu", "fedavg").override(
+        {"data.dataset": "digits", "data.model": "mlp_32_16", "data.train_subset": 200, "run.rounds": 1}
+    )
+    with pytest.raises(ValueError, match="cannot initialise this run .* same data.model"):
+        run_experiment(
+            other.override({"run.init_from": str(source)}), tmp_path / "a", progress=False, verbose=False
+        )
+    ckpt = source / "final_params" / "state.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes() + b"x")
+    with pytest.raises(ValueError, match="is damaged"):
+        run_experiment(
+            _tiny("fedavg").override({"run.init_from": str(source)}),
+            tmp_path / "b",
+            progress=False,
+            verbose=False,
+        )
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
