@@ -302,8 +302,7 @@ def run(args, hp: dict[str, Any]) -> int:
     import optax
 
     from sidejax.algorithms import BPCFLSettings, bpcfl, fedavg, hmc_inference, map_inference
-    from sidejax.algorithms.pfedbayes import per_example_log_likelihood
-    from sidejax.bayes.pseudocoresets import coreset_logdensity
+    from sidejax.algorithms.bpcfl import coreset_posterior
     from sidejax.data import interval_regression, interval_regression_test, make_federated_data
     from sidejax.fl import LocalTraining, run_rounds
     from sidejax.keys import SERVER, draw_key, round_key, run_keys, stream_key
@@ -439,19 +438,12 @@ def run(args, hp: dict[str, Any]) -> int:
         num_samples=hp["hmc_samples"],
         start=map_inference(optax.adam(hp["map_lr"]), hp["map_steps"]) if args.hmc_start == "map" else None,
     )
-    log_lik = per_example_log_likelihood(loss_fn)
     # the key the engine's server gives its inference in round 0 (bpcfl_server_update)
     hmc_key = draw_key(stream_key(round_key(rounds_key, 0), SERVER), 0)
 
     @jax.jit
     def run_hmc(key, coreset_, weights_, init):
-        logdensity = coreset_logdensity(
-            lambda p, zs, ys: log_lik(p, zs, ys, key),
-            coreset_,
-            weights_,
-            prior_precision=settings.prior_precision,
-            likelihood_scale=settings.likelihood_scale,
-        )
+        logdensity = coreset_posterior(loss_fn, settings, coreset_, weights_, key)
         return hmc_inf.run(key, logdensity, init)
 
     _log(

@@ -80,6 +80,7 @@ __all__ = [
     "BPCFLClientInfo",
     "BPCFLServerInfo",
     "check_settings",
+    "coreset_posterior",
     "check_client_sizes",
     "uplink_floats",
     "bpcfl_init",
@@ -167,9 +168,15 @@ def _real(value, name: str, *, low: float = 0.0, strict: bool = True) -> float:
 def check_settings(settings: BPCFLSettings) -> BPCFLSettings:
     """Validates :class:`BPCFLSettings`, naming the field at fault (spec T10's ``r + L_D <= T_pre``)."""
     s = settings
-    for name in ("num_points", "num_updates", "pairs_per_update", "num_noise", "num_trajectories"):
-        check_count(getattr(s, name), f"settings.{name}", 1)
-    for name in ("pretrain_steps", "save_interval"):
+    counts = (
+        "num_points",
+        "num_updates",
+        "pairs_per_update",
+        "num_noise",
+        "num_trajectories",
+        "pretrain_steps",
+    )
+    for name in (*counts, "save_interval"):
         check_count(getattr(s, name), f"settings.{name}", 1)
     check_count(s.coreset_chain_length, "settings.coreset_chain_length", 0)
     check_count(s.data_chain_length, "settings.data_chain_length", 0)
@@ -495,6 +502,22 @@ def bpcfl_client_update(
     return state, message, ClientInfo(jnp.mean(info.surrogate), finite, extra, cinfo.valid)
 
 
+def coreset_posterior(loss_fn: Callable, settings: BPCFLSettings, coreset: Pseudocoreset, weights, key):
+    """The server's ``log p̃(θ | C)`` (spec A4-A5) of an aggregated pseudocoreset: per-point log-likelihoods
+    from the loss contract (``−loss_fn`` on one-point batches, ``key`` handed to it), weighted by ``weights``,
+    scaled by ``settings.likelihood_scale``, plus the prior ``N(0, settings.prior_precision⁻¹ I)``. What
+    :func:`bpcfl_server_update` runs its inference on, and what a caller re-running another inference on a
+    server state's ``coreset`` / ``weights`` should use."""
+    log_lik = per_example_log_likelihood(loss_fn)
+    return coreset_logdensity(
+        lambda params, zs, ys: log_lik(params, zs, ys, key),
+        coreset,
+        weights,
+        prior_precision=settings.prior_precision,
+        likelihood_scale=settings.likelihood_scale,
+    )
+
+
 def bpcfl_server_update(
     loss_fn: Callable,
     settings: BPCFLSettings,
@@ -520,15 +543,8 @@ def bpcfl_server_update(
         lambda v: unpack_pseudocoreset(v, k, tuple(input_shape), classes=classes)
     )(values)
     coreset, point_weights = aggregate_pseudocoresets(Pseudocoreset(inputs, labels), counts)
-    log_lik = per_example_log_likelihood(loss_fn)
     loss_key = stream_key(round_key, SERVER)
-    logdensity = coreset_logdensity(
-        lambda params, zs, ys: log_lik(params, zs, ys, loss_key),
-        coreset,
-        point_weights,
-        prior_precision=settings.prior_precision,
-        likelihood_scale=settings.likelihood_scale,
-    )
+    logdensity = coreset_posterior(loss_fn, settings, coreset, point_weights, loss_key)
     out = inference.run(draw_key(loss_key, 0), logdensity, server.params)
     new = BPCFLServer(server.params, coreset, point_weights, out.samples)
     info = BPCFLServerInfo(out.finite, out.num_divergent, out.acceptance)

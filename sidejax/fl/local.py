@@ -15,7 +15,6 @@ Flax classifier.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -93,12 +92,6 @@ def epoch_order(key: PRNGKey, num_examples: jax.Array, max_examples: int) -> jax
     return jnp.argsort(scores).astype(jnp.int32)
 
 
-def _check_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 def build_local_trainer(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -143,16 +136,16 @@ def build_local_trainer(
       ValueError: if not exactly one of ``num_epochs`` and ``num_steps`` is given, or a count is not an
         integer >= 1.
     """
-    batch_size = _check_count(batch_size, "batch_size")
+    batch_size = check_count(batch_size, "batch_size")
     if (num_epochs is None) == (num_steps is None):
         raise ValueError(
             "build_local_trainer needs exactly one of num_epochs and num_steps, got "
             f"num_epochs={num_epochs!r}, num_steps={num_steps!r}"
         )
     if num_epochs is not None:
-        num_epochs = _check_count(num_epochs, "num_epochs")
+        num_epochs = check_count(num_epochs, "num_epochs")
     else:
-        num_steps = _check_count(num_steps, "num_steps")
+        num_steps = check_count(num_steps, "num_steps")
     return _scan_trainer(loss_fn, optimizer, batch_size, num_epochs, num_steps, None)
 
 
@@ -262,7 +255,7 @@ def build_sampling_trainer(
     Raises:
       ValueError: if a count is not an integer in its range or ``average`` is not a bool.
     """
-    batch_size = _check_count(batch_size, "batch_size")
+    batch_size = check_count(batch_size, "batch_size")
     burnin = check_count(burnin_steps, "burnin_steps", minimum=0)
     every = check_count(steps_per_sample, "steps_per_sample")
     count = check_count(num_samples, "num_samples")
