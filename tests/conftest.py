@@ -34,20 +34,36 @@ from sidejax.data import tfds as tfds_module
 from sidejax.fl import LocalTraining, classification_loss, run_rounds
 from sidejax.models import get_model, init_params
 
+# Linux's default vm.max_map_count is 65,530; clear well below it.
+MAX_CODE_MAPPINGS = 20_000
+
+
+def _memory_mappings() -> int | None:
+    """The number of memory mappings of this process (``None`` where ``/proc/self/maps`` does not exist)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drops JAX's in-memory compiled executables after each test module.
+    """Drops JAX's in-memory compiled executables after a test module once the process holds many.
 
     Every CPU executable keeps its code mapped in the process, and the suite compiles thousands of them:
     measured, the process held 46,577 memory mappings after tests/algorithms and tests/coding alone, and the
     whole suite crossed Linux's default ``vm.max_map_count`` (65,530), where LLVM's next code mapping fails
     and the process dies (a segfault or abort inside the compilation cache, in whichever test came last).
-    Clearing after each module keeps it under 8,000; programs shared within a module are unaffected, and a
-    program needed again later is read back from the persistent compilation cache."""
+    Clearing after every module kept it under 8,000 but also dropped the programs later modules share (the
+    session fixtures' rounds, eager kernels too quick to compile for the persistent cache), which were then
+    traced and compiled, or read back, again. Now the caches are cleared only once the process holds more
+    than ``MAX_CODE_MAPPINGS`` mappings (after every module where the count cannot be read)."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    count = _memory_mappings()
+    if count is None or count > MAX_CODE_MAPPINGS:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
