@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 
+@pytest.mark.slow  # a benchmark script end to end
 def test_aiht_bench_quick(tmp_path, capsys):
     from experiments.bench import aiht as bench
 

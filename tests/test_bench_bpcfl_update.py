@@ -10,6 +10,7 @@ import math
 import pytest
 
 
+@pytest.mark.slow  # a benchmark script end to end
 def test_bpcfl_update_bench_quick(tmp_path, capsys):
     from experiments.bench import bpcfl_update as bench
 

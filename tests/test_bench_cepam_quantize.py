@@ -8,6 +8,7 @@ import math
 import pytest
 
 
+@pytest.mark.slow  # a benchmark script end to end
 def test_cepam_quantize_bench_tiny(tmp_path, capsys):
     from experiments.bench import cepam_quantize
 

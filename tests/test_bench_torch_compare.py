@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark script end to end
 def test_torch_compare_skips_pytorch_cleanly_when_not_installed(tmp_path, monkeypatch, capsys):
     from experiments.bench import torch_compare
 

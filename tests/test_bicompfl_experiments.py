@@ -97,6 +97,7 @@ def test_bad_settings_say_what_to_do():
         suite_config("mnist", "gr_fixed")
 
 
+@pytest.mark.slow  # the paper suite's table command end to end (runs, resume, table, plot): 20-30 s cold
 def test_table_command_runs_the_methods_and_writes_the_papers_columns(tmp_path, monkeypatch, capsys):
     """End to end on digits (2 rounds): the command runs presets (here: the suite's configs shrunk to the
     test federation), skips finished runs on a second call, and writes table.md/csv with the paper's columns

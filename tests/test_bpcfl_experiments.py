@@ -116,6 +116,7 @@ def test_bad_configs_say_what_to_do(tmp_path):
         )
 
 
+@pytest.mark.slow  # the paper suite's table command end to end (runs, resume, table, plot): 20-30 s cold
 def test_table_runs_bpcfl_and_warm_started_fedavg(tmp_path, monkeypatch, capsys):
     """End to end on a tiny moons federation: BPC-FL + SGD, FedAvg and the warm start over one seed; the
     table has NLL / accuracy / ECE, measured floats (BPC-FL: the streams' bits / 32), FedAvg's floats to
@@ -152,6 +153,7 @@ def test_table_runs_bpcfl_and_warm_started_fedavg(tmp_path, monkeypatch, capsys)
     assert (tmp_path / "accuracy_vs_floats.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a BPC-FL run with HMC through the driver: about 17 s cold
 def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     """An HMC step far past stability on the server: the run finishes, its metrics count the divergent
     transitions and the driver says so on stderr, with what to change."""
@@ -165,6 +167,7 @@ def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     assert "divergent transitions (hmc_divergent)" in err and "method.hmc_step_size, now 5.0" in err
 
 
+@pytest.mark.slow  # a paper-scale trace (100 clients, the EMNIST ConvNet)
 def test_the_emnist_preset_traces_one_round_of_the_convnet():
     """The GPU preset's algorithm (EMNIST-62, the ConvNet, K = 62, 100 clients) on a stand-in federation of
     the right shapes (EMNIST's files are not here): one round traces (shapes only, nothing runs), the

@@ -15,6 +15,11 @@ from experiments.bpcfl_regression import PAPER, QUICK, gaussian_nll_loss, main, 
 METHODS = ("bpcfl_map", "bpcfl_hmc", "fedavg", "fedavg_one_shot")
 
 
+# The --quick run trains BPC-FL, HMC and FedAvg end to end (about 19 s from an empty compilation cache): the
+# three tests that read it are slow; the settings, the loss and the bad-input tests are not.
+_quick_run_is_slow = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bpcfl_regression")
@@ -22,6 +27,7 @@ def quick_run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@_quick_run_is_slow
 def test_files_and_fields(quick_run):
     out, report = quick_run
     assert (out / "predictive.png").stat().st_size > 10_000
@@ -60,6 +66,7 @@ def test_files_and_fields(quick_run):
     assert hmc["epistemic_std_gaps"] >= 0.0 and hmc["hmc_divergent"] >= 0
 
 
+@_quick_run_is_slow
 def test_bpcfl_uplink_is_the_stream_formula(quick_run):
     _, report = quick_run
     k = QUICK["num_points"]
@@ -79,6 +86,7 @@ def test_bpcfl_uplink_is_the_stream_formula(quick_run):
     assert one["rounds"] == 1 and one["uplink_floats_total"] == pytest.approx(fed["uplink_floats_total"] / 3)
 
 
+@_quick_run_is_slow
 def test_pseudocoreset_is_reported(quick_run):
     _, report = quick_run
     pc = report["pseudocoreset"]

@@ -69,6 +69,7 @@ def test_bad_settings_say_what_to_do():
         suite_config("mnist_cnn", "cepam")
 
 
+@pytest.mark.slow  # the paper suite's table command end to end (runs, resume, table, plot): 20-30 s cold
 def test_table_command_runs_the_schemes_and_writes_the_columns(tmp_path, monkeypatch, capsys):
     """End to end on digits (2 rounds, 4 clients): CEPAM on Z^2 and FL+Gaussian+SDQ run through the
     driver (real streams under jit), a second call skips them, the table has accuracy, (epsilon, delta) and

@@ -79,6 +79,7 @@ def test_rounds_to_fraction():
     assert rounds_to_fraction([{"round": 1, "personal_accuracy": None}]) is None
 
 
+@pytest.mark.slow  # the paper suite's table command end to end (runs, resume, table, plot): 20-30 s cold
 def test_table_command_runs_seeds_and_averages_them(tmp_path, monkeypatch, capsys):
     """End to end on digits (2 rounds, 4 clients, pFedMe's split with 20 examples per label): CoreSet-
     PFedBayes and RandomSubset over two seeds, a second call skips the finished runs, the table has one row

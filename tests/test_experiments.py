@@ -230,6 +230,7 @@ def test_cli_reports_bad_input_without_traceback(capsys, tmp_path):
     assert cli_main([]) == 2
 
 
+@pytest.mark.slow  # two CLI runs of FedPM end to end
 def test_mask_eval_reports_sampled_and_threshold_accuracy(tmp_path):
     config = small("fedpm", **{"run.rounds": 2, "method.client_optimizer": "adam"})
     run_experiment(config, tmp_path, progress=False, verbose=False)
@@ -638,6 +639,7 @@ def test_a_run_interrupted_before_its_first_checkpoint_says_to_overwrite(tmp_pat
     assert "--overwrite" in err and "--resume" not in err
 
 
+@pytest.mark.slow  # a KLMS run through the driver until it stops
 def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monkeypatch):
     """Fault injection on the wire: client 0's message loses its last word in round 0 (garbage there, and a
     length that no longer covers it). The real decoder flags the stream invalid; the driver must stop (like

@@ -101,6 +101,9 @@ def test_notebook_is_committed_with_its_outputs(path):
     assert not any("injected-parameters" in c.metadata.get("tags", []) for c in nb.cells)
 
 
+# Each execution starts a kernel and compiles a notebook's programs afresh (20-45 s each from an empty
+# compilation cache): `make test-all` and CI run them, `make test` does not.
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path):
     nb = execute_notebook(path, TEST_PARAMETERS[path.name])

@@ -17,6 +17,8 @@ def test_readme_has_python_examples():
     assert len(BLOCKS) >= 2
 
 
+# The examples train small federations end to end (5-12 s each from an empty compilation cache): slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index, capsys):
     exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})

@@ -148,6 +148,7 @@ def test_uplink_floats_match_the_spec_counts():
     assert 5 * (uplink_floats(_settings(num_points=5), 2) - 1) == 75
 
 
+@pytest.mark.slow  # paper-scale: EMNIST-62's K = 62 pseudo-images of 784 pixels
 def test_emnist_stream_length_is_measured_from_the_message():
     # K = 62 pseudo-points of 784 pixels, 62 classes (6 bits per label), n_m in 32 bits
     coder = pseudocoreset_coder(62, 62)

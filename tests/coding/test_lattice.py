@@ -160,7 +160,15 @@ def test_decoder_reproduces_the_encoder_bit_for_bit_and_a_wrong_key_does_not():
 
 
 @pytest.mark.parametrize(
-    "lattice", [L.integer_lattice(2), L.integer_lattice(3), L.d4(), L.e8()], ids=lambda lat: lat.name
+    "lattice",
+    [
+        L.integer_lattice(2),
+        # the same two-phase code at other block dimensions (5-10 s each to compile): slow
+        pytest.param(L.integer_lattice(3), marks=pytest.mark.slow),
+        pytest.param(L.d4(), marks=pytest.mark.slow),
+        L.e8(),
+    ],
+    ids=lambda lat: lat.name,
 )
 def test_two_phase_quantizer_matches_the_plain_loop_bit_for_bit(lattice):
     """lrsuq_quantize (T0 trials for all blocks, then the stragglers gathered into `cap` slots) returns
