@@ -37,9 +37,12 @@ def execute_notebook(path: Path, overrides: str | None = None, timeout: int = 90
     Raises:
       ValueError: ``overrides`` given but the notebook has no cell tagged ``parameters``.
       nbclient.exceptions.CellExecutionError: a cell raised (the message shows the cell and traceback).
+      RuntimeError: the execution failed otherwise (the kernel died, a timeout): the message names the
+        notebook and the cell that was running.
     """
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     nb = nbformat.read(path, as_version=4)
     injected = None
@@ -52,6 +55,11 @@ def execute_notebook(path: Path, overrides: str | None = None, timeout: int = 90
         nb.cells.insert(tagged[0] + 1, injected)
     env_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + env_path if env_path else "")
+    running = {}
+
+    def started(cell, cell_index):
+        running.update(index=cell_index, source=cell.source)
+
     try:
         NotebookClient(
             nb,
@@ -59,7 +67,17 @@ def execute_notebook(path: Path, overrides: str | None = None, timeout: int = 90
             kernel_name="python3",
             record_timing=False,
             resources={"metadata": {"path": str(path.parent)}},
+            on_cell_start=started,
         ).execute()
+    except CellExecutionError:
+        raise  # its message shows the cell and the traceback
+    except Exception as exc:
+        # Anything else (a kernel that died, nbclient's internal asserts once its kernel client is gone)
+        # says nothing about where it happened: name the notebook and the cell that was running.
+        where = "before the first cell"
+        if running:
+            where = f"cell {running['index']}: {running['source'][:200]!r}"
+        raise RuntimeError(f"{path.name}: {type(exc).__name__} while executing {where}: {exc}") from exc
     finally:
         if env_path is None:
             del os.environ["PYTHONPATH"]
