@@ -35,12 +35,15 @@ from sidejax.fl.local import (
     num_local_steps,
 )
 from sidejax.fl.rounds import (
+    CLIENT_AXIS,
     CLIENT_STRATEGIES,
     ClientMap,
+    ClientPhase,
     as_client_map,
     build_round_step,
     check_federation,
     default_client_strategy,
+    mesh_client_map,
     run_rounds,
     sample_clients,
 )
@@ -56,6 +59,9 @@ __all__ = [
     "ReceiveFn",
     "no_metrics",
     "ClientMap",
+    "mesh_client_map",
+    "CLIENT_AXIS",
+    "ClientPhase",
     "as_client_map",
     "RoundInfo",
     "RoundState",

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from sidejax.fl.base import Algorithm, ClientData, ClientInfo, RoundInfo, RoundState
 from sidejax.keys import DOWNLINK, SAMPLING, client_keys, round_key, stream_key
@@ -43,16 +45,21 @@ from sidejax.utils import is_concrete, tree_all_finite
 
 __all__ = [
     "CLIENT_STRATEGIES",
+    "CLIENT_AXIS",
     "default_client_strategy",
     "sample_clients",
     "check_federation",
     "ClientMap",
+    "mesh_client_map",
     "as_client_map",
+    "ClientPhase",
     "build_round_step",
     "run_rounds",
 ]
 
 CLIENT_STRATEGIES = ("vmap", "map")
+#: The default name of the mesh axis the participants are split over (:class:`ClientMap`).
+CLIENT_AXIS = "clients"
 
 
 def default_client_strategy() -> str:
@@ -133,19 +140,72 @@ class ClientMap(NamedTuple):
       strategy: ``"vmap"`` (all participants at once), ``"map"`` (sequential ``lax.map``), or ``None`` for
         :func:`default_client_strategy` (``"map"`` on CPU, ``"vmap"`` on GPU/TPU).
       batch_size: with ``"map"``, vmap this many clients per map step (``None``: one at a time).
+      mesh: ``None`` (every participant on one device), or a :class:`jax.sharding.Mesh` with an axis named
+        ``axis``: the round's participants are split into equal contiguous shares over that axis's devices
+        (``shard_map``), and each device runs its share with ``strategy``. A participant count that the
+        devices do not divide is padded with copies of the first participant, whose results are dropped.
+        The other mesh axes, if any, hold replicas. See :func:`mesh_client_map`.
+      axis: the name of the mesh axis the participants are split over.
     """
 
     strategy: str | None = None
     batch_size: int | None = None
+    mesh: Mesh | None = None
+    axis: str = CLIENT_AXIS
 
     def resolved(self) -> ClientMap:
-        """This map with ``strategy`` resolved and both fields checked."""
+        """This map with ``strategy`` resolved and every field checked."""
         strategy = default_client_strategy() if self.strategy is None else self.strategy
         if strategy not in CLIENT_STRATEGIES:
             raise ValueError(f"client_map.strategy must be one of {CLIENT_STRATEGIES}, got {strategy!r}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"client_map.batch_size must be None or >= 1, got {self.batch_size}")
-        return ClientMap(strategy, self.batch_size)
+        if self.mesh is not None:
+            if not isinstance(self.mesh, Mesh):
+                raise TypeError(f"client_map.mesh must be None or a jax.sharding.Mesh, got {self.mesh!r}")
+            if self.axis not in self.mesh.axis_names:
+                raise ValueError(
+                    f"client_map.mesh has axes {tuple(self.mesh.axis_names)} but no axis named "
+                    f"{self.axis!r} to split the participants over: build it with "
+                    f"sidejax.fl.mesh_client_map(), or name one of its axes {self.axis!r}"
+                )
+        return ClientMap(strategy, self.batch_size, self.mesh, self.axis)
+
+    @property
+    def num_shards(self) -> int:
+        """How many devices share the participants (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.shape[self.axis])
+
+
+def mesh_client_map(
+    devices=None, *, strategy: str | None = None, batch_size: int | None = None, axis: str = CLIENT_AXIS
+) -> ClientMap:
+    """A :class:`ClientMap` that splits the participants over ``devices``.
+
+    Args:
+      devices: the devices (default: ``jax.devices()``, every device of every process), or their number
+        (the first that many of ``jax.devices()``).
+      strategy, batch_size: how each device runs its share (:class:`ClientMap`).
+      axis: the mesh axis's name.
+
+    Raises:
+      ValueError: no devices, or more than there are.
+    """
+    available = jax.devices()
+    if devices is None:
+        devices = available
+    elif isinstance(devices, int | np.integer) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(available):
+            raise ValueError(
+                f"devices={devices} but this run has {len(available)} device(s) ({jax.default_backend()}); "
+                "on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N (set before jax starts) "
+                "simulates N devices"
+            )
+        devices = available[:devices]
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices is empty: pass None (every device), a count, or a list of devices")
+    return ClientMap(strategy, batch_size, Mesh(np.asarray(devices), (axis,)), axis).resolved()
 
 
 def as_client_map(client_map) -> ClientMap:
@@ -155,6 +215,70 @@ def as_client_map(client_map) -> ClientMap:
     if not isinstance(client_map, ClientMap):
         raise TypeError(f"client_map must be None, 'vmap', 'map' or a ClientMap, got {client_map!r}")
     return client_map.resolved()
+
+
+def _shard_map(f, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map`` (jax >= 0.7), or ``jax.experimental.shard_map`` on older jax."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _map_clients(cmap: ClientMap, one_client, args: PyTree, shared: PyTree) -> PyTree:
+    """``one_client(participant_args, shared)`` over the leading (participants) axis of ``args``.
+
+    Without a mesh: ``jax.vmap`` or ``jax.lax.map`` on one device. With one: the participants are padded to
+    a multiple of the devices on ``cmap.axis`` (with copies of participant 0, whose results are dropped),
+    split into contiguous shares by ``shard_map``, and each device maps its share the same way; ``shared``
+    (the server state, the broadcast, the federation's examples) is replicated."""
+
+    def local(a, sh):
+        if cmap.strategy == "vmap":
+            return jax.vmap(one_client, (0, None))(a, sh)
+        return jax.lax.map(lambda p: one_client(p, sh), a, batch_size=cmap.batch_size)
+
+    if cmap.mesh is None:
+        return local(args, shared)
+    num = jax.tree.leaves(args)[0].shape[0]
+    shards = cmap.num_shards
+    if shards > num:
+        raise ValueError(
+            f"client_map splits the participants over {shards} devices but a round has only {num} "
+            f"participant(s): use at most {num} devices (sidejax.fl.mesh_client_map({num})) or more "
+            "clients per round"
+        )
+    pad = -num % shards
+    if pad:
+        args = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)]), args)
+    split, whole = PartitionSpec(cmap.axis), PartitionSpec()
+    out = _shard_map(local, cmap.mesh, in_specs=(split, whole), out_specs=split)(args, shared)
+    return jax.tree.map(lambda a: a[:num], out)
+
+
+class ClientPhase(NamedTuple):
+    """Steps 1-3 of a round (``build_round_step(...).client_phase``): what the server receives.
+
+    Attributes:
+      client_ids: int32 ``[clients_per_round]``, the participants, ascending.
+      keys: their :class:`sidejax.keys.ClientKeys` (stacked).
+      sent_server: the server state after its broadcast (what ``server_update`` sees).
+      downlink: the downlink :class:`sidejax.coding.Message` (shared, or stacked per participant).
+      messages: the uplink messages, stacked over participants.
+      client_states: the participants' new client states, stacked.
+      client_info: their :class:`ClientInfo`, stacked.
+      counts: int32 ``[clients_per_round]``, their example counts (the server's weights).
+    """
+
+    client_ids: jax.Array
+    keys: PyTree
+    sent_server: PyTree
+    downlink: PyTree
+    messages: PyTree
+    client_states: PyTree
+    client_info: ClientInfo
+    counts: jax.Array
 
 
 def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None = None):
@@ -167,14 +291,16 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
 
     Returns:
       The round step (its ``client_map`` attribute is the resolved map). It is not jitted: jit it, or call
-      it through :func:`run_rounds`.
+      it through :func:`run_rounds`. Its ``client_phase(round_key, state, data)`` attribute runs steps 1-3
+      alone and returns the :class:`ClientPhase` (the participants' messages themselves, e.g. to compare
+      two client maps message by message).
     """
     cmap = as_client_map(client_map)
     clients_per_round = algorithm.clients_per_round
     if clients_per_round < 1:
         raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
 
-    def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
+    def client_phase(rkey: PRNGKey, state: RoundState, data) -> ClientPhase:
         check_federation(state, data)
         num_clients = data.num_examples.shape[0]
         ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, clients_per_round)
@@ -186,46 +312,49 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         indices = data.client_indices[ids]
         counts = data.num_examples[ids]
 
-        def one_client(args):
+        def one_client(args, shared):
             k, cs, idx, n, msg = args
-            received = algorithm.receive(dkey, k, state.server, cs, downlink if msg is None else msg)
-            return algorithm.client_update(k, received, cs, ClientData(data.x, data.y, idx, n))
+            dk, server, broadcast, x, y = shared
+            received = algorithm.receive(dk, k, server, cs, broadcast if msg is None else msg)
+            return algorithm.client_update(k, received, cs, ClientData(x, y, idx, n))
 
         args = (keys, cstates, indices, counts, downlink if per_client else None)
-        if cmap.strategy == "vmap":
-            new_cstates, messages, cinfo = jax.vmap(one_client)(args)
-        else:
-            new_cstates, messages, cinfo = jax.lax.map(one_client, args, batch_size=cmap.batch_size)
+        shared = (dkey, state.server, downlink, data.x, data.y)
+        new_cstates, messages, cinfo = _map_clients(cmap, one_client, args, shared)
         if not isinstance(cinfo, ClientInfo):
             raise TypeError("client_update must return a sidejax.fl.ClientInfo as its third output")
         cinfo = cinfo._replace(
             valid=jnp.broadcast_to(jnp.asarray(cinfo.valid, bool), ids.shape),
             downlink_errors=jnp.broadcast_to(jnp.asarray(cinfo.downlink_errors, jnp.int32), ids.shape),
         )
+        return ClientPhase(ids, keys, sent_server, downlink, messages, new_cstates, cinfo, counts)
 
-        weights = counts.astype(jnp.float32)
+    def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
+        phase = client_phase(rkey, state, data)
+        ids, messages, downlink = phase.client_ids, phase.messages, phase.downlink
         server, sinfo, errors = algorithm.server_update(
-            rkey, sent_server, ids, keys.shared, messages, weights
+            rkey, phase.sent_server, ids, phase.keys.shared, messages, phase.counts.astype(jnp.float32)
         )
         info = RoundInfo(
             round_index=state.round_index,
             client_ids=ids,
             uplink_bits=jnp.broadcast_to(messages.num_bits, ids.shape).astype(jnp.float32),
             downlink_bits=jnp.broadcast_to(downlink.num_bits, ids.shape).astype(jnp.float32),
-            clients=cinfo,
+            clients=phase.client_info,
             server=sinfo,
             server_finite=tree_all_finite(server),
             uplink_errors=jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape),
-            downlink_shared=jnp.asarray(not per_client),
+            downlink_shared=jnp.asarray(jnp.ndim(downlink.num_bits) == 0),
         )
         new_state = RoundState(
             round_index=state.round_index + 1,
             server=server,
-            clients=_put(state.clients, ids, new_cstates),
+            clients=_put(state.clients, ids, phase.client_states),
             num_clients=state.num_clients,
         )
         return new_state, info
 
+    round_step.client_phase = client_phase
     round_step.client_map = cmap
     return round_step
 
