@@ -10,8 +10,32 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sidejax.algorithms import LangevinSettings, fedpm, qlsd, qsgd, sgld, signsgd
+from sidejax.algorithms import (
+    BPCFLSettings,
+    FedPASettings,
+    LangevinSettings,
+    bicompfl_gr,
+    bicompfl_gr_reconst,
+    bicompfl_pr,
+    bpcfl,
+    cepam,
+    cser,
+    doublesqueeze,
+    fedavg,
+    fedpa,
+    fedpm,
+    hmc_inference,
+    memsgd,
+    neolithic,
+    qlsd,
+    qsgd,
+    sgld,
+    signsgd,
+)
+from sidejax.algorithms.pfedbayes import CoresetSettings, PFedBayesSettings, coreset_pfedbayes, pfedbayes
 from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.coding.lattice import additive_noise_coder, clip_update
+from sidejax.coding.lrsuq import GaussianNoise
 from sidejax.fl import LocalTraining
 from sidejax.models import ModelSpec, count_params, init_params
 
@@ -178,3 +202,123 @@ def fake_cifar_batch(path, n, label_key, seed):
     with open(path, "wb") as f:
         pickle.dump({b"data": data, label_key: labels}, f)
     return data, labels
+
+
+_KEYS_KLMS = klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=64))
+_BI_FIXED = KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=64)
+
+
+def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int = 3) -> dict:
+    """Every algorithm of :mod:`sidejax.algorithms` at small settings on ``loss`` (the model ``spec``), by
+    name: the five papers' methods and the baselines. Those that need every client each round (BICompFL-GR,
+    DoubleSqueeze, NEOLITHIC, BPC-FL) get all ``num_clients``; the others ``clients_per_round``."""
+    common = dict(clients_per_round=clients_per_round)
+    local = dict(batch_size=32, num_epochs=2)
+    lang = dict(
+        num_clients=num_clients, clients_per_round=clients_per_round, settings=LangevinSettings(batch_size=32)
+    )
+    return {
+        "fedavg": fedavg(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        # FedPA past its burn-in (round 0 runs the FedPA branch): 2 local burn-in steps, 3 windows of 2 steps
+        "fedpa": fedpa(
+            loss,
+            client_optimizer=optax.sgd(0.1, momentum=0.9),
+            batch_size=32,
+            settings=FedPASettings(burn_in_rounds=0, num_samples=3, local_burnin_steps=2, steps_per_sample=2),
+            server_optimizer=optax.sgd(0.5, momentum=0.9),
+            **common,
+        ),
+        "fedpm": fedpm(loss, LocalTraining(optax.adam(0.1), **local), **common),
+        "fedpm_klms": fedpm(loss, LocalTraining(optax.adam(0.1), **local), coder=_KEYS_KLMS, **common),
+        "qsgd": qsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "qsgd_klms": qsgd(loss, LocalTraining(optax.sgd(0.1), **local), coder=_KEYS_KLMS, **common),
+        "signsgd": signsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "signsgd_klms": signsgd(loss, LocalTraining(optax.sgd(0.1), **local), coder=_KEYS_KLMS, **common),
+        "qlsd": qlsd(loss, **lang),
+        "sgld_klms": sgld(loss, coder=_KEYS_KLMS, **lang),
+        # per-recipient downlink streams (RECIPIENTS) and several IS samples per message (DRAWS)
+        "bicompfl_pr_splitdl": bicompfl_pr(
+            loss,
+            LocalTraining(optax.adam(0.1), **local),
+            num_clients=num_clients,
+            coder=klms_coder(_BI_FIXED),
+            downlink=_BI_FIXED,
+            num_uplink_samples=2,
+            split_downlink=True,
+            **common,
+        ),
+        # CEPAM's round (with-replacement sampling: ORDER under the step key) with the classic Gaussian
+        # mechanism (its private noise: DRAWS under SAMPLE); the LRSUQ coder's per-block streams are recorded
+        # separately below, on a small vector (a callback per fold_in inside the vmapped rejection loop
+        # would take minutes on the model's 1,389 blocks)
+        "cepam": cepam(
+            loss,
+            coder=clip_update(additive_noise_coder(GaussianNoise(0.1))),
+            local_steps=3,
+            **common,
+        ),
+        # CoreSet-PFedBayes: its two variational tracks (TRACKS), the initial coreset (SUBSETS), the
+        # projection's posterior samples (PROJECTIONS, DRAWS), the initial posterior (POSTERIOR)
+        "coreset_pfedbayes": coreset_pfedbayes(
+            loss,
+            coreset_size=5,
+            settings=PFedBayesSettings(local_iters=2, personal_steps=2, batch_size=8, mc_samples=2),
+            coreset=CoresetSettings(projection_samples=6),
+            **common,
+        ),
+        # BPC-FL (one round, every client): shared expert initialisations (EXPERTS under the downlink key),
+        # each client's minibatches (EXPERTS under TRAIN, DRAWS, ORDER), its pseudocoreset (PSEUDOCORESET:
+        # init draw 0, learner draw 1 and its updates' draws), the server's HMC (SERVER, DRAWS)
+        "bpcfl": bpcfl(
+            loss,
+            lambda key: init_params(key, spec),
+            input_shape=(8, 8, 1),
+            num_clients=num_clients,
+            settings=BPCFLSettings(
+                num_points=2,
+                num_classes=10,
+                prior_precision=0.1,
+                init_std=0.5,
+                num_updates=2,
+                step_size_inputs=1e-2,
+                step_size_labels=0.0,
+                pairs_per_update=2,
+                num_noise=2,
+                noise_std=1e-2,
+                num_trajectories=2,
+                pretrain_steps=10,
+                pretrain_batch_size=8,
+                pretrain_optimizer=optax.sgd(1e-2),
+                chain_optimizer=optax.sgd(1e-2),
+                data_chain_length=5,
+                coreset_chain_length=2,
+            ),
+            inference=hmc_inference(
+                step_size=1e-3, num_integration_steps=2, inverse_mass_matrix=1.0, num_burnin=1, num_samples=2
+            ),
+        ),
+        "bicompfl_gr": bicompfl_gr(
+            loss,
+            LocalTraining(optax.adam(0.1), **local),
+            num_clients=num_clients,
+            coder=klms_coder(_BI_FIXED),
+        ),
+        "bicompfl_gr_reconst": bicompfl_gr_reconst(
+            loss,
+            LocalTraining(optax.adam(0.1), **local),
+            num_clients=num_clients,
+            coder=klms_coder(_BI_FIXED),
+            downlink=_BI_FIXED,
+        ),
+        "pfedbayes": pfedbayes(
+            loss,
+            settings=PFedBayesSettings(local_iters=2, personal_steps=2, batch_size=8, mc_samples=2),
+            **common,
+        ),
+        "memsgd": memsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "cser": cser(loss, LocalTraining(optax.sgd(0.1), **local), **common),
+        "doublesqueeze": doublesqueeze(
+            loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients
+        ),
+        "neolithic": neolithic(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients),
+    }
