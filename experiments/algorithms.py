@@ -10,7 +10,7 @@ from typing import NamedTuple
 from experiments.config import ExperimentConfig, default_config
 from experiments.methods import OPTIMIZERS, SHORTCUTS, make_optimizer
 from sidejax.coding import KLMSConfig
-from sidejax.fl import Algorithm, ClientMap, default_client_strategy
+from sidejax.fl import Algorithm, ClientMap, default_client_strategy, mesh_client_map
 
 __all__ = [
     "ALGORITHMS",
@@ -39,8 +39,13 @@ def resolve_client_strategy(config: ExperimentConfig) -> str:
 
 
 def client_map(config: ExperimentConfig) -> ClientMap:
-    """The engine's client map for a run of ``config`` (passed once, to :func:`sidejax.fl.run_rounds`)."""
-    return ClientMap(resolve_client_strategy(config))
+    """The engine's client map for a run of ``config`` (passed once, to :func:`sidejax.fl.run_rounds`):
+    on one device, or with ``run.devices = N > 1`` split over a mesh of the first ``N`` devices
+    (:func:`sidejax.fl.mesh_client_map`)."""
+    strategy = resolve_client_strategy(config)
+    if config.run.devices == 1:
+        return ClientMap(strategy)
+    return mesh_client_map(config.run.devices, strategy=strategy)
 
 
 def klms_config(config: ExperimentConfig, **overrides) -> KLMSConfig:

@@ -74,6 +74,9 @@ class RunConfig(Section):
       eval_batch_size: batch size of evaluation.
       client_strategy: auto (the library's backend default, sidejax.fl.default_client_strategy: map on CPU,
         vmap on GPU/TPU), or map (sequential) / vmap to force one.
+      devices: how many devices share each round's participants (the first N of jax.devices(); 1: one
+        device). Part of the configuration, so a run resumes only on the same number. On CPU,
+        XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.
       stop_at_accuracy: stop once test accuracy (a fraction, e.g. 0.9) reaches this (unset: never).
       init_from: the results folder of a finished run whose final model (its final_params/, for a posterior
         the first sample) starts this run instead of a fresh initialisation (BPC-FL's MAP as a FedAvg warm
@@ -86,6 +89,7 @@ class RunConfig(Section):
     eval_every: int = 1
     eval_batch_size: int = 1000
     client_strategy: str = choice("auto", ("auto", "map", "vmap"))
+    devices: int = 1
     stop_at_accuracy: float | None = None
     init_from: str | None = None
 
@@ -94,6 +98,7 @@ class RunConfig(Section):
         self.require(self.rounds >= 1, "rounds", "must be >= 1")
         self.require(self.eval_every >= 1, "eval_every", "must be >= 1")
         self.require(self.eval_batch_size >= 1, "eval_batch_size", "must be >= 1")
+        self.require(self.devices >= 1, "devices", "must be >= 1")
         stop = self.stop_at_accuracy
         self.require(stop is None or 0 < stop <= 1, "stop_at_accuracy", "must be in (0, 1]")
 

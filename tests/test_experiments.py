@@ -778,9 +778,11 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
                     "partition_kwargs": data.partition_kwargs(),
                     "train_subset": data.train_subset,
                 },
-                # fields added since, unset (their default keeps the run as it was): run.init_from
+                # fields added since, at the default that keeps the run as it was: run.init_from, run.devices
                 "run": {
-                    k: v for k, v in config.run.to_dict().items() if not (k == "init_from" and v is None)
+                    k: v
+                    for k, v in config.run.to_dict().items()
+                    if not (k == "init_from" and v is None) and not (k == "devices" and v == 1)
                 },
             }
         )
@@ -1166,3 +1168,18 @@ def test_fedpa_config_defaults_are_table_5_and_its_fields_are_checked(small_mode
             default_config(method_name, **{f"method.{field}": value})
     fedpa_form = default_config(method_name, **{"method.shrinkage_form": "fedpa", "method.shrinkage": 2.0})
     assert fedpa_form.method.settings().shrinkage_form == "fedpa"
+
+
+def test_more_devices_than_this_machine_has_is_refused_before_anything_is_written(tmp_path, capsys):
+    """``run.devices`` splits the participants over a mesh; asking for more devices than there are (this test
+    process has one) is one line naming the flag that simulates more, and no folder is left behind."""
+    out = tmp_path / "run"
+    code = cli_main(
+        ["fedavg", "--output", str(out), "--run.devices", "2", "--run.rounds", "1", "--no-progress"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "devices=2 but this run has 1 device" in err, err
+    assert "xla_force_host_platform_device_count" in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"\[run\]: devices must be >= 1; got 0"):
+        default_config("fedavg", **{"run.devices": 0})
