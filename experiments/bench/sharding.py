@@ -1,0 +1,196 @@
+"""Benchmark: one round with the participants split over 1, 2, 4, 8 devices (``sidejax.fl.mesh_client_map``),
+at equal total work, against the single-device round of the same program family, measured in one run.
+
+Each device count runs in its own subprocess (the forced CPU device count, ``XLA_FLAGS=
+--xla_force_host_platform_device_count=N``, must be set before JAX starts); the subprocesses are started in
+turn, ``--repeats`` times over the list of counts (interleaved, so a change of load falls on every count).
+Each one builds LeNet5 on random images of Fashion-MNIST's shape (no files needed), ``--participants`` of
+``--clients`` clients of ``--examples`` examples each, and for each method (FedAvg, FedPM-KLMS) reports:
+
+- ``compile_s``: lowering and compiling ``run_rounds`` for ``--rounds`` rounds;
+- ``round_s``: the best of ``--calls`` timed calls, per round, wall and process CPU time;
+- ``per_device_bytes``: XLA's memory analysis of the compiled round (arguments + outputs + temporaries, per
+  device; the examples are replicated on every device, so that part does not fall with the devices).
+
+On a 2-core CPU the forced devices share the same two cores, so the ratios measure the overhead of the
+sharded program (padding, ``shard_map``, gathering the messages), not a speed-up. Writes JSON (default
+``results/bench/sharding.json``) with the ratios to the single-device round, the threads and cores used,
+the load average and CPU time.
+
+Run: ``python -m experiments.bench.sharding [--devices 1,2,4,8] [--repeats 2] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+METHODS = ("fedavg", "fedpm_klms")
+
+
+def _child(args) -> dict:
+    import jax
+    import numpy as np
+    import optax
+
+    from sidejax.algorithms import fedavg, fedpm
+    from sidejax.coding import KLMSConfig, klms_coder
+    from sidejax.data import make_federated_data
+    from sidejax.fl import ClientMap, LocalTraining, classification_loss, mesh_client_map, run_rounds
+    from sidejax.keys import run_keys
+    from sidejax.models import get_model, init_params
+
+    n = args.child
+    rng = np.random.default_rng(0)
+    total = args.clients * args.examples
+    x = rng.uniform(0, 1, (total, 28, 28, 1)).astype(np.float32)
+    y = rng.integers(0, 10, total).astype(np.int32)
+    fed = make_federated_data(x, y, np.arange(total).reshape(args.clients, args.examples))
+    spec = get_model("lenet5", num_classes=10, input_shape=(28, 28, 1))
+    init_key, rounds_key = run_keys(0)
+    params = init_params(init_key, spec)
+    loss = classification_loss(spec.module.apply)
+    local = LocalTraining(optax.sgd(0.05), batch_size=32, num_epochs=1)
+    builders = {
+        "fedavg": lambda: fedavg(loss, local, clients_per_round=args.participants),
+        "fedpm_klms": lambda: fedpm(
+            loss,
+            LocalTraining(optax.adam(0.1), batch_size=32, num_epochs=1),
+            clients_per_round=args.participants,
+            coder=klms_coder(KLMSConfig(log2_num_candidates=6, max_block_size=64)),
+        ),
+    }
+    cmap = ClientMap("map") if n == 1 else mesh_client_map(n, strategy="map")
+    out = {"devices": n, "jax_devices": len(jax.devices()), "methods": {}}
+    for name in args.methods:
+        algo = builders[name]()
+        state = algo.init(init_key, params, args.clients)
+        t0 = time.perf_counter()
+        lowered = jax.jit(
+            lambda s, d, a=algo: run_rounds(a, rounds_key, s, d, args.rounds, client_map=cmap)
+        ).lower(state, fed)
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        per_device = None
+        if mem is not None:
+            per_device = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
+        jax.block_until_ready(compiled(state, fed))  # warm-up
+        walls, cpus = [], []
+        for _ in range(args.calls):
+            w, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(compiled(state, fed))
+            walls.append((time.perf_counter() - w) / args.rounds)
+            cpus.append((time.process_time() - c) / args.rounds)
+        best = int(np.argmin(walls))
+        out["methods"][name] = {
+            "compile_s": compile_s,
+            "round_s": walls[best],
+            "round_cpu_s": cpus[best],
+            "per_device_bytes": per_device,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench.sharding", description=__doc__)
+    p.add_argument("--devices", default="1,2,4,8")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--participants", type=int, default=16)
+    p.add_argument("--examples", type=int, default=64, help="examples per client")
+    p.add_argument("--rounds", type=int, default=1, help="rounds per timed call")
+    p.add_argument("--calls", type=int, default=3, help="timed calls per subprocess (best is kept)")
+    p.add_argument("--repeats", type=int, default=2, help="passes over the device counts (interleaved)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
+    p.add_argument("--out", type=Path, default=Path("results/bench/sharding.json"))
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    if args.quick:
+        args.clients, args.participants, args.examples, args.calls, args.repeats = 8, 4, 16, 1, 1
+    if args.child is not None:
+        print("CHILD " + json.dumps(_child(args)), flush=True)
+        return {}
+    counts = [int(c) for c in args.devices.split(",") if c]
+    if not counts or min(counts) < 1 or max(counts) > args.participants:
+        p.error(f"--devices must be between 1 and --participants={args.participants}, got {args.devices}")
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    for _ in range(args.repeats):
+        for n in counts:
+            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+            cmd = [sys.executable, "-m", "experiments.bench.sharding", "--child", str(n)]
+            forwarded = ["--methods", ",".join(args.methods), "--clients", str(args.clients)]
+            forwarded += ["--participants", str(args.participants), "--examples", str(args.examples)]
+            forwarded += ["--rounds", str(args.rounds), "--calls", str(args.calls)]
+            proc = subprocess.run(cmd + forwarded, env=env, capture_output=True, text=True, timeout=1800)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"the {n}-device run failed:\n{proc.stderr[-3000:]}")
+            runs[n].append(json.loads(lines[-1][len("CHILD ") :]))
+            print(
+                f"devices {n}: "
+                + ", ".join(
+                    f"{m} {r['round_s'] * 1e3:.0f} ms/round" for m, r in runs[n][-1]["methods"].items()
+                ),
+                flush=True,
+            )
+    results = {}
+    for n in counts:
+        results[str(n)] = {}
+        for m in args.methods:
+            rows = [r["methods"][m] for r in runs[n]]
+            results[str(n)][m] = {
+                "round_s": min(r["round_s"] for r in rows),
+                "round_cpu_s": min(r["round_cpu_s"] for r in rows),
+                "compile_s": statistics.median(r["compile_s"] for r in rows),
+                "per_device_bytes": rows[0]["per_device_bytes"],
+            }
+    base = str(counts[0])
+    ratios = {
+        str(n): {
+            m: {
+                "round_time": results[str(n)][m]["round_s"] / results[base][m]["round_s"],
+                "compile_time": results[str(n)][m]["compile_s"] / results[base][m]["compile_s"],
+            }
+            for m in args.methods
+        }
+        for n in counts
+    }
+    report = {
+        "benchmark": "sharding",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "child")},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "cores_used": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "note": "every device count runs in its own process on the same cores; XLA's default threads",
+        },
+        "results": results,
+        "ratio_to_first_count": ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    for n in counts:
+        parts = []
+        for m in args.methods:
+            r = ratios[str(n)][m]
+            parts.append(f"{m} x{r['round_time']:.2f} round, x{r['compile_time']:.2f} compile")
+        print(f"{n} device(s): " + ", ".join(parts))
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
