@@ -44,6 +44,8 @@ def test_readme_cli_commands_parse():
     ]
     assert len(commands) >= 8
     for argv in commands:
+        while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):  # VAR=value before the command
+            argv = argv[1:]
         assert argv[:3] == [".venv/bin/python", "-m", "experiments.run"], argv
         if "--help" not in argv:
             build_parser().parse_args(argv[3:])  # argparse exits (SystemExit) on a bad flag or choice
