@@ -25,7 +25,8 @@ demo: $(VENV)/.installed
 # this process). Whole test files go to one worker (--dist loadfile), so a module's compiled programs are
 # shared by its tests.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest $(XDIST)
 
 # The suite without the tests marked slow (notebook executions, README examples, benchmark scripts, real
 # data, paper-scale traces, multi-process runs): at most 10 minutes from a fresh clone with an empty
@@ -47,7 +48,7 @@ $(FLOOR)/.installed: pyproject.toml .ci/floor-requirements.txt
 	touch $@
 
 test-floor: $(FLOOR)/.installed
-	$(FLOOR)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" \
+	$(FLOOR)/bin/python -m pytest $(XDIST) -m "not slow" \
 	  --ignore=tests/test_notebooks.py --ignore=tests/test_readme.py
 
 # Re-execute the notebooks in place so their committed outputs (plots, tables) match the code.

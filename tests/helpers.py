@@ -204,7 +204,7 @@ def fake_cifar_batch(path, n, label_key, seed):
     return data, labels
 
 
-_KEYS_KLMS = klms_coder(KLMSConfig(log2_num_candidates=2, max_block_size=64))
+_KEYS_KLMS = klms_coder(SMALL_KLMS)
 _BI_FIXED = KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=64)
 
 

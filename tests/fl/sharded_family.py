@@ -48,7 +48,7 @@ def federation():
     return make_federated_data(x, y, partition("iid", y, NUM_CLIENTS, seed=0))
 
 
-def compare(name: str, algo, params, fed, sharded: ClientMap, strategy: str) -> None:
+def compare(algo, params, fed, sharded: ClientMap, strategy: str) -> None:
     """Each round from the same state: the same participants and messages bit for bit, the server state
     within ``SERVER_ULPS``; then ``ROUNDS`` rounds end to end: the same participants, bits and stream errors,
     the server state within ``DRIFT_RTOL`` (the ULPs of round 1 change round 2's local training)."""
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in names:
         try:
-            compare(name, algorithms[name], params, fed, sharded, args.strategy)
+            compare(algorithms[name], params, fed, sharded, args.strategy)
             print(json.dumps({"name": name, "ok": True}), flush=True)
         except Exception as exc:  # report every algorithm, then fail
             failed += 1
