@@ -30,7 +30,6 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
-import blackjax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,6 +140,8 @@ def hmc(
         raise ValueError(f"mode must be one of {HMC_MODES}, got {mode!r}")
     flat, _ = ravel_pytree(init_position)
     imm = _inverse_mass(inverse_mass_matrix, flat.shape[0])
+    import blackjax  # (imported here: importing blackjax starts JAX's backend, which jax.distributed forbids)
+
     kernel = blackjax.hmc(
         logdensity_fn,
         step_size=step_size,
@@ -229,6 +230,8 @@ def sgld(
         if batch_size > n:
             raise ValueError(f"batch_size={batch_size} exceeds the {n} examples in data")
         grad_fn = jax.grad(logdensity_fn)
+    import blackjax
+
     kernel = blackjax.sgld(grad_fn)
     total = num_burnin + num_samples * thinning
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sidejax.bits import enumerative_mask_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
@@ -37,7 +38,7 @@ class SampleInfo(NamedTuple):
     ideal_bits: jax.Array
 
 
-_NAN = jnp.float32(jnp.nan)
+_NAN = np.float32(np.nan)  # (NumPy: importing sidejax must not start JAX's backend, see jax.distributed)
 
 
 def _trim(words, num_bits):
