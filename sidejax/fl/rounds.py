@@ -54,6 +54,9 @@ __all__ = [
     "as_client_map",
     "ClientPhase",
     "build_round_step",
+    "client_state_split",
+    "place_federation",
+    "gather_to_host",
     "run_rounds",
 ]
 
@@ -226,13 +229,38 @@ def _shard_map(f, mesh: Mesh, in_specs, out_specs):
     return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
+def _spec(cmap: ClientMap, split: bool):
+    return jax.sharding.NamedSharding(cmap.mesh, PartitionSpec(cmap.axis) if split else PartitionSpec())
+
+
+def _constrain(cmap: ClientMap, tree: PyTree, split: bool) -> PyTree:
+    """``tree`` pinned to the client axis (``split``) or replicated; unchanged without a mesh."""
+    if cmap.mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, _spec(cmap, split))
+
+
+def _pad_participants(cmap: ClientMap, ids: jax.Array) -> jax.Array:
+    """``ids`` padded to a multiple of the devices on the client axis with copies of ``ids[0]`` (whose
+    results are dropped); unchanged without a mesh. Refuses more devices than participants."""
+    num, shards = ids.shape[0], cmap.num_shards
+    if shards > num:
+        raise ValueError(
+            f"client_map splits the participants over {shards} devices but a round has only {num} "
+            f"participant(s): use at most {num} devices (sidejax.fl.mesh_client_map({num})) or more "
+            "clients per round"
+        )
+    pad = -num % shards
+    return jnp.concatenate([ids, jnp.repeat(ids[:1], pad)]) if pad else ids
+
+
 def _map_clients(cmap: ClientMap, one_client, args: PyTree, shared: PyTree) -> PyTree:
     """``one_client(participant_args, shared)`` over the leading (participants) axis of ``args``.
 
-    Without a mesh: ``jax.vmap`` or ``jax.lax.map`` on one device. With one: the participants are padded to
-    a multiple of the devices on ``cmap.axis`` (with copies of participant 0, whose results are dropped),
-    split into contiguous shares by ``shard_map``, and each device maps its share the same way; ``shared``
-    (the server state, the broadcast, the federation's examples) is replicated."""
+    Without a mesh: ``jax.vmap`` or ``jax.lax.map`` on one device. With one (``args`` already padded to a
+    multiple of the devices, :func:`_pad_participants`): ``shard_map`` splits the participants into
+    contiguous shares over ``cmap.axis``, each device maps its share the same way, and ``shared`` is
+    replicated."""
 
     def local(a, sh):
         if cmap.strategy == "vmap":
@@ -241,20 +269,102 @@ def _map_clients(cmap: ClientMap, one_client, args: PyTree, shared: PyTree) -> P
 
     if cmap.mesh is None:
         return local(args, shared)
-    num = jax.tree.leaves(args)[0].shape[0]
-    shards = cmap.num_shards
-    if shards > num:
-        raise ValueError(
-            f"client_map splits the participants over {shards} devices but a round has only {num} "
-            f"participant(s): use at most {num} devices (sidejax.fl.mesh_client_map({num})) or more "
-            "clients per round"
-        )
-    pad = -num % shards
-    if pad:
-        args = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)]), args)
     split, whole = PartitionSpec(cmap.axis), PartitionSpec()
-    out = _shard_map(local, cmap.mesh, in_specs=(split, whole), out_specs=split)(args, shared)
-    return jax.tree.map(lambda a: a[:num], out)
+    return _shard_map(local, cmap.mesh, in_specs=(split, whole), out_specs=split)(args, shared)
+
+
+def client_state_split(client_map: ClientMap, num_clients: int) -> bool:
+    """Whether the engine spreads the per-client state over ``client_map``'s client axis: with a mesh whose
+    client axis divides ``num_clients`` (a sharded array's axis must divide evenly). Otherwise every device
+    holds all of it (replicated)."""
+    return client_map.mesh is not None and num_clients % client_map.num_shards == 0
+
+
+def _host(leaf) -> np.ndarray:
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+        return np.asarray(leaf)
+    if leaf.is_fully_replicated:
+        return np.asarray(leaf.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+
+def gather_to_host(tree: PyTree) -> PyTree:
+    """Every leaf of ``tree`` as a NumPy array holding its whole value, in every process (what a checkpoint
+    or an evaluation needs). A leaf split over devices of other processes is all-gathered (a collective:
+    every process must call this together); typed PRNG keys are kept as key data and wrapped again."""
+
+    def one(leaf):
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(_host(jax.random.key_data(leaf)), impl=jax.random.key_impl(leaf))
+        return _host(leaf)
+
+    return jax.tree.map(one, tree)
+
+
+def _place(value, sharding) -> jax.Array:
+    host = value if isinstance(value, np.ndarray) else _host(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_federation(
+    client_map: ClientMap | str | None, state: RoundState, data
+) -> tuple[RoundState, PyTree]:
+    """Puts a run's state and federation on ``client_map``'s devices, for :func:`run_rounds`.
+
+    Without a mesh it returns its inputs unchanged. With one:
+
+    - the federation's examples ``data.x``/``data.y`` are split over the client axis in contiguous row
+      ranges (padded with zero rows to a multiple of the devices; no client index points at them), so each
+      device holds ``1/devices`` of them. Each round gathers the participants' own rows to the device that
+      runs them; ``client_indices`` and ``num_examples`` (small) are replicated;
+    - the per-client state is split over the client axis when the devices divide ``num_clients``
+      (:func:`client_state_split`): client ``c``'s state lives on device ``c // (num_clients / devices)``.
+      Otherwise it is replicated;
+    - the server state and the round counter are replicated.
+
+    Every process of a multi-process run calls it with the same values (each places only the shards of its
+    own devices, from ``jax.make_array_from_callback``). Placement changes where values live, not what they
+    are: a placed run equals the unplaced one (same bits; server state within a few ULP, as for any mesh).
+
+    Returns:
+      ``(state, data)`` placed.
+    """
+    cmap = as_client_map(client_map)
+    if cmap.mesh is None:
+        return state, data
+    check_federation(state, data)
+    num_clients = int(data.num_examples.shape[0])
+    whole, split = _spec(cmap, False), _spec(cmap, True)
+
+    def rows(a):
+        a = _host(a)
+        pad = -a.shape[0] % cmap.num_shards
+        if pad:
+            a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+        return _place(a, split)
+
+    def leaf(a, sharding):
+        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(a)
+            return jax.random.wrap_key_data(_place(_host(jax.random.key_data(a)), sharding), impl=impl)
+        return _place(np.asarray(_host(a)), sharding)
+
+    clients = split if client_state_split(cmap, num_clients) else whole
+    placed_state = RoundState(
+        round_index=leaf(state.round_index, whole),
+        server=jax.tree.map(lambda a: leaf(a, whole), state.server),
+        clients=jax.tree.map(lambda a: leaf(a, clients), state.clients),
+        num_clients=None if state.num_clients is None else leaf(state.num_clients, whole),
+    )
+    placed_data = data._replace(
+        x=rows(data.x),
+        y=rows(data.y),
+        client_indices=leaf(data.client_indices, whole),
+        num_examples=leaf(data.num_examples, whole),
+    )
+    return placed_state, placed_data
 
 
 class ClientPhase(NamedTuple):
@@ -307,26 +417,47 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         dkey = stream_key(rkey, DOWNLINK)
         sent_server, downlink = algorithm.broadcast(dkey, state.server, ids)
         per_client = jnp.ndim(downlink.num_bits) == 1
-        keys = jax.vmap(client_keys, (None, 0))(rkey, ids)
-        cstates = _take(state.clients, ids)
-        indices = data.client_indices[ids]
-        counts = data.num_examples[ids]
+        # with a mesh, the participants are padded to a multiple of the devices; the padding is dropped below
+        pids = _pad_participants(cmap, ids)
+        extra = pids.shape[0] - ids.shape[0]
+        keys = jax.vmap(client_keys, (None, 0))(rkey, pids)
+        cstates = _take(state.clients, pids)
+        counts = data.num_examples[pids]
+        message = None
+        if per_client:
+            message = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], extra, 0)]), downlink)
+        if cmap.mesh is None:
+            # one device: the federation's examples are shared, each client reads its rows through its indices
+            own = (data.client_indices[pids], None, None)
+            whole = (data.x, data.y)
+        else:
+            # a mesh: each participant's rows are gathered to the device that runs it (the examples are split
+            # over the devices, place_federation); it reads them through local indices 0..max_examples-1
+            idx = data.client_indices[pids]
+            own = (None, data.x[idx], data.y[idx])
+            whole = (jnp.arange(idx.shape[1], dtype=idx.dtype), None)
 
         def one_client(args, shared):
-            k, cs, idx, n, msg = args
-            dk, server, broadcast, x, y = shared
+            k, cs, n, msg, (idx, x, y) = args
+            dk, server, broadcast, (x_all, y_all) = shared
+            if idx is None:  # the participant's own rows, local indices
+                idx, x_all, y_all = x_all, x, y
             received = algorithm.receive(dk, k, server, cs, broadcast if msg is None else msg)
-            return algorithm.client_update(k, received, cs, ClientData(x, y, idx, n))
+            return algorithm.client_update(k, received, cs, ClientData(x_all, y_all, idx, n))
 
-        args = (keys, cstates, indices, counts, downlink if per_client else None)
-        shared = (dkey, state.server, downlink, data.x, data.y)
-        new_cstates, messages, cinfo = _map_clients(cmap, one_client, args, shared)
+        args = _constrain(cmap, (keys, cstates, counts, message, own), True)
+        shared = (dkey, state.server, downlink, whole)
+        new_cstates, messages, cinfo = jax.tree.map(
+            lambda a: a[: ids.shape[0]], _map_clients(cmap, one_client, args, shared)
+        )
         if not isinstance(cinfo, ClientInfo):
             raise TypeError("client_update must return a sidejax.fl.ClientInfo as its third output")
         cinfo = cinfo._replace(
             valid=jnp.broadcast_to(jnp.asarray(cinfo.valid, bool), ids.shape),
             downlink_errors=jnp.broadcast_to(jnp.asarray(cinfo.downlink_errors, jnp.int32), ids.shape),
         )
+        keys = jax.tree.map(lambda a: a[: ids.shape[0]], keys)
+        counts = counts[: ids.shape[0]]
         return ClientPhase(ids, keys, sent_server, downlink, messages, new_cstates, cinfo, counts)
 
     def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
@@ -346,13 +477,16 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
             uplink_errors=jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape),
             downlink_shared=jnp.asarray(jnp.ndim(downlink.num_bits) == 0),
         )
+        clients = _put(state.clients, ids, phase.client_states)
+        split = client_state_split(cmap, data.num_examples.shape[0])
         new_state = RoundState(
             round_index=state.round_index + 1,
-            server=server,
-            clients=_put(state.clients, ids, phase.client_states),
+            server=_constrain(cmap, server, False),
+            clients=_constrain(cmap, clients, split),
             num_clients=state.num_clients,
         )
-        return new_state, info
+        # with a mesh, the round's record is replicated: every process can read it
+        return new_state, _constrain(cmap, info, False)
 
     round_step.client_phase = client_phase
     round_step.client_map = cmap

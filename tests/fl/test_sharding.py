@@ -68,9 +68,35 @@ def test_a_one_device_mesh_gives_the_single_device_round(fedavg_map, small_model
     assert tree_equal(one.messages, mesh.messages) and tree_equal(one.client_ids, mesh.client_ids)
 
 
-def _run_family(names: list[str], devices: int, strategy: str = "map", timeout: int = 1500):
+def test_placing_on_a_one_device_mesh_changes_no_bit(fedavg_map, small_model, digits_fed):
+    """place_federation + run_rounds on a one-device mesh: the same state and records as unplaced; the
+    placed examples and state read back whole (gather_to_host), typed keys included."""
+    from helpers import BASE, tree_equal
+
+    from sidejax.fl import client_state_split, gather_to_host, place_federation, run_rounds
+
+    cmap = mesh_client_map(1, strategy="map")
+    state = fedavg_map.init(BASE, small_model[1], 10)
+    placed_state, placed_fed = place_federation(cmap, state, digits_fed)
+    assert client_state_split(cmap, 10) and not client_state_split(ClientMap("map"), 10)
+    assert tree_equal(gather_to_host(placed_state), state) and tree_equal(
+        gather_to_host(placed_fed), digits_fed
+    )
+    assert place_federation("map", state, digits_fed) == (state, digits_fed)
+    keys = gather_to_host({"k": jax.random.split(BASE, 3)})["k"]
+    assert tree_equal(keys, jax.random.split(BASE, 3))
+    one = run_rounds(fedavg_map, BASE, state, digits_fed, 2, client_map="map")
+    many = run_rounds(fedavg_map, BASE, placed_state, placed_fed, 2, client_map=cmap)
+    assert tree_equal(one[1].uplink_bits, many[1].uplink_bits)
+    assert tree_equal(one[1].client_ids, many[1].client_ids)
+    from helpers import assert_trees_close_across_programs
+
+    assert_trees_close_across_programs(gather_to_host(many[0]), one[0], 8)
+
+
+def _run_family(names: list[str], devices: int, *flags: str, timeout: int = 1500):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--devices", str(devices), "--strategy", strategy, *names],
+        [sys.executable, str(SCRIPT), "--devices", str(devices), *flags, *names],
         env=_forced_devices_env(devices),
         cwd=ROOT,
         capture_output=True,
@@ -83,10 +109,21 @@ def _run_family(names: list[str], devices: int, strategy: str = "map", timeout: 
 
 @pytest.mark.slow  # every algorithm compiles four programs on 8 forced devices: several minutes
 def test_every_algorithm_sharded_over_8_devices_equals_one_device():
+    """16 clients (the client state split 2 per device), 10 participants per round (padded to 16)."""
     proc, rows = _run_family([], 8)
     failed = [r for r in rows if not r["ok"]]
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
     assert len(rows) >= 20, proc.stdout
+
+
+@pytest.mark.slow  # a subprocess with 8 forced devices, four programs per algorithm
+def test_a_client_count_the_devices_do_not_divide_keeps_the_client_state_replicated():
+    """12 clients on 8 devices: the client state cannot be split evenly and stays replicated; the rounds are
+    still the single-device ones (FedAvg, pFedBayes' personal posteriors, BICompFL-PR's estimates)."""
+    names = ["fedavg", "pfedbayes", "bicompfl_pr_splitdl"]
+    proc, rows = _run_family(names, 8, "--num-clients", "12", timeout=900)
+    failed = [r for r in rows if not r["ok"]]
+    assert proc.returncode == 0 and not failed and len(rows) == 3, (failed, proc.stdout, proc.stderr[-3000:])
 
 
 @pytest.mark.slow  # a subprocess with 8 forced devices
