@@ -74,9 +74,16 @@ class RunConfig(Section):
       eval_batch_size: batch size of evaluation.
       client_strategy: auto (the library's backend default, sidejax.fl.default_client_strategy: map on CPU,
         vmap on GPU/TPU), or map (sequential) / vmap to force one.
-      devices: how many devices share each round's participants (the first N of jax.devices(); 1: one
-        device). Part of the configuration, so a run resumes only on the same number. On CPU,
+      devices: how many devices share each round's participants (the first N of jax.devices(), which
+        counts every process's devices; 1: one device). With processes > 1 it must be every device of every
+        process. Part of the configuration, so a run resumes only on the same number. On CPU,
         XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices.
+      processes: how many processes (hosts) run this experiment together (jax.distributed; 1: this process
+        alone). Start each with the same preset and flags, except process_id. Part of the configuration.
+      coordinator: with processes > 1, the address (host:port) of process 0, where the others connect. A
+        launch setting: not compared on resume, nor between the processes.
+      process_id: this process's number, 0 to processes - 1; process 0 coordinates and alone writes the
+        results folder. A launch setting, like coordinator.
       stop_at_accuracy: stop once test accuracy (a fraction, e.g. 0.9) reaches this (unset: never).
       init_from: the results folder of a finished run whose final model (its final_params/, for a posterior
         the first sample) starts this run instead of a fresh initialisation (BPC-FL's MAP as a FedAvg warm
@@ -90,6 +97,9 @@ class RunConfig(Section):
     eval_batch_size: int = 1000
     client_strategy: str = choice("auto", ("auto", "map", "vmap"))
     devices: int = 1
+    processes: int = 1
+    coordinator: str | None = None
+    process_id: int = 0
     stop_at_accuracy: float | None = None
     init_from: str | None = None
 
@@ -99,6 +109,18 @@ class RunConfig(Section):
         self.require(self.eval_every >= 1, "eval_every", "must be >= 1")
         self.require(self.eval_batch_size >= 1, "eval_batch_size", "must be >= 1")
         self.require(self.devices >= 1, "devices", "must be >= 1")
+        self.require(self.processes >= 1, "processes", "must be >= 1")
+        self.require(0 <= self.process_id < self.processes, "process_id", "must be in [0, processes)")
+        self.require(
+            self.processes == 1 or bool(self.coordinator),
+            "coordinator",
+            "is needed with processes > 1: the host:port of process 0 (e.g. 127.0.0.1:8476)",
+        )
+        self.require(
+            self.processes == 1 or self.devices >= self.processes,
+            "devices",
+            "must count every device of every process (at least one per process) when processes > 1",
+        )
         stop = self.stop_at_accuracy
         self.require(stop is None or 0 < stop <= 1, "stop_at_accuracy", "must be in (0, 1]")
 
@@ -500,13 +522,22 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
+#: ``[run]`` fields that differ between the processes of one run, or between a run and its resume: not part
+#: of a preset, of the processes' configuration fingerprint, or of the check that a resume is the same run
+LAUNCH_FIELDS = ("run.coordinator", "run.process_id")
+
+
 def preset_toml(config: ExperimentConfig, description: str) -> str:
     """The TOML text of a preset that loads as ``config``: every field that is set, written out (unset
-    fields have no TOML value and are left out)."""
+    fields have no TOML value and are left out), except the launch settings (:data:`LAUNCH_FIELDS`)."""
     lines = [f"description = {_toml_value(description)}"]
     for table, values in config.to_dict().items():
         lines += ["", f"[{table}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines += [
+            f"{k} = {_toml_value(v)}"
+            for k, v in values.items()
+            if v is not None and f"{table}.{k}" not in LAUNCH_FIELDS
+        ]
     return "\n".join(lines) + "\n"
 
 

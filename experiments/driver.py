@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import checkpoint
+from experiments import checkpoint, distributed
 from experiments.algorithms import ModelContext, build_algorithm, client_map
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.config import TABLES, ExperimentConfig, OldConfigError, config_from_dict
@@ -57,6 +57,8 @@ from sidejax.fl import (
     build_round_step,
     classification_loss,
     client_mean,
+    gather_to_host,
+    place_federation,
     run_rounds,
 )
 from sidejax.keys import round_key, run_keys
@@ -600,12 +602,22 @@ def _check_resumable(out: Path, config: ExperimentConfig) -> ExperimentConfig:
     checkpoint. Returns the saved config."""
     check_resumable_folder(out)
     saved = run_config(json.loads((out / "config.json").read_text()), source=str(out / "config.json"))
-    if saved.override({"run.rounds": config.run.rounds}) != config:
+    launch = {k: config.flat()[k] for k in distributed.LAUNCH_FIELDS}
+    if saved.override({"run.rounds": config.run.rounds, **launch}) != config:
         now, then = config.flat(), saved.flat()
-        diff = {k: (v, then.get(k)) for k, v in now.items() if k != "run.rounds" and then.get(k) != v}
+        ignore = ("run.rounds", *distributed.LAUNCH_FIELDS)
+        diff = {k: (v, then.get(k)) for k, v in now.items() if k not in ignore and then.get(k) != v}
         diff.update({k: (None, v) for k, v in then.items() if k not in now})
+        if set(diff) <= {"run.devices", "run.processes"}:
+            raise ValueError(
+                f"--resume: the run in {out} was checkpointed on {saved.run.devices} device(s) in "
+                f"{saved.run.processes} process(es), and this run asks for {config.run.devices} in "
+                f"{config.run.processes}: resume it on the same topology (--run.devices "
+                f"{saved.run.devices} --run.processes {saved.run.processes}); a run's rounds are bit-exact "
+                "only on the topology that started them"
+            )
         raise ValueError(f"--resume: config differs from the checkpointed run in {out} (now, saved): {diff}")
-    return saved
+    return saved.override({"run.rounds": config.run.rounds, **launch})
 
 
 def run_experiment(
@@ -649,6 +661,8 @@ def run_experiment(
 
     out = Path(output_dir)
     ckpt_dir = out / "checkpoint"
+    distributed.start(config.run)  # several processes: join them (before JAX starts its backend)
+    writer = distributed.is_writer()  # only process 0 writes the folder
     if resume and overwrite:
         raise ValueError(
             "resume and overwrite exclude each other: resume continues the run in the folder, "
@@ -663,6 +677,9 @@ def run_experiment(
             + ("pass --resume to continue it, " if resumable else "")
             + "pass --overwrite to replace it, or choose another --output"
         )
+    # several processes: the same configuration everywhere, and a barrier (every process has checked the
+    # folder before process 0 writes to it)
+    distributed.check_same_config(config)
     t_start = time.perf_counter()
 
     algorithm, spec, fed, (x_test, y_test), client_test = prepare(config)
@@ -698,10 +715,11 @@ def run_experiment(
                 f"a run cannot be shortened (its metrics up to any round are in metrics.jsonl)"
             )
         t_start -= float(meta.get("wall_time_s", 0.0))
-        with (out / "resume_log.jsonl").open("a") as f:
-            entry = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "from_round": len(rows)}
-            f.write(json.dumps({**entry, "rounds": rounds}) + "\n")
-    else:
+        if writer:
+            with (out / "resume_log.jsonl").open("a") as f:
+                entry = {"time": datetime.now(UTC).isoformat(timespec="seconds"), "from_round": len(rows)}
+                f.write(json.dumps({**entry, "rounds": rounds}) + "\n")
+    elif writer:
         if overwrite:
             _remove_run(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -719,9 +737,15 @@ def run_experiment(
         save_checkpoint(ckpt_dir, state, _checkpoint_meta(0, [], 0.0, rounds))
     # metrics.jsonl is a log for watching a run; the checkpoint holds the authoritative rows, so on resume
     # the file is rewritten from them (rows written after the checkpointed round are dropped, none are lost)
-    with (out / "metrics.jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    if writer:
+        with (out / "metrics.jsonl").open("w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    cmap = client_map(config)
+    # a mesh: the examples and the client state go to the devices that hold them (each process places its
+    # own devices' shares); host_view(state) gives the whole state back for evaluation and checkpoints
+    state, fed = place_federation(cmap, state, fed)
+    host_view = gather_to_host if config.run.processes > 1 else (lambda tree: tree)
 
     evaluate = jax.jit(
         _evaluator(algorithm.eval_axis)(spec.module.apply, batch_size=config.run.eval_batch_size)
@@ -733,84 +757,101 @@ def run_experiment(
     cum_bits = rows[-1]["cumulative_bits"] if rows else 0.0
     cum_up = rows[-1]["cumulative_uplink_bits"] if rows else 0.0
     done = int(state.round_index)
+    progress, verbose = progress and writer, verbose and writer
     if verbose:
         print(
             f"{config.algorithm} on {config.data.dataset}/{config.data.model}: {num_params:,} parameters, "
             f"{config.data.num_clients} clients ({config.clients_per_round} per round), output {out}"
         )
         print(PERSONAL_TABLE_HEADER if personal else TABLE_HEADER)
-    cmap = client_map(config)
-    bar = tqdm(total=rounds, initial=done, disable=not progress, unit="round", leave=False)
-    stopped_early = False
-    stop_at = config.run.stop_at_accuracy
-    while done < rounds and not stopped_early:
-        chunk = min(config.run.eval_every, rounds - done)
-        new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk, client_map=cmap)
-        # Checks of the chunk's flags, before its state is accepted or checkpointed (the last good state
-        # stays on disk): NaN/inf, then the coders' input flags and the server's stream errors.
-        _check_finite(infos, ckpt_dir, done)
-        _check_streams(infos, ckpt_dir, done)
-        state = new_state
-        ev = evaluate(algorithm.eval_params(state), x_test, y_test)
-        acc, tloss, tece = float(ev.accuracy), float(ev.loss), float(ev.ece)
-        personal_ev = {}
-        if personal:
-            pev = client_mean(
-                evaluate_personal(
-                    algorithm.personal_params(state), client_test.x, client_test.y, client_test.mask
+
+    # several processes: a collective that fails (another process died) stops this one with a clear error
+    def lost():
+        return distributed.lost_process_error(
+            config.run,
+            lambda: (
+                f"the last checkpoint in {out} is at round {done}; start every process again with --resume "
+                f"(the same --run.processes and --run.devices) to continue"
+            ),
+        )
+
+    with lost():
+        bar = tqdm(total=rounds, initial=done, disable=not progress, unit="round", leave=False)
+        stopped_early = False
+        stop_at = config.run.stop_at_accuracy
+        while done < rounds and not stopped_early:
+            chunk = min(config.run.eval_every, rounds - done)
+            new_state, infos = run_rounds(algorithm, rounds_key, state, fed, chunk, client_map=cmap)
+            # Checks of the chunk's flags, before its state is accepted or checkpointed (the last good state
+            # stays on disk): NaN/inf, then the coders' input flags and the server's stream errors.
+            _check_finite(infos, ckpt_dir, done)
+            _check_streams(infos, ckpt_dir, done)
+            state = new_state
+            view = host_view(state)
+            ev = evaluate(algorithm.eval_params(view), x_test, y_test)
+            acc, tloss, tece = float(ev.accuracy), float(ev.loss), float(ev.ece)
+            personal_ev = {}
+            if personal:
+                pev = client_mean(
+                    evaluate_personal(
+                        algorithm.personal_params(view), client_test.x, client_test.y, client_test.mask
+                    )
                 )
-            )
-            personal_ev = dict(zip(PERSONAL_COLUMNS, (float(pev.accuracy), float(pev.loss)), strict=True))
-        up = np.asarray(infos.uplink_bits, np.float64)
-        down = np.asarray(infos.downlink_bits, np.float64)
-        train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
-        own = algorithm_metrics(algorithm, infos, num_params)
-        _warn_divergences(own, done, config)
-        bc_down = broadcast_downlink_bpp(infos, own, num_params)
-        new_rows = []
-        for s in range(chunk):
-            cum_bits += up[s].sum() + down[s].sum()
-            cum_up += up[s].sum()
-            last = s == chunk - 1
-            new_rows.append(
-                {
-                    "round": done + s + 1,
-                    "test_accuracy": acc if last else None,
-                    "test_loss": tloss if last else None,
-                    "test_ece": tece if last else None,
-                    "train_loss": float(train_loss[s]),
-                    "uplink_bpp": float(up[s].mean() / num_params),
-                    "downlink_bpp": float(down[s].mean() / num_params),
-                    "broadcast_bpp": float(up[s].mean() / num_params + bc_down[s]),
-                    "uplink_bits": float(up[s].sum()),
-                    "downlink_bits": float(down[s].sum()),
-                    "cumulative_bits": float(cum_bits),
-                    "cumulative_uplink_bits": float(cum_up),
-                    "wall_time_s": round(time.perf_counter() - t_start, 3),
-                    **{name: value if last else None for name, value in personal_ev.items()},
-                    **{name: _metric_or_none(values[s]) for name, values in own.items()},
-                }
-            )
-        with (out / "metrics.jsonl").open("a") as f:
-            for r in new_rows:
-                f.write(json.dumps(r) + "\n")
-        rows.extend(new_rows)
-        done += chunk
-        save_checkpoint(ckpt_dir, state, _checkpoint_meta(done, rows, time.perf_counter() - t_start, rounds))
-        _write_csv(out / "metrics.csv", rows)
-        if verbose:
-            for r in new_rows:
-                bar.write(_fmt_row(r))
-        bar.update(chunk)
-        if stop_at is not None and acc >= stop_at:
-            stopped_early = True
+                personal_ev = dict(zip(PERSONAL_COLUMNS, (float(pev.accuracy), float(pev.loss)), strict=True))
+            up = np.asarray(infos.uplink_bits, np.float64)
+            down = np.asarray(infos.downlink_bits, np.float64)
+            train_loss = np.asarray(infos.clients.loss, np.float64).mean(axis=1)
+            own = algorithm_metrics(algorithm, infos, num_params)
+            _warn_divergences(own, done, config)
+            bc_down = broadcast_downlink_bpp(infos, own, num_params)
+            new_rows = []
+            for s in range(chunk):
+                cum_bits += up[s].sum() + down[s].sum()
+                cum_up += up[s].sum()
+                last = s == chunk - 1
+                new_rows.append(
+                    {
+                        "round": done + s + 1,
+                        "test_accuracy": acc if last else None,
+                        "test_loss": tloss if last else None,
+                        "test_ece": tece if last else None,
+                        "train_loss": float(train_loss[s]),
+                        "uplink_bpp": float(up[s].mean() / num_params),
+                        "downlink_bpp": float(down[s].mean() / num_params),
+                        "broadcast_bpp": float(up[s].mean() / num_params + bc_down[s]),
+                        "uplink_bits": float(up[s].sum()),
+                        "downlink_bits": float(down[s].sum()),
+                        "cumulative_bits": float(cum_bits),
+                        "cumulative_uplink_bits": float(cum_up),
+                        "wall_time_s": round(time.perf_counter() - t_start, 3),
+                        **{name: value if last else None for name, value in personal_ev.items()},
+                        **{name: _metric_or_none(values[s]) for name, values in own.items()},
+                    }
+                )
+            rows.extend(new_rows)
+            done += chunk
+            if writer:
+                with (out / "metrics.jsonl").open("a") as f:
+                    for r in new_rows:
+                        f.write(json.dumps(r) + "\n")
+                meta = _checkpoint_meta(done, rows, time.perf_counter() - t_start, rounds)
+                save_checkpoint(ckpt_dir, view, meta)
+                _write_csv(out / "metrics.csv", rows)
             if verbose:
-                bar.write(f"reached run.stop_at_accuracy={stop_at} at round {done}")
-    bar.close()
+                for r in new_rows:
+                    bar.write(_fmt_row(r))
+            bar.update(chunk)
+            if stop_at is not None and acc >= stop_at:
+                stopped_early = True
+                if verbose:
+                    bar.write(f"reached run.stop_at_accuracy={stop_at} at round {done}")
+        bar.close()
     if algorithm.eval_axis in (None, "sample"):
-        final = algorithm.eval_params(state)
+        with lost():
+            final = algorithm.eval_params(host_view(state))  # (every process: a collective on several)
         if algorithm.eval_axis == "sample":
             final = jax.tree.map(lambda a: a[0], final)
+    if algorithm.eval_axis in (None, "sample") and writer:
         # (also written by a resume of a finished run, so an interrupt while writing it loses nothing)
         checkpoint.save_checkpoint(
             out / FINAL_PARAMS,
@@ -842,6 +883,8 @@ def run_experiment(
             "best_personal_accuracy": summary.best_personal_accuracy,
             "tail_personal_accuracy": summary.tail_personal_accuracy,
         }
+    if not writer:
+        return summary
     plot_runs(
         {label or config.algorithm: rows},
         out,
@@ -870,6 +913,7 @@ def run_experiment(
                 "num_params": num_params,
                 "wall_time_s": round(time.perf_counter() - t_start, 2),
                 "backend": jax.default_backend(),
+                **distributed.topology(),
             },
             indent=2,
         )

@@ -28,13 +28,18 @@ Rules for the results folder:
 - Ctrl-C stops the run, prints the round of the last checkpoint and the command that continues it, and
   exits with status 130.
 
-Exit status: 0 done, 2 bad input or folder, 3 stopped on NaN/inf, 130 interrupted.
+Several processes (hosts) run one experiment with ``--run.processes P --run.devices D --run.coordinator
+HOST:PORT --run.process_id I`` (the same command in each, ``I = 0..P-1``; see :mod:`experiments.distributed`).
+
+Exit status: 0 done, 2 bad input or folder, 3 stopped on NaN/inf, 4 another process of the run was lost,
+130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
@@ -54,6 +59,7 @@ from experiments.config import (
     load_preset,
     preset_description,
 )
+from experiments.distributed import ProcessLostError
 from experiments.driver import (
     InvalidStreamError,
     NonFiniteError,
@@ -382,9 +388,19 @@ def main(argv: list[str] | None = None) -> int:
     except (NonFiniteError, InvalidStreamError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    except ProcessLostError as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        # not sys.exit: at exit JAX's distributed client waits on a shutdown barrier with the lost process,
+        # then aborts the interpreter (status 134) with a page of C++ log
+        os._exit(4)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if config.run.process_id > 0:
+        print(f"process {config.run.process_id} done: {summary.rounds_run} rounds (process 0 wrote results)")
+        return 0
     personal = ""
     if summary.final_personal_accuracy is not None:
         personal = (

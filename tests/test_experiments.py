@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +54,8 @@ from experiments.run import main as cli_main
 from experiments.table import main as table_main
 from sidejax.data import label_split_train_test, load_dataset, partition
 from sidejax.models import get_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = {
     "data.dataset": "digits",
@@ -778,15 +783,21 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
                     "partition_kwargs": data.partition_kwargs(),
                     "train_subset": data.train_subset,
                 },
-                # fields added since, at the default that keeps the run as it was: run.init_from, run.devices
-                "run": {
-                    k: v
-                    for k, v in config.run.to_dict().items()
-                    if not (k == "init_from" and v is None) and not (k == "devices" and v == 1)
-                },
+                # fields added since, at the defaults that keep the run as it was: run.init_from, run.devices
+                # and the process settings
+                "run": {k: v for k, v in config.run.to_dict().items() if (k, v) not in ADDED_RUN_DEFAULTS},
             }
         )
     )
+
+
+ADDED_RUN_DEFAULTS = {
+    ("init_from", None),
+    ("devices", 1),
+    ("processes", 1),
+    ("coordinator", None),
+    ("process_id", 0),
+}
 
 
 def test_every_preset_builds_the_run_it_built_before_the_sectioned_config(monkeypatch):
@@ -1183,3 +1194,35 @@ def test_more_devices_than_this_machine_has_is_refused_before_anything_is_writte
     assert not out.exists()
     with pytest.raises(ValueError, match=r"\[run\]: devices must be >= 1; got 0"):
         default_config("fedavg", **{"run.devices": 0})
+
+
+def test_importing_the_library_and_the_driver_does_not_start_jax(tmp_path):
+    """jax.distributed.initialize must come before JAX starts its backend; the command line joins the other
+    processes after importing everything and parsing its flags."""
+    code = (
+        "from jax._src import xla_bridge as xb\n"
+        "import sidejax, sidejax.algorithms, sidejax.bayes, experiments.run, experiments.driver\n"
+        "from experiments.run import build_parser, resolve\n"
+        "resolve(build_parser().parse_args(['fedavg', '--run.rounds', '3']))\n"
+        "print('started' if xb._backends else 'not started')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == "not started", proc.stderr[-2000:]
+
+
+def test_process_settings_are_checked_and_launch_settings_are_not_fingerprinted():
+    from experiments.distributed import fingerprint
+
+    with pytest.raises(ValueError, match=r"coordinator is needed with processes > 1.*host:port"):
+        default_config("fedavg", **{"run.processes": 2, "run.devices": 2})
+    with pytest.raises(ValueError, match=r"process_id must be in \[0, processes\); got 2"):
+        default_config(
+            "fedavg", **{"run.processes": 2, "run.devices": 2, "run.process_id": 2, "run.coordinator": "h:1"}
+        )
+    with pytest.raises(ValueError, match=r"devices must count every device of every process"):
+        default_config("fedavg", **{"run.processes": 2, "run.devices": 1, "run.coordinator": "h:1"})
+    two = {"run.processes": 2, "run.devices": 8, "run.coordinator": "127.0.0.1:1"}
+    a = default_config("fedavg", **two)
+    b = default_config("fedavg", **{**two, "run.process_id": 1, "run.coordinator": "10.0.0.1:2"})
+    c = default_config("fedavg", **{**two, "run.seed": 1})
+    assert fingerprint(a) == fingerprint(b) != fingerprint(c)

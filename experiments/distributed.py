@@ -1,0 +1,181 @@
+"""One experiment over several processes (hosts), on JAX's own runtime (``jax.distributed``).
+
+Every process runs the same driver on the same configuration; the round engine's mesh spans the devices of
+all of them (``run.devices`` counts every device of every process), so one round's participants are split
+over all the devices, and the collectives (the server's gathers and reductions) run over JAX's transport:
+NCCL on GPUs, ICI/DCN on TPUs, gloo on CPUs. Nothing here is an RPC layer of ours.
+
+Start::
+
+    # on host 0 (and the same on host 1 with --run.process_id 1)
+    python -m experiments.run --preset NAME --run.processes 2 --run.devices 8 \\
+        --run.coordinator 10.0.0.1:8476 --run.process_id 0
+
+What each process does (:mod:`experiments.driver`):
+
+- :func:`start` connects it to the others (``jax.distributed.initialize``) before JAX starts its backend;
+  on CPU it selects the gloo collectives. A process that cannot reach the coordinator within
+  ``INIT_TIMEOUT_S`` stops with an error naming the address.
+- :func:`check_same_config` compares a fingerprint of the configuration (every field but the launch
+  settings ``run.coordinator`` and ``run.process_id``) across the processes before anything is written:
+  processes started with different flags all stop, each naming the processes that differ.
+- each process builds the federation from the seed and places only its own devices' shares of the
+  examples and the client state (:func:`sidejax.fl.place_federation`);
+- only process 0 writes the results folder, which every process must be able to read (a shared
+  filesystem: ``--resume`` reads the checkpoint in every process);
+- a process that dies is noticed by the others through the coordination service's heartbeat
+  (``HEARTBEAT_TIMEOUT_S``) or by the collective that waits on it: they stop with an error instead of
+  waiting forever; the last checkpoint is intact and ``--resume`` on the same topology continues it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from experiments.config import LAUNCH_FIELDS, ExperimentConfig, RunConfig
+
+__all__ = [
+    "LAUNCH_FIELDS",
+    "ProcessLostError",
+    "start",
+    "check_same_config",
+    "fingerprint",
+    "is_writer",
+    "lost_process_error",
+    "topology",
+]
+
+#: seconds a process waits for the others to connect (``jax.distributed.initialize``)
+INIT_TIMEOUT_S = int(os.environ.get("SIDEJAX_DIST_INIT_TIMEOUT_S", "120"))
+#: seconds without a heartbeat after which the coordination service declares a process dead
+HEARTBEAT_TIMEOUT_S = int(os.environ.get("SIDEJAX_DIST_HEARTBEAT_TIMEOUT_S", "30"))
+
+
+def start(run: RunConfig) -> None:
+    """Joins this process to a ``run.processes``-process run; does nothing for a single process.
+
+    Must run before anything starts JAX's backend (the first array, ``jax.devices()``). Calling it again
+    in a process already joined to the same number of processes does nothing.
+
+    Raises:
+      ValueError: the process was already joined to a different run, or JAX's backend already started.
+    """
+    if run.processes == 1:
+        return
+    if jax.distributed.is_initialized():
+        if jax.process_count() != run.processes or jax.process_index() != run.process_id:
+            raise ValueError(
+                f"this process already joined a run of {jax.process_count()} processes as process "
+                f"{jax.process_index()}, not run.processes={run.processes}, run.process_id={run.process_id}"
+            )
+        return
+    # CPU devices talk through gloo (the default CPU collectives cannot cross processes); harmless elsewhere
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=run.coordinator,
+            num_processes=run.processes,
+            process_id=run.process_id,
+            initialization_timeout=INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        )
+    except RuntimeError as exc:
+        raise ValueError(
+            f"process {run.process_id} of {run.processes} could not join the run at run.coordinator="
+            f"{run.coordinator!r} within {INIT_TIMEOUT_S} s ({exc}); start every process with the same "
+            "--run.coordinator (process 0's host:port) and --run.processes, each with its own "
+            "--run.process_id"
+        ) from exc
+
+
+def topology() -> dict[str, int]:
+    """This run's processes and devices (what a checkpoint resumes on)."""
+    return {"processes": jax.process_count(), "devices": jax.device_count()}
+
+
+def fingerprint(config: ExperimentConfig) -> str:
+    """SHA-256 of the configuration without its launch settings (:data:`LAUNCH_FIELDS`), and of the
+    versions of jax and sidejax (processes on different versions could compile different programs)."""
+    import sidejax
+
+    flat = {k: v for k, v in config.flat().items() if k not in LAUNCH_FIELDS}
+    text = json.dumps(
+        {"config": flat, "jax": jax.__version__, "sidejax": getattr(sidejax, "__version__", "")},
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_same_config(config: ExperimentConfig) -> None:
+    """Every process of the run holds the same configuration, and the run has the topology it asks for.
+
+    A collective: every process must call it. It is the driver's first collective, so it also waits until
+    every process got this far (every process has checked the results folder before process 0 writes it).
+
+    Raises:
+      ValueError: in every process, naming the processes whose configuration differs from process 0's, or
+        the topology that differs from ``run.processes`` / ``run.devices``.
+    """
+    run = config.run
+    if jax.process_count() != run.processes:
+        raise ValueError(
+            f"run.processes={run.processes} but JAX runs {jax.process_count()} process(es): call "
+            "experiments.distributed.start(config.run) before anything uses JAX"
+        )
+    if run.processes > 1 and jax.device_count() != run.devices:
+        raise ValueError(
+            f"run.devices={run.devices} but the {run.processes} processes have {jax.device_count()} devices "
+            f"together ({jax.local_device_count()} here): with several processes the mesh spans every "
+            "device, "
+            f"so set --run.devices {jax.device_count()}"
+        )
+    if run.processes == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(bytes.fromhex(fingerprint(config)), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, 32]
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(
+            f"the processes were started with different configurations: process(es) {differ} differ from "
+            "process 0 (a fingerprint of every setting but run.coordinator and run.process_id, and of the "
+            "jax "
+            "and sidejax versions); start every process with the same preset and flags"
+        )
+
+
+def is_writer() -> bool:
+    """Whether this process writes the results folder (process 0)."""
+    return jax.process_index() == 0
+
+
+class ProcessLostError(RuntimeError):
+    """A collective with the run's other processes failed: most likely one of them stopped (see
+    :func:`lost_process_error`). The command line exits with status 4 without JAX's shutdown barrier, which
+    would wait for the lost process and then abort."""
+
+
+@contextlib.contextmanager
+def lost_process_error(run: RunConfig, what_now: Callable[[], str]):
+    """Within it, in a run of several processes, a failed collective (``jax.errors.JaxRuntimeError``: gloo's
+    "connection reset by peer", the coordination service's "heartbeat timeout") becomes a
+    :class:`ProcessLostError` naming this process and ``what_now()`` (e.g. where the last checkpoint is). A
+    single process re-raises JAX's error unchanged."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as exc:
+        if run.processes == 1:
+            raise
+        first = str(exc).strip().splitlines()[0][:300]
+        raise ProcessLostError(
+            f"process {run.process_id} of {run.processes}: a collective with the other processes failed "
+            f"({first}); another process of this run has most likely stopped (see its log). {what_now()}"
+        ) from exc
