@@ -46,6 +46,8 @@ def test_readme_cli_commands_parse():
     for argv in commands:
         while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", argv[0]):  # VAR=value before the command
             argv = argv[1:]
+        if argv and argv[-1] == "&":  # started in the background (the processes of a several-host run)
+            argv = argv[:-1]
         assert argv[:3] == [".venv/bin/python", "-m", "experiments.run"], argv
         if "--help" not in argv:
             build_parser().parse_args(argv[3:])  # argparse exits (SystemExit) on a bad flag or choice

@@ -10,7 +10,10 @@ Each one builds LeNet5 on random images of Fashion-MNIST's shape (no files neede
 - ``compile_s``: lowering and compiling ``run_rounds`` for ``--rounds`` rounds;
 - ``round_s``: the best of ``--calls`` timed calls, per round, wall and process CPU time;
 - ``per_device_bytes``: XLA's memory analysis of the compiled round (arguments + outputs + temporaries, per
-  device; the examples are replicated on every device, so that part does not fall with the devices).
+  device);
+- ``resident_bytes_per_device``: the bytes of the federation's examples and the run's state that the first
+  device holds once placed (:func:`sidejax.fl.place_federation`: the examples split in row ranges, the
+  client state split when the devices divide ``--clients``; the server state replicated).
 
 On a 2-core CPU the forced devices share the same two cores, so the ratios measure the overhead of the
 sharded program (padding, ``shard_map``, gathering the messages), not a speed-up. Writes JSON (default
@@ -43,7 +46,14 @@ def _child(args) -> dict:
     from sidejax.algorithms import fedavg, fedpm
     from sidejax.coding import KLMSConfig, klms_coder
     from sidejax.data import make_federated_data
-    from sidejax.fl import ClientMap, LocalTraining, classification_loss, mesh_client_map, run_rounds
+    from sidejax.fl import (
+        ClientMap,
+        LocalTraining,
+        classification_loss,
+        mesh_client_map,
+        place_federation,
+        run_rounds,
+    )
     from sidejax.keys import run_keys
     from sidejax.models import get_model, init_params
 
@@ -69,24 +79,36 @@ def _child(args) -> dict:
     }
     cmap = ClientMap("map") if n == 1 else mesh_client_map(n, strategy="map")
     out = {"devices": n, "jax_devices": len(jax.devices()), "methods": {}}
+    first = jax.devices()[0]
+
+    def resident(tree) -> int:
+        return sum(
+            shard.data.nbytes
+            for leaf in jax.tree.leaves(tree)
+            for shard in getattr(leaf, "addressable_shards", [])
+            if shard.device == first
+        )
+
     for name in args.methods:
         algo = builders[name]()
-        state = algo.init(init_key, params, args.clients)
+        state, data = place_federation(
+            cmap, algo.init(init_key, params, args.clients), jax.device_put(fed, first)
+        )
         t0 = time.perf_counter()
         lowered = jax.jit(
             lambda s, d, a=algo: run_rounds(a, rounds_key, s, d, args.rounds, client_map=cmap)
-        ).lower(state, fed)
+        ).lower(state, data)
         compiled = lowered.compile()
         compile_s = time.perf_counter() - t0
         mem = compiled.memory_analysis()
         per_device = None
         if mem is not None:
             per_device = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
-        jax.block_until_ready(compiled(state, fed))  # warm-up
+        jax.block_until_ready(compiled(state, data))  # warm-up
         walls, cpus = [], []
         for _ in range(args.calls):
             w, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(compiled(state, fed))
+            jax.block_until_ready(compiled(state, data))
             walls.append((time.perf_counter() - w) / args.rounds)
             cpus.append((time.process_time() - c) / args.rounds)
         best = int(np.argmin(walls))
@@ -95,6 +117,7 @@ def _child(args) -> dict:
             "round_s": walls[best],
             "round_cpu_s": cpus[best],
             "per_device_bytes": per_device,
+            "resident_bytes_per_device": resident((state, data)),
         }
     return out
 
@@ -155,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "round_cpu_s": min(r["round_cpu_s"] for r in rows),
                 "compile_s": statistics.median(r["compile_s"] for r in rows),
                 "per_device_bytes": rows[0]["per_device_bytes"],
+                "resident_bytes_per_device": rows[0]["resident_bytes_per_device"],
             }
     base = str(counts[0])
     ratios = {
@@ -162,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
             m: {
                 "round_time": results[str(n)][m]["round_s"] / results[base][m]["round_s"],
                 "compile_time": results[str(n)][m]["compile_s"] / results[base][m]["compile_s"],
+                "resident_bytes": results[str(n)][m]["resident_bytes_per_device"]
+                / results[base][m]["resident_bytes_per_device"],
             }
             for m in args.methods
         }
@@ -186,7 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
         parts = []
         for m in args.methods:
             r = ratios[str(n)][m]
-            parts.append(f"{m} x{r['round_time']:.2f} round, x{r['compile_time']:.2f} compile")
+            parts.append(
+                f"{m} x{r['round_time']:.2f} round, x{r['compile_time']:.2f} compile, "
+                f"x{r['resident_bytes']:.2f} resident bytes per device"
+            )
         print(f"{n} device(s): " + ", ".join(parts))
     print(f"wrote {args.out}")
     return report
