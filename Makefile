@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
-.PHONY: demo test test-all test-floor lint bench notebooks clean
+.PHONY: demo test test-all test-floor lint bench gpu-check notebooks clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,13 @@ lint: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m experiments.bench.local_training
+
+# On a machine with an accelerator (after `.venv/bin/python -m pip install -e ".[cuda]"`), at most 8 minutes:
+# the accelerator-relevant tests, 2 rounds of each paper's paper-scale preset on synthetic data of the real
+# shapes, and the benchmarks; timings and peak device memory in results/gpu_check/gpu_check.json.
+# GPU_CHECK_FLAGS passes options, e.g. GPU_CHECK_FLAGS=--overwrite.
+gpu-check: $(VENV)/.installed-dev
+	$(BIN)/python -m experiments.gpu_check $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(FLOOR) results .pytest_cache .ruff_cache
