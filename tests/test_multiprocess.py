@@ -74,6 +74,11 @@ def _log(logs: Path, i: int) -> str:
     return "\n".join(line for line in text.splitlines() if not line.startswith("[Gloo]"))
 
 
+def _one_process(cmd: list[str]) -> subprocess.CompletedProcess:
+    """One process on one device, bounded in time (``subprocess.run`` kills it on timeout)."""
+    return subprocess.run(cmd, cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=600)
+
+
 def _run_cmd(out: Path, *flags: str, port: int | None = None, pid: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "experiments.run", "fedavg", *SMALL_RUN, "--output", str(out), *flags]
     if port is not None:
@@ -105,14 +110,7 @@ def test_the_driver_over_two_processes_writes_once_and_resumes_on_the_same_topol
     device; only process 0 writes (process 1 is given another --output, which must stay absent); a resume
     on 2 processes extends the run, one on 1 process is refused naming the topology."""
     single, out, other = tmp_path / "single", tmp_path / "two", tmp_path / "never"
-    one = subprocess.run(
-        _run_cmd(single, "--run.rounds", "3"),
-        cwd=ROOT,
-        env=_env(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    one = _one_process(_run_cmd(single, "--run.rounds", "3"))
     assert one.returncode == 0, one.stderr[-3000:]
     port = _free_port()
     cmds = [
@@ -142,14 +140,9 @@ def test_the_driver_over_two_processes_writes_once_and_resumes_on_the_same_topol
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 4
 
     before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    refused = subprocess.run(
+    refused = _one_process(
         [sys.executable, "-m", "experiments.run", "--output", str(out), "--resume", "--run.rounds", "5"]
-        + ["--run.processes", "1", "--run.devices", "1", "--no-progress"],
-        cwd=ROOT,
-        env=_env(1),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        + ["--run.processes", "1", "--run.devices", "1", "--no-progress"]
     )
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "checkpointed on 8 device(s) in 2 process(es)" in refused.stderr
