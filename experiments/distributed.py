@@ -14,8 +14,10 @@ Start::
 What each process does (:mod:`experiments.driver`):
 
 - :func:`start` connects it to the others (``jax.distributed.initialize``) before JAX starts its backend;
-  on CPU it selects the gloo collectives. A process that cannot reach the coordinator within
-  ``INIT_TIMEOUT_S`` stops with an error naming the address.
+  on CPU it selects the gloo collectives. A process other than 0 that cannot reach the coordinator's port
+  within ``INIT_TIMEOUT_S`` stops with an error naming the address (checked before JAX's own connection,
+  whose timeout aborts the interpreter with a C++ log); process 0 says on stderr that it waits for the
+  others, and if they do not all come within ``INIT_TIMEOUT_S``, JAX aborts it (exit status 134).
 - :func:`check_same_config` compares a fingerprint of the configuration (every field but the launch
   settings ``run.coordinator`` and ``run.process_id``) across the processes before anything is written:
   processes started with different flags all stop, each naming the processes that differ.
@@ -34,6 +36,9 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
+import sys
+import time
 from collections.abc import Callable
 
 import jax
@@ -76,6 +81,15 @@ def start(run: RunConfig) -> None:
                 f"{jax.process_index()}, not run.processes={run.processes}, run.process_id={run.process_id}"
             )
         return
+    if run.process_id > 0:
+        _wait_for_coordinator(run)
+    else:
+        print(
+            f"process 0: waiting up to {INIT_TIMEOUT_S} s for the other {run.processes - 1} process(es) "
+            f"to join at {run.coordinator}",
+            file=sys.stderr,
+            flush=True,
+        )
     # CPU devices talk through gloo (the default CPU collectives cannot cross processes); harmless elsewhere
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
@@ -93,6 +107,26 @@ def start(run: RunConfig) -> None:
             "--run.coordinator (process 0's host:port) and --run.processes, each with its own "
             "--run.process_id"
         ) from exc
+
+
+def _wait_for_coordinator(run: RunConfig) -> None:
+    """Waits until process 0's port accepts a connection, or raises ``ValueError`` after INIT_TIMEOUT_S."""
+    host, _, port = (run.coordinator or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"run.coordinator must be host:port (process 0's address), got {run.coordinator!r}")
+    deadline = time.monotonic() + INIT_TIMEOUT_S
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"process {run.process_id} of {run.processes} could not reach process 0 at "
+                    f"run.coordinator={run.coordinator!r} within {INIT_TIMEOUT_S} s ({exc}): start process 0 "
+                    "(--run.process_id 0) on that host and port (SIDEJAX_DIST_INIT_TIMEOUT_S sets the wait)"
+                ) from exc
+            time.sleep(0.5)
 
 
 def topology() -> dict[str, int]:

@@ -1226,3 +1226,28 @@ def test_process_settings_are_checked_and_launch_settings_are_not_fingerprinted(
     b = default_config("fedavg", **{**two, "run.process_id": 1, "run.coordinator": "10.0.0.1:2"})
     c = default_config("fedavg", **{**two, "run.seed": 1})
     assert fingerprint(a) == fingerprint(b) != fingerprint(c)
+
+
+def test_a_process_that_cannot_reach_process_0_stops_naming_the_address(monkeypatch):
+    """Checked before jax.distributed.initialize, whose own timeout aborts the interpreter."""
+    import socket
+
+    from experiments import distributed
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(distributed, "INIT_TIMEOUT_S", 1)
+    run = default_config(
+        "fedavg",
+        **{"run.processes": 2, "run.devices": 2, "run.process_id": 1, "run.coordinator": f"127.0.0.1:{port}"},
+    ).run
+    with pytest.raises(
+        ValueError, match=rf"process 1 of 2 could not reach process 0 at run.coordinator='127.0.0.1:{port}'"
+    ):
+        distributed.start(run)
+    bad = default_config(
+        "fedavg", **{"run.processes": 2, "run.devices": 2, "run.process_id": 1, "run.coordinator": "nohost"}
+    ).run
+    with pytest.raises(ValueError, match="run.coordinator must be host:port"):
+        distributed.start(bad)
