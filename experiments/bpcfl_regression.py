@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="BPC-FL's 1-D synthetic regression (paper Fig. 2) against FedAvg and one-shot FedAvg.",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default %(default)s)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="write into --out even if it holds files (a finished result)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the keys and the init")
     p.add_argument("--quick", action="store_true", help="tiny settings for tests (seconds)")
     p.add_argument("--clients", type=int, default=5, help="number of clients M (default 5)")
@@ -291,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     problem = _check_args(args, hp)
     if problem is not None:
         parser.exit(2, f"{parser.prog}: error: {problem}\n")
+    from experiments.driver import check_new_output
+
+    try:  # before any work: a finished result is not overwritten unless asked
+        check_new_output(args.out, overwrite=args.overwrite, flag="--out")
+    except (ValueError, FileExistsError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     hp["fedavg_rounds"] = args.fedavg_rounds
     return run(args, hp)
 

@@ -74,6 +74,7 @@ __all__ = [
     "prepare",
     "run_experiment",
     "is_run_folder",
+    "check_new_output",
     "check_resumable_folder",
     "METRIC_COLUMNS",
     "PERSONAL_COLUMNS",
@@ -273,8 +274,9 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     where = f"client(s) {clients}" if clients else "the server update"
     raise NonFiniteError(
         f"non-finite loss or parameters first appeared in round {round_index}, in {where}. "
-        f"The last good state (round {last_good_round}) is checkpointed in {ckpt_dir}; lower the learning "
-        f"rate or check the data, then run again (with --resume to continue from that checkpoint)."
+        f"The last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. Lower the learning "
+        f"rate or check the data, and start the run again with --overwrite (or another --output): --resume "
+        f"would repeat the same rounds with the same configuration and keys, and meet the same NaN."
     )
 
 
@@ -573,6 +575,32 @@ def is_run_folder(output_dir: str | Path) -> bool:
     )
 
 
+def check_new_output(out: str | Path, *, overwrite: bool, flag: str = "--output") -> None:
+    """The one rule for a folder a new run writes into: it must not exist, or be empty, unless
+    ``overwrite``. Raises :class:`RunExistsError` naming what is there (and ``--resume`` when a run there
+    can be continued); ``ValueError`` if ``out`` is a file. Reads only the folder's listing."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag} {out} is a file, not a folder: choose a folder for the results")
+    if overwrite or not out.exists():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if is_run_folder(out):
+        resumable = (out / "config.json").is_file() and checkpoint_exists(out / "checkpoint")
+        raise RunExistsError(
+            f"{out} already holds a run (config.json, metrics or checkpoint/); "
+            + ("pass --resume to continue it, " if resumable else "")
+            + f"pass --overwrite to replace it, or choose another {flag}"
+        )
+    shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+    raise RunExistsError(
+        f"{out} is not empty ({shown}) and holds no run to continue: choose another {flag} (a new or empty "
+        "folder), or pass --overwrite to write into it (files of the same names are replaced)"
+    )
+
+
 def _remove_run(out: Path) -> None:
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
@@ -632,7 +660,7 @@ def run_experiment(
 ) -> RunSummary:
     """Runs (or resumes) one experiment and writes its results folder.
 
-    Rules for the folder: a new run refuses a folder that already holds a run (:func:`is_run_folder`)
+    Rules for the folder: a new run refuses a folder that holds anything (:func:`check_new_output`)
     unless ``overwrite`` (which removes that run's files once the new run's data and model are built);
     ``resume`` needs a run with a checkpoint there and checks it before any work, creating nothing.
     ``config.json`` is the configuration the run was started with and is never rewritten by a resume;
@@ -670,13 +698,8 @@ def run_experiment(
         )
     if resume:
         _check_resumable(out, config)
-    elif is_run_folder(out) and not overwrite:
-        resumable = (out / "config.json").is_file() and checkpoint_exists(ckpt_dir)
-        raise RunExistsError(
-            f"{out} already holds a run (config.json, metrics or checkpoint/); "
-            + ("pass --resume to continue it, " if resumable else "")
-            + "pass --overwrite to replace it, or choose another --output"
-        )
+    else:
+        check_new_output(out, overwrite=overwrite)
     # several processes: the same configuration everywhere, and a barrier (every process has checked the
     # folder before process 0 writes to it)
     distributed.check_same_config(config)

@@ -44,6 +44,7 @@ from experiments.driver import (
     NonFiniteError,
     _fmt_row,
     accuracy_figures,
+    check_new_output,
     prepare,
     run_experiment,
 )
@@ -172,6 +173,10 @@ def test_nan_stops_with_round_and_client_after_last_good_checkpoint(tmp_path):
     bad_round = int(str(err.value).split("round ")[1].split(",")[0])
     assert meta["round_index"] == bad_round  # the last good state is the one before the bad round
     assert len(_rows(tmp_path)) == bad_round
+    # the advice: change something and start again; a resume repeats the same rounds and meets the same NaN
+    assert "start the run again with --overwrite" in str(err.value)
+    with pytest.raises(NonFiniteError, match=rf"round {bad_round}, in client"):
+        run_experiment(config, tmp_path, resume=True, progress=False, verbose=False)
 
 
 def test_cli_client_strategy_auto_resolves_by_backend():
@@ -1251,3 +1256,38 @@ def test_a_process_that_cannot_reach_process_0_stops_naming_the_address(monkeypa
     ).run
     with pytest.raises(ValueError, match="run.coordinator must be host:port"):
         distributed.start(bad)
+
+
+def test_a_new_run_refuses_a_folder_that_holds_anything(tmp_path, capsys):
+    """Before: --output on a folder holding anything but a run's config.json (results/demo, a suite folder)
+    was accepted and its plots overwritten. One rule: refuse a non-empty folder unless --overwrite."""
+    suite = tmp_path / "suite"
+    (suite / "fedavg_iid").mkdir(parents=True)
+    (suite / "accuracy_vs_round.png").write_bytes(b"the suite's own plot")
+
+    def listing():
+        return {str(p.relative_to(suite)): p.read_bytes() if p.is_file() else None for p in suite.rglob("*")}
+
+    before = listing()
+    assert cli_main(["fedavg", *FLAGS, "--run.rounds", "1", "--output", str(suite)]) == 2
+    err = capsys.readouterr().err
+    assert "is not empty (accuracy_vs_round.png, fedavg_iid) and holds no run" in err and "--overwrite" in err
+    assert listing() == before
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert cli_main(["fedavg", *FLAGS, "--run.rounds", "1", "--output", str(a_file)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err and a_file.read_text() == "x"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_new_output(empty, overwrite=False)  # an empty folder is a new run's
+
+
+def test_bpcfl_regression_refuses_a_folder_with_a_finished_result(tmp_path, capsys):
+    from experiments.bpcfl_regression import main as regression_main
+
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        regression_main(["--quick", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "is not empty (results.json)" in capsys.readouterr().err
+    assert (tmp_path / "results.json").read_text() == "{}"
