@@ -75,6 +75,7 @@ __all__ = [
     "run_experiment",
     "is_run_folder",
     "check_new_output",
+    "same_run_config",
     "check_resumable_folder",
     "METRIC_COLUMNS",
     "PERSONAL_COLUMNS",
@@ -646,6 +647,13 @@ def _check_resumable(out: Path, config: ExperimentConfig) -> ExperimentConfig:
             )
         raise ValueError(f"--resume: config differs from the checkpointed run in {out} (now, saved): {diff}")
     return saved.override({"run.rounds": config.run.rounds, **launch})
+
+
+def same_run_config(output_dir: str | Path, config: ExperimentConfig) -> ExperimentConfig:
+    """The configuration saved in ``output_dir`` if ``config`` asks for the same run (every field but
+    ``run.rounds`` and the launch settings); raises ``ValueError`` naming the fields that differ, or
+    ``FileNotFoundError`` without a run there to continue."""
+    return _check_resumable(Path(output_dir), config)
 
 
 def run_experiment(

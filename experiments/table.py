@@ -190,22 +190,62 @@ def write_table(directory: Path, rows: list[dict[str, str]], columns) -> str:
     return md
 
 
+def _planned(out: Path, config, force: bool) -> tuple[str, str]:
+    """What to do with the run folder ``out`` for ``config``: ``("run", "")`` from scratch, ``("resume",
+    why)`` (interrupted, or finished with fewer rounds than asked: extended), ``("skip", why)`` (finished for
+    exactly this configuration), or ``("refuse", why)`` (a run of another configuration, or of more rounds,
+    which this command will not overwrite)."""
+    from experiments.checkpoint import checkpoint_exists, read_checkpoint_meta
+    from experiments.driver import is_run_folder, same_run_config
+
+    if force or not is_run_folder(out):
+        return "run", ""
+    if not ((out / "config.json").is_file() and checkpoint_exists(out / "checkpoint")):
+        return "run", ""  # started but never checkpointed: nothing to keep
+    try:
+        same_run_config(out, config)
+    except ValueError as e:
+        return "refuse", f"{e}; use --force to replace it, or another directory"
+    summary = out / "summary.json"
+    if summary.is_file():
+        target = json.loads(summary.read_text()).get("rounds_target")
+    else:
+        target = read_checkpoint_meta(out / "checkpoint").get("rounds_target")
+    done = read_checkpoint_meta(out / "checkpoint")["round_index"]
+    asked = config.run.rounds
+    if done > asked or (target is not None and target > asked):
+        held = max(done, target or 0)
+        return "refuse", (
+            f"{out} holds a run of {held} rounds and this asks for {asked}: its rows are not this table's; "
+            "use --force to replace it, or another directory"
+        )
+    if summary.is_file() and target == asked:
+        return "skip", f"finished run found in {out}, skipped (use --force to re-run)"
+    if summary.is_file():
+        return "resume", f"(extending the finished {target}-round run to {asked} rounds)"
+    return "resume", "(resuming the interrupted run)"
+
+
 def run_configs(directory: Path, runs, *, force: bool, resume_command: str) -> int:
-    """Runs each ``(name, config, label)`` into ``directory/name``: a finished run (``summary.json``) is
-    skipped unless ``force``, an interrupted one (a checkpoint, no summary) is resumed, anything else run
-    from scratch. Ctrl-C stops it, prints ``resume_command`` (which resumes it and skips finished runs) and
+    """Runs each ``(name, config, label)`` into ``directory/name``. A run already there counts only for the
+    configuration it was asked for: finished for exactly ``config``, it is skipped; interrupted, or finished
+    with fewer rounds (a short try), it is resumed up to ``config.run.rounds``; of another configuration or
+    more rounds, the command stops with status 2 before touching it. ``force`` re-runs everything from
+    scratch. Ctrl-C stops it, prints ``resume_command`` (which resumes it and skips finished runs) and
     returns 130; otherwise 0. Shared by the table commands (:mod:`experiments.bicompfl`)."""
-    from experiments.checkpoint import checkpoint_exists
-    from experiments.driver import is_run_folder, run_experiment
+    from experiments.driver import run_experiment
 
     for name, config, label in runs:
         out = directory / name
-        if (out / "summary.json").is_file() and not force:
-            print(f"{name}: finished run found in {out}, skipped (use --force to re-run)")
+        action, why = _planned(out, config, force)
+        if action == "skip":
+            print(f"{name}: {why}")
             continue
-        # an interrupted run (a checkpoint but no summary) is continued unless --force
-        resume = not force and is_run_folder(out) and checkpoint_exists(out / "checkpoint")
-        print(f"\n=== {name}" + (" (resuming the interrupted run)" if resume else ""))
+        if action == "refuse":
+            print(f"{name}: {why}", file=sys.stderr)
+            return 2
+        resume = action == "resume"
+        print(f"\n=== {name}" + (f" {why}" if resume else ""))
         try:
             run_experiment(config, out, label=label, resume=resume, overwrite=not resume)
         except KeyboardInterrupt:

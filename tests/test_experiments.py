@@ -1291,3 +1291,33 @@ def test_bpcfl_regression_refuses_a_folder_with_a_finished_result(tmp_path, caps
     assert exit_.value.code == 2
     assert "is not empty (results.json)" in capsys.readouterr().err
     assert (tmp_path / "results.json").read_text() == "{}"
+
+
+@pytest.mark.slow  # four driver runs through a suite's run_configs
+def test_a_suite_counts_a_run_only_for_the_configuration_it_was_asked_for(tmp_path, capsys):
+    """Before: after ``table ... --rounds 2`` the suite took those runs as finished for the full setting,
+    printed "skipped" and mixed 2-round rows into the table. Now a short try is extended, a finished run of
+    exactly the configuration is skipped, and a run of more rounds or another configuration is refused
+    before anything is touched."""
+    from experiments.table import run_configs
+
+    def runs(**changes):
+        return [("a", small(**{"run.eval_every": 1, **changes}), "A")]
+
+    def rounds_done():
+        return [r["round"] for r in _rows(tmp_path / "a")]
+
+    assert run_configs(tmp_path, runs(**{"run.rounds": 2}), force=False, resume_command="") == 0
+    assert rounds_done() == [1, 2]
+    assert run_configs(tmp_path, runs(**{"run.rounds": 3}), force=False, resume_command="") == 0
+    assert "extending the finished 2-round run to 3 rounds" in capsys.readouterr().out
+    assert rounds_done() == [1, 2, 3]
+    assert run_configs(tmp_path, runs(**{"run.rounds": 3}), force=False, resume_command="") == 0
+    assert "finished run found" in capsys.readouterr().out
+    before = (tmp_path / "a" / "metrics.jsonl").read_bytes()
+    assert run_configs(tmp_path, runs(**{"run.rounds": 2}), force=False, resume_command="") == 2
+    assert "holds a run of 3 rounds and this asks for 2" in capsys.readouterr().err
+    changed = runs(**{"run.rounds": 3, "method.client_lr": 0.05})
+    assert run_configs(tmp_path, changed, force=False, resume_command="") == 2
+    assert "method.client_lr" in capsys.readouterr().err
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == before
