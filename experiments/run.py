@@ -152,7 +152,10 @@ _TABLE_TITLES = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(focus: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. ``focus`` (``{"method": name, "coder": name}``, either may be missing)
+    limits ``--help`` to the [method] and [coder] flags those have (every flag still parses; ``None``: all
+    of them, as ``--help-all`` shows)."""
     p = argparse.ArgumentParser(
         prog="python -m experiments.run",
         usage="python -m experiments.run [ALGORITHM] [--preset NAME] [--output DIR] [--resume | --overwrite] "
@@ -174,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
             "  python -m experiments.run --method.name sgld --coder.name float32   # no shortcut for it\n"
             "  python -m experiments.run --preset demo_digits_qsgd_klms   # < 1 min on a CPU\n"
             "  python -m experiments.run --output results/x --resume --run.rounds 40   # continue / extend\n"
-            "exit status: 0 done, 2 bad input or results folder, 3 stopped on NaN/inf, 130 interrupted"
+            "exit status: 0 done, 2 bad input or results folder, 3 stopped on NaN/inf, 4 another process of "
+            "the run was lost, 130 interrupted"
         ),
         formatter_class=_HelpFormatter,
     )
@@ -192,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset", metavar="NAME", help="named preset from experiments/presets (see --list-presets)"
     )
     run.add_argument("--list-presets", action="store_true", help="list the presets with their descriptions")
+    run.add_argument(
+        "--help-all",
+        action="store_true",
+        help="--help with the flags of every method and coder (--help shows those of the chosen ones)",
+    )
     run.add_argument(
         "--output",
         type=Path,
@@ -232,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
             choice = tuple(dict.fromkeys(c for cs in choices if cs for c in cs)) or choices[0]
             (base,), optional = bases, any(o for _, o in kinds)
             owner_names = {k: v for k, v in owners.items() if k} or owners
+            hidden = focus is not None and table in ("method", "coder") and focus.get(table) not in owners
             text = docs[f"{table}.{name}"]
             if choice and not all(c in text for c in choice):
                 text = f"{text.rstrip('.')}: {', '.join(choice)}"
@@ -242,11 +252,40 @@ def build_parser() -> argparse.ArgumentParser:
                 choices=choice,
                 metavar="{true,false}" if base is bool else "NAME" if choice else base.__name__.upper(),
                 default=argparse.SUPPRESS,
-                help=_flag_help(table, name, owner_names, text)
+                help=argparse.SUPPRESS
+                if hidden
+                else _flag_help(table, name, owner_names, text)
                 if table in ("method", "coder")
                 else (f"{text.rstrip('.')} (default {_fmt(next(iter(owners.values())).defaults()[name])})"),
             )
     return p
+
+
+def _help_focus(argv: list[str]) -> dict[str, str]:
+    """For ``--help``: the method and coder the rest of ``argv`` chooses (an ALGORITHM, --method.name /
+    --coder.name, a --preset), without reading anything else; unknown names are left to the full parse."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("algorithm", nargs="?")
+    pre.add_argument("--preset")
+    pre.add_argument("--method.name", dest="method")
+    pre.add_argument("--coder.name", dest="coder")
+    known, _ = pre.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    focus: dict[str, str] = {}
+    if known.preset:
+        try:
+            config = load_preset(known.preset)
+            focus = {"method": config.method.name, "coder": config.coder.name}
+        except (ValueError, FileNotFoundError):
+            pass
+    if known.algorithm in SHORTCUTS:
+        focus = dict(zip(("method", "coder"), SHORTCUTS[known.algorithm], strict=True))
+    if known.method in METHODS:
+        focus["method"] = known.method
+        if known.coder is None:
+            focus["coder"] = default_config(known.method).coder.name
+    if known.coder in CODERS:
+        focus["coder"] = known.coder
+    return focus
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -353,7 +392,22 @@ def _interrupted(out: Path, rounds: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    focus = None
+    if ("-h" in argv or "--help" in argv) and "--help-all" not in argv:
+        focus = _help_focus(argv)
+    parser = build_parser(focus)
+    if "--help-all" in argv:
+        parser.print_help()
+        return 0
+    if focus is not None:
+        chosen = " and ".join(f"{t} {n!r}" for t, n in focus.items())
+        parser.epilog += (
+            f"\n[method] and [coder] flags shown: those of {chosen} (--help-all: every method's and coder's)"
+            if focus
+            else "\n[method] and [coder] flags: give an ALGORITHM, --method.name or a --preset with --help "
+            "to see the chosen ones' (python -m experiments.run fedpm_klms --help), or --help-all for all"
+        )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a bad flag (argparse has printed the usage and the error)

@@ -554,8 +554,24 @@ def test_list_presets_prints_every_description(capsys):
         assert line.split()[0] == name and line.endswith(preset_description(name))
 
 
-def test_help_explains_every_flag_and_lists_choices(capsys):
+def test_help_shows_the_chosen_methods_and_coders_flags_and_help_all_every_flag(capsys):
+    """Before: --help was 518 lines of every method's and coder's flags."""
     assert cli_main(["--help"]) == 0
+    bare = capsys.readouterr().out
+    assert "--run.rounds" in bare and "--help-all" in bare
+    assert "--coder.log2_num_candidates NUM" not in bare and "--coder.log2_num_candidates INT" not in bare
+    assert cli_main(["fedpm_klms", "--help"]) == 0
+    chosen = capsys.readouterr().out
+    assert "--coder.log2_num_candidates INT" in chosen and "--method.client_lr FLOAT" in chosen
+    assert "method 'fedpm' and coder 'klms'" in " ".join(chosen.split())
+    assert "--coder.lattice" not in chosen  # CEPAM's coder
+    assert cli_main(["--preset", "demo_digits_qsgd_klms", "--help"]) == 0
+    assert "method 'qsgd' and coder 'klms'" in " ".join(capsys.readouterr().out.split())
+    assert len(bare.splitlines()) < len(chosen.splitlines()) < 300
+
+
+def test_help_explains_every_flag_and_lists_choices(capsys):
+    assert cli_main(["--help-all"]) == 0
     text = " ".join(capsys.readouterr().out.split())  # undo the line wrapping
     docs = field_docs()
     fields = {
