@@ -18,7 +18,7 @@ reduced CPU settings on Fashion-MNIST); a **variant** is a method of the paper's
 FedAvg, the bi-directionally compressed baselines and the six BICompFL rows). Preset
 ``bicompfl_<setting>_<variant>`` is their combination.
 
-The table has the paper's columns (spec ``bicompfl.md`` §5), from the messages the runs sent:
+The table has the paper's columns (docs/papers/bicompfl.md#s5), from the messages the runs sent:
 
 - ``acc``: the best test accuracy over the evaluations (the paper's "maximum test accuracy over rounds");
   ``last-5 acc``: the mean of the last five evaluations, beside it;
@@ -46,7 +46,7 @@ from experiments.table import read_run_folders, suite_main
 __all__ = ["SETTINGS", "VARIANTS", "suite_config", "preset_name", "write_presets", "variant_label", "main"]
 
 # --------------------------------------------------------------------------------------------------
-# settings: dataset, model, federation, rounds (spec §4.1)
+# settings: dataset, model, federation, rounds (docs/papers/bicompfl.md#s4-1)
 
 _PAPER_RUN = {
     "run.rounds": 200,
@@ -143,7 +143,7 @@ def _downlink(b: int, log2k: int) -> dict[str, Any]:
     return {"method.downlink_block_size": b, "method.downlink_num_candidates": 2**log2k}
 
 
-# the non-stochastic baselines: Adam, local lr 3e-4, server lr 0.1 (spec §4.1 [P])
+# the non-stochastic baselines: Adam, local lr 3e-4, server lr 0.1 (docs/papers/bicompfl.md#s4-1 [P])
 _DENSE = {"method.client_optimizer": "adam", "method.client_lr": 3e-4, "method.batch_size": 128}
 
 #: variant -> (table label, method+coder, overrides given the setting's (b, log2 n_IS))
@@ -276,7 +276,7 @@ def collect(directory: Path) -> list[dict[str, Any]]:
 
 
 def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """The paper's table (spec §5) from the runs' per-round logs."""
+    """The paper's table (docs/papers/bicompfl.md#s5) from the runs' per-round logs."""
 
     def f(x, spec):
         return "-" if x is None else format(x, spec)

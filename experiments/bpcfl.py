@@ -1,5 +1,5 @@
 """BPC-FL experiments: the paper's classification settings as presets, and its NLL / accuracy / ECE /
-communication table (spec ``bpcfl.md`` §5, Table 1).
+communication table (docs/papers/bpcfl.md#s5, docs/papers/bpcfl.md#table-1).
 
 Examples::
 
@@ -21,8 +21,8 @@ A **setting** (:data:`SETTINGS`) fixes the data, model and the BPC-FL column of 
   1,000 test points; the moons MLP (2-50-GN-50-GN-2, P = 3,002); K = 5 pseudo-points per client. One
   stated change to Table 2: the pseudo-input step ψ_x = 1e-1 instead of 1e-3, chosen on seed 0 among 1e-3,
   1e-2 and 1e-1 (BPC-FL + SGD's test accuracy 51.3% / 82.8% / 93.2%; seeds 1 and 2 played no part in the
-  choice). The mean-reduced surrogate of spec §8.7 scales every pseudo-input's gradient by 1/K, and at 1e-3
-  the points barely leave their initialisation in 700 updates.
+  choice). The mean-reduced surrogate of docs/papers/bpcfl.md#s8-7 scales every pseudo-input's gradient by
+  1/K, and at 1e-3 the points barely leave their initialisation in 700 updates.
 - ``fmnist_cpu``: a reduced CPU stand-in for EMNIST: Fashion-MNIST, 5,000 training examples over 10 clients
   (Dirichlet α = 1 label skew), the 10,000 test images; the MLP 784-100-10; K = 10 per client; the EMNIST
   column of Table 2 with 10 expert trajectories and 200 BPC-fKL updates.
@@ -35,13 +35,14 @@ A **setting** (:data:`SETTINGS`) fixes the data, model and the BPC-FL column of 
 
 A **method** (:data:`METHODS`) is a row of Table 1: BPC-FL with SGD / Adam MAP, HMC, or SGLD (an addition
 beyond the paper) downstream; FedAvg one-shot (one round) and over many rounds; FedPA; and FedAvg warm-started
-from BPC-FL + SGD's MAP estimate (spec A6, ``run.init_from`` of that run's folder, same seed). Preset
-``bpcfl_<setting>_<method>``.
+from BPC-FL + SGD's MAP estimate (docs/papers/bpcfl.md#a6, ``run.init_from`` of that run's folder, same seed).
+Preset ``bpcfl_<setting>_<method>``.
 
 The table (``table.md`` / ``table.csv``), one row per method, mean ± std over the seeds found:
 
 - ``NLL``, ``acc (%)``, ``ECE``: the final evaluation's test NLL of the predictive, accuracy and expected
-  calibration error (10 equal-width bins, spec A9); for BPC-FL the Bayesian predictive over its samples;
+  calibration error (10 equal-width bins, docs/papers/bpcfl.md#a9); for BPC-FL the Bayesian predictive over
+  its samples;
 - ``uplink floats`` / ``total floats``: what the run sent, measured from its messages (bits / 32; uplink,
   and uplink + downlink); the warm-started FedAvg adds its BPC-FL run's upload;
 - ``floats to NLL`` / ``floats to acc``: the cumulative floats (up + down) at the first evaluation where a
@@ -113,8 +114,9 @@ SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] 
         _MOONS_DATA,
         # the bpcfl section's defaults are the moons column, but psi_x: 1e-1 instead of the printed 1e-3,
         # chosen on seed 0 among 1e-3, 1e-2, 1e-1 (test accuracy of BPC-FL + SGD: 51.3%,
-        # 82.8%, 93.2%): the surrogate is the mean coreset loss (spec §8.7), which divides each pseudo-input's
-        # gradient by K, and at the printed step the points barely leave their initialisation in 700 updates
+        # 82.8%, 93.2%): the surrogate is the mean coreset loss (docs/papers/bpcfl.md#s8-7), which divides
+        # each pseudo-input's gradient by K, and at the printed step the points barely leave their
+        # initialisation in 700 updates
         {"method.step_size_inputs": 1e-1},
         {
             "method.client_optimizer": "adam",

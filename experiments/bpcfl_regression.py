@@ -1,5 +1,6 @@
 r"""BPC-FL's 1-D synthetic regression (d'Hondt, Pechenizkiy, Peharz; paper Fig. 2 and App. C.5.1 / Fig. 4;
-spec ``bpcfl.md`` §5.1, Tables 2, 3, 7), against FedAvg (100 rounds) and one-shot FedAvg (1 round).
+docs/papers/bpcfl.md#s5-1, docs/papers/bpcfl.md#table-2, docs/papers/bpcfl.md#table-3,
+docs/papers/bpcfl.md#table-7), against FedAvg (100 rounds) and one-shot FedAvg (1 round).
 
 Examples::
 
@@ -13,12 +14,12 @@ Examples::
 **Data** (:func:`sidejax.data.interval_regression`): ``--clients`` (5) clients of ``--per-client`` (100)
 points; each client's interval probabilities ``~ Dirichlet([1, 1, 1])`` over the intervals
 ``(−0.8, −0.6), (−0.2, 0.0), (0.5, 0.8)``, ``x`` uniform inside the interval,
-``y = 1.5 sin(0.4πx) + 1.5 cos(2πx) + ε``, ``ε ~ N(0, 0.3²)`` (spec §8.15: 0.3 is the std). Test data:
-``--test-points`` (1,000) fresh points from the pooled mixture, and a uniform grid on ``[−1.2, 1.2]``
-(``--grid-points``, 241) for the predictive std and the figure.
+``y = 1.5 sin(0.4πx) + 1.5 cos(2πx) + ε``, ``ε ~ N(0, 0.3²)`` (docs/papers/bpcfl.md#s8-15: 0.3 is the std).
+Test data: ``--test-points`` (1,000) fresh points from the pooled mixture, and a uniform grid on
+``[−1.2, 1.2]`` (``--grid-points``, 241) for the predictive std and the figure.
 
 **Model and likelihood**: the regression MLP (Dense128-swish-Dense128-swish-Dense1, P = 16,897) and a
-Gaussian likelihood with std ``σ = --sigma`` (0.3, spec §8.15): the loss is the masked mean of
+Gaussian likelihood with std ``σ = --sigma`` (0.3, docs/papers/bpcfl.md#s8-15): the loss is the masked mean of
 ``0.5 ((y − f) / σ)² + log σ + 0.5 log 2π``.
 
 **Methods** (``results.json`` key: what it is):
@@ -30,8 +31,9 @@ Gaussian likelihood with std ``σ = --sigma`` (0.3, spec §8.15): the loss is th
   (Table 7: lr 1e-2, 300 steps, from the network initialisation) on the aggregated pseudocoreset.
 - ``bpcfl_hmc``: the same client phase (the same uploaded pseudocoresets: the server state's ``coreset``
   and ``weights``), then full-batch HMC on ``log p̃(θ | C)`` (Table 7: ε = 1e-3, M⁻¹ = 50·I, L = 20,
-  200 burn-in transitions, 40 consecutive samples; started from the network initialisation, spec §8.10, or
-  with ``--hmc-start map`` from the Adam MAP estimate on the same coreset, the spec's other option).
+  200 burn-in transitions, 40 consecutive samples; started from the network initialisation,
+  docs/papers/bpcfl.md#s8-10, or with ``--hmc-start map`` from the Adam MAP estimate on the same coreset, the
+  other option there).
 - ``fedavg``: FedOpt (Table 3 regression: client Adam 1e-2, server Adam 0.1; 10 local steps of batch 20; all
   5 clients every round), ``--fedavg-rounds`` (100) rounds from the same initialisation.
 - ``fedavg_one_shot``: the same after its first round (one-shot FedAvg).
@@ -40,9 +42,9 @@ Gaussian likelihood with std ``σ = --sigma`` (0.3, spec §8.15): the loss is th
 Gaussian predictive NLL (for HMC the mixture ``(1/S) Σ_s N(y; f_s(x), σ²)``; for the point estimates
 ``N(y; f(x), σ²)``); on the grid, the epistemic std (std over samples of ``f_s(x)``; 0 for point
 estimates) and the predictive std ``sqrt(epistemic² + σ²)`` averaged inside the intervals, in the two gaps
-between them (``(−0.6, −0.2)``, ``(0.0, 0.5)``) and outside ``[−0.8, 0.8]`` (spec T15: HMC's std must be
-larger in the gaps); communication measured from the engine's messages (``uplink_bits`` per client per
-round, floats = bits / 32, totals over clients and rounds; downlink likewise), and wall times (including
+between them (``(−0.6, −0.2)``, ``(0.0, 0.5)``) and outside ``[−0.8, 0.8]`` (docs/papers/bpcfl.md#t15: HMC's
+std must be larger in the gaps); communication measured from the engine's messages (``uplink_bits`` per client
+per round, floats = bits / 32, totals over clients and rounds; downlink likewise), and wall times (including
 compilation). BPC-FL also stores the learned pseudocoreset ``(Z, ŷ)`` per client with its weights, the
 BPC-fKL surrogate at the first / last update and HMC's acceptance and divergences; FedAvg its test RMSE per
 round and the first round (and the floats) at which it reaches BPC-FL's MAP RMSE.
@@ -59,7 +61,7 @@ points; NLL at the data's σ = 0.3:
 
 ::
 
-    σ = 0.3 (the spec's default, Table 2/7 settings)       RMSE    NLL     uplink floats (total)  wall
+    σ = 0.3 (docs/papers/bpcfl.md#s8-15; Tables 2 and 7)   RMSE    NLL     uplink floats (total)  wall
       BPC-FL + Adam MAP                                     nan     nan     65                     523 s
       BPC-FL + HMC (from init)                              1.476   11.82   65                     +4 s
       FedAvg, 100 rounds                                    0.337   0.345   8,448,500 (+ same down) 5 s
@@ -99,7 +101,7 @@ DEFAULT_OUT = Path("results/bpcfl_regression")
 GAPS = ((-0.6, -0.2), (0.0, 0.5))
 GRID = (-1.2, 1.2)
 
-#: spec Table 2, regression column (the --quick values beside them)
+#: docs/papers/bpcfl.md#table-2, regression column (the --quick values beside them)
 PAPER = dict(
     num_points=6,
     prior_precision=1e-2,
@@ -254,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hmc-start",
         choices=("init", "map"),
         default="init",
-        help="HMC's start: the network initialisation (default, spec §8.10) or the Adam MAP estimate",
+        help="HMC's start: the network initialisation (default, docs/papers/bpcfl.md#s8-10) or the Adam MAP "
+        "estimate",
     )
     return p
 

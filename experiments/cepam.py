@@ -23,8 +23,8 @@ The table (``table.md`` / ``table.csv``) has, per scheme:
 - ``epsilon``, ``delta``: the per-round guarantee of :func:`sidejax.privacy.cepam_guarantee` for the run's
   noise level (per-client levels, ``[method] noise_levels``: the aggregate sqrt(sum sigma_k^2)/K for
   Gaussian, the smallest b for Laplace), at the paper's eps_tilde (5.9 Gaussian, 5000 Laplace), tau, K,
-  gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound (spec §6 item 6: the
-  paper's own Gaussian setting is vacuous); ``-`` for schemes without noise;
+  gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound (docs/papers/cepam.md#s6-6:
+  the paper's own Gaussian setting is vacuous); ``-`` for schemes without noise;
 - ``uplink bpp``: the measured uplink bits per parameter per client per round (the length of the actual
   streams, averaged over rounds), and ``ideal bpp`` (the encoders' ideal rate, labelled ideal).
 
@@ -69,7 +69,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 _SIGMA = 0.1  # the paper's sigma = b = 0.1 (Var = n sigma^2, 2 b^2)
-_SDQ_STEP = 1e-3  # the paper-like fine SDQ step (spec §3)
+_SDQ_STEP = 1e-3  # the paper-like fine SDQ step (docs/papers/cepam.md#s3)
 
 
 def _lrsuq(noise: str, lattice: str) -> dict[str, Any]:
@@ -98,7 +98,7 @@ SCHEMES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "cepam_laplace": ("CEPAM-Laplace", "lrsuq", _lrsuq("laplace", "z1")),
 }
 
-#: the paper's eps_tilde of each noise family (spec §3)
+#: the paper's eps_tilde of each noise family (docs/papers/cepam.md#s3)
 EPS_TILDE = {"gauss": 5.9, "laplace": 5000.0}
 
 
@@ -144,7 +144,8 @@ def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
         if kind == "gauss":
             return privacy.cepam_guarantee(
                 "gaussian",
-                coder["level"] if levels is None else levels,  # K levels: sqrt(sum sigma_k^2)/K (§2.12)
+                # K levels: sqrt(sum sigma_k^2)/K (docs/papers/cepam.md#s2-12)
+                coder["level"] if levels is None else levels,
                 EPS_TILDE[kind],
                 num_clients=data["num_clients"],
                 clip_mode=clip,

@@ -276,7 +276,7 @@ class _MechanismConfig(CoderConfig):
 
 @dataclass(frozen=True)
 class LRSUQCoderConfig(_MechanismConfig):
-    """CEPAM: LRSUQ on a lattice, the quantization error exactly the noise (spec cepam.md §2.5-2.8).
+    """CEPAM: LRSUQ on a lattice, the quantization error exactly the noise (docs/papers/cepam.md#s2-5).
 
     Attributes:
       lattice: z1, z2, z3 (the paper), a2, d4 or e8 (higher packing density: fewer trials); laplace needs z1.

@@ -11,7 +11,7 @@ Examples::
     # rewrite the shipped presets from the definitions below (a test checks they are up to date)
     python -m experiments.coreset_pfedbayes presets
 
-A **setting** (:data:`SETTINGS`) is the paper's federation (spec ``coreset_pfedbayes.md`` §3.1): pFedMe's
+A **setting** (:data:`SETTINGS`) is the paper's federation (docs/papers/coreset_pfedbayes.md#s3-1): pFedMe's
 non-iid split (train and test pooled; 10 clients x 5 labels, client ``u`` holding labels
 ``{(5u + j) mod 10}``, 1,000 examples per (client, label), 20% train = 1,000 / 80% test = 4,000 per client;
 ``data.partition = "pfedme"``), the Bayesian MLP 784-100-10 (79,510 parameters, a mean-field Gaussian over
@@ -27,12 +27,12 @@ Preset ``coreset_pfedbayes_<setting>_<method>``.
 The table (``table.md`` / ``table.csv``) has one row per method, the mean ± std over the seeds found:
 
 - ``personal acc``: the best over evaluations of the personal models' accuracy, each client's model on its
-  own test set, pooled over clients (spec §2.6; the paper's reported number is the max over rounds);
-  ``final personal``: the last evaluation;
+  own test set, pooled over clients (docs/papers/coreset_pfedbayes.md#s2-6; the paper's reported number is the
+  max over rounds); ``final personal``: the last evaluation;
 - ``global acc`` / ``final global``: the same for the server's model (the posterior mean) on the pooled
   test sets;
 - ``rounds to 99%``: the first evaluated round whose personal accuracy reaches 99% of that run's best (the
-  spec's [R] reading of Table 3's "communication rounds");
+  [R] reading of Table 3's "communication rounds", docs/papers/coreset_pfedbayes.md#s2-6);
 - ``uplink floats``: floats sent per client per round, measured from the messages (bits / 32);
 - ``seeds``: the runs averaged.
 

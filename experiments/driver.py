@@ -24,7 +24,7 @@ participants; ``*_bpp`` columns are bits per parameter per participating client.
 dataset's test split, or with ``data.partition = "pfedme"`` the union of the clients' test sets. A
 personalized method (``algorithm.personal_params``, which needs ``pfedme``'s per-client test sets) also logs
 :data:`PERSONAL_COLUMNS`: every client's personal model on its own test set, pooled over the clients
-(correct predictions / examples, spec ``coreset_pfedbayes.md`` §2.6).
+(correct predictions / examples, docs/papers/coreset_pfedbayes.md#s2-6).
 """
 
 from __future__ import annotations
@@ -533,7 +533,7 @@ RUN_FILES = (
 
 #: the folder (a checksummed checkpoint file) holding a finished run's final model: the evaluated parameters,
 #: or the first posterior sample of an ensemble (BPC-FL + SGD/Adam: the MAP estimate); what ``run.init_from``
-#: of another run loads (BPC-FL as a FedAvg warm start, spec bpcfl.md A6)
+#: of another run loads (BPC-FL as a FedAvg warm start, docs/papers/bpcfl.md#a6)
 FINAL_PARAMS = "final_params"
 
 
@@ -725,7 +725,7 @@ def run_experiment(
     rounds = config.run.rounds
     init_key, rounds_key = run_keys(config.run.seed)
     params = init_params(init_key, spec)
-    if config.run.init_from:  # e.g. BPC-FL's MAP estimate as FedAvg's start (spec bpcfl.md A6)
+    if config.run.init_from:  # e.g. BPC-FL's MAP estimate as FedAvg's start (docs/papers/bpcfl.md#a6)
         params, _ = load_init_params(config.run.init_from, params)
     num_params = count_params(params)
     state = algorithm.init(init_key, params, int(fed.num_examples.shape[0]))

@@ -551,7 +551,7 @@ class CepamConfig(MethodConfig):
     """CEPAM's FedAvg (:func:`sidejax.algorithms.cepam`): tau single-sample steps drawn with replacement,
     SGD with momentum, the update sent through a privacy mechanism (``lrsuq``: CEPAM; ``noise``: FL+Gaussian
     / FL+Laplace, with SDQ if its sdq_step > 0; ``sdq``: FL+SDQ; ``float32``: FL). Defaults: the paper's
-    (spec cepam.md §3).
+    (docs/papers/cepam.md#s3).
 
     Attributes:
       local_steps: tau, local steps per round.
@@ -617,8 +617,8 @@ class CepamConfig(MethodConfig):
 @dataclass(frozen=True)
 class PFedBayesConfig(MethodConfig):
     """pFedBayes (:func:`sidejax.algorithms.pfedbayes`): personal and localized-global mean-field posteriors
-    trained by Eq. 9, the server averaging the clients' localized globals. Defaults: spec
-    coreset_pfedbayes.md §3.1 (the reference code's Adam 1e-3, zeta 10, R = 20, R_p = 5, b = 100).
+    trained by Eq. 9, the server averaging the clients' localized globals. Defaults:
+    docs/papers/coreset_pfedbayes.md#s3-1 (the reference code's Adam 1e-3, zeta 10, R = 20, R_p = 5, b = 100).
 
     Attributes:
       zeta: the KL weight (a likelihood temperature; larger: less personalization).
@@ -785,7 +785,8 @@ ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CS
 # --- end of the error-feedback baselines ---
 
 
-# BICompFL's uplink as the spec's CPU profile: Fixed blocks of 128 with 16 candidates, 1/32 bit per parameter
+# BICompFL's uplink as the CPU profile of docs/papers/bicompfl.md#s2-3: Fixed blocks of 128 with 16
+# candidates, 1/32 bit per parameter
 _BICOMPFL_FIXED = {"adaptive": False, "block_size": 128, "log2_num_candidates": 4}
 
 
@@ -935,7 +936,8 @@ class FedPAConfig(MethodConfig):
     """FedPA, federated posterior averaging (:func:`sidejax.algorithms.fedpa`): FedAvg for the burn-in rounds,
     then each client sends Δ = Σ̂⁻¹(x − μ̂) from its local samples (shrinkage covariance Σ̂ = ρI + (1 − ρ)Ŝ).
     Defaults: the BPC-FL paper's Table 5 (EMNIST-62) with ℓ = 10 one-step windows (its "10 local steps");
-    batch 20 is not in Table 5 ([R], the spec's recommendation for the FedAvg baseline, Reddi et al.).
+    batch 20 is not in Table 5 ([R], the recommendation for the FedAvg baseline,
+    Reddi et al.; docs/papers/bpcfl.md#dep-fedpa).
 
     Attributes:
       batch_size: local minibatch size.
@@ -1014,8 +1016,9 @@ class FedPAConfig(MethodConfig):
 @dataclass(frozen=True)
 class BPCFLConfig(MethodConfig):
     """BPC-FL (:func:`sidejax.algorithms.bpcfl`): one round in which every client uploads a learned
-    pseudocoreset, then downstream inference on the server. Defaults: the paper's 2-D moons column (spec
-    bpcfl.md Tables 2 and 7); full-batch pretraining (spec §8.5: 20 points < the batch size 50).
+    pseudocoreset, then downstream inference on the server. Defaults: the paper's 2-D moons column
+    (docs/papers/bpcfl.md#table-2, docs/papers/bpcfl.md#table-7); full-batch pretraining
+    (docs/papers/bpcfl.md#s8-5: 20 points < the batch size 50).
 
     Attributes:
       num_points: K, pseudo-points per client.
@@ -1029,7 +1032,7 @@ class BPCFLConfig(MethodConfig):
       num_trajectories: J, expert trajectories per client (shared initialisations).
       pretrain_steps: T_pre (only max_start + L_D steps are run: later checkpoints are never drawn).
       pretrain_batch_size: minibatch of pretraining (unset: full batch).
-      pretrain_lr: learning rate of pretraining (with the sampler's optimizer, spec §8.6).
+      pretrain_lr: learning rate of pretraining (with the sampler's optimizer, docs/papers/bpcfl.md#s8-6).
       sampler: the inner chain's optimizer, the paper's "mcmc sampler" (sgd or adam).
       sampler_lr: eta, its step size.
       data_chain_length: L_D in optimizer steps (a multiple of 5).
@@ -1113,7 +1116,7 @@ class BPCFLConfig(MethodConfig):
         self.require(
             start + self.data_chain_length <= self.pretrain_steps,
             "pretrain_steps",
-            "must be >= max_start + data_chain_length (spec T10: r + L_D <= T_pre)",
+            "must be >= max_start + data_chain_length (docs/papers/bpcfl.md#t10: r + L_D <= T_pre)",
         )
         for name in (
             "prior_precision",

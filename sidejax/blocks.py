@@ -1,4 +1,5 @@
-"""Block partitions of a flat parameter vector for the importance-sampling coder (KLMS §3.2–3.4).
+"""Block partitions of a flat parameter vector for the importance-sampling coder (KLMS,
+docs/papers/klms.md#s3-2).
 
 A :class:`Blocks` is a static-shape description of ``num_blocks`` contiguous blocks covering ``[0, dim)``:
 ``starts[m]`` is the first coordinate of block m for ``m < num_blocks`` and ``starts[m] = dim`` beyond, and
@@ -6,15 +7,15 @@ A :class:`Blocks` is a static-shape description of ``num_blocks`` contiguous blo
 static bound, so partitions computed inside ``jit`` keep fixed shapes.
 
 - :func:`fixed_blocks`: blocks of size S (Fixed-KLMS, Alg. 5).
-- :func:`kl_blocks`: the KL-adaptive partition (Adaptive-KLMS, Alg. 6), the spec's deterministic reference
-  rule [R]: a block closes before coordinate i when adding it would push the block's KL over the target, or
-  when the block has ``max_block_size`` coordinates; a single coordinate whose KL alone exceeds the target
-  forms an *overflow* singleton. It runs inside jit without a data-dependent loop: one ``searchsorted`` on
-  the cumulative KL gives every coordinate's next block start, and pointer doubling follows that chain from
-  0 (``O(dim log max_blocks)``, the same cost under ``vmap`` over clients).
+- :func:`kl_blocks`: the KL-adaptive partition (Adaptive-KLMS, Alg. 6), the deterministic reference rule
+  [R] of docs/papers/klms.md#s3-3: a block closes before coordinate i when adding it would push the block's KL
+  over the target, or when the block has ``max_block_size`` coordinates; a single coordinate whose KL alone
+  exceeds the target forms an *overflow* singleton. It runs inside jit without a data-dependent loop: one
+  ``searchsorted`` on the cumulative KL gives every coordinate's next block start, and pointer doubling
+  follows that chain from 0 (``O(dim log max_blocks)``, the same cost under ``vmap`` over clients).
 - :func:`aggregate_block_locations`: Alg. 7 (element-wise ceil-mean of the clients' block starts) with the
-  spec's [R] post-processing: strictly increasing, clipped to [0, dim], first start 0, blocks longer than
-  the cap split.
+  [R] post-processing of docs/papers/klms.md#s3-4: strictly increasing, clipped to [0, dim], first start 0,
+  blocks longer than the cap split.
 
 Deviation: cumulative KL is accumulated in float32, so for very long vectors (millions of coordinates) a
 block boundary can move by one coordinate relative to exact arithmetic (block KL may exceed the target by
@@ -103,7 +104,8 @@ def fixed_blocks(dim: int, block_size: int) -> Blocks:
 
 
 def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, max_blocks: int) -> Blocks:
-    """The KL-adaptive partition (KLMS Alg. 6 with the spec's [R] reference rule), inside jit.
+    """The KL-adaptive partition (KLMS Alg. 6 with the [R] reference rule of docs/papers/klms.md#s3-3), inside
+    jit.
 
     Block ``[s, e)`` ends at the smallest ``e > s`` such that ``sum(kl[s:e+1]) > target_bits`` or
     ``e - s == max_block_size`` (or ``e == dim``). Invariants: the blocks tile ``[0, dim)``,
@@ -184,7 +186,7 @@ def block_sums(values: jax.Array, blocks: Blocks) -> jax.Array:
 def aggregate_block_locations(
     starts: jax.Array, num_blocks: jax.Array, *, dim: int, max_block_size: int, max_blocks: int
 ) -> Blocks:
-    """Aggregate-Block-Locations (KLMS Alg. 7) with the spec's [R] post-processing.
+    """Aggregate-Block-Locations (KLMS Alg. 7) with the [R] post-processing of docs/papers/klms.md#s3-4.
 
     ``ibar_m = ceil(mean over clients with at least m+1 blocks of their m-th start)``; then starts that are
     not strictly greater than all previous ones are dropped, the first start is 0, and any block longer than

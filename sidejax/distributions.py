@@ -17,7 +17,7 @@ the object is built; ``is_valid()`` returns the same check as a boolean scalar f
 coder reports it in its info flags). Rebuilding a distribution from its leaves (pytree unflattening, e.g.
 ``jax.tree.map``) does not re-check.
 
-Supports and KLMS use (spec ``klms.md`` §4.0): :class:`Bernoulli` on {0, 1} (FedPM masks),
+Supports and KLMS use (docs/papers/klms.md#s4-0): :class:`Bernoulli` on {0, 1} (FedPM masks),
 :class:`Ternary` on {-1, 0, +1} (QSGD symbols, s = 1), :class:`Sign` on {-1, +1} (stochastic SignSGD) and
 :class:`DiagGaussian` on the reals (SGLD, the App. F toy). All KLs use ``xlogy`` so that zero-probability
 outcomes contribute exactly 0 and a KL is infinite only where ``self`` puts mass where ``other`` has none.
@@ -200,7 +200,7 @@ class _TernaryFields(NamedTuple):
 class Ternary(_TernaryFields):
     """Independent coordinates on {-1, 0, +1}; ``probs[..., i]`` is the probability of symbol i-1.
 
-    Shape ``[dim, 3]``: QSGD's s = 1 symbol law (spec ``klms.md`` §4.3–4.4). Concrete rows must be
+    Shape ``[dim, 3]``: QSGD's s = 1 symbol law (docs/papers/klms.md#s4-3). Concrete rows must be
     probabilities summing to 1 (to 1e-5), else ``ValueError``.
     """
 

@@ -372,8 +372,9 @@ def downlink_keys(downlink_key: PRNGKey, recipient=None) -> ClientKeys:
 
 
 class BlockKeys(NamedTuple):
-    """The two shared streams of one lattice block (CEPAM, spec §2.9): ``layer`` draws the latent scale
-    ``U_j``, ``dither`` is the family of the block's dithers (trial ``i`` uses ``draw_key(dither, i)``)."""
+    """The two shared streams of one lattice block (CEPAM, docs/papers/cepam.md#s2-9): ``layer`` draws the
+    latent scale ``U_j``, ``dither`` is the family of the block's dithers (trial ``i`` uses
+    ``draw_key(dither, i)``)."""
 
     layer: PRNGKey
     dither: PRNGKey

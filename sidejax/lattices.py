@@ -1,17 +1,18 @@
 r"""Lattices with fast nearest-point search: scaled ``Z^n``, hexagonal ``A2``, ``D4`` and ``E8``.
 
 A lattice is ``Λ = s·G Z^n = {s·G j : j ∈ Z^n}`` with a generator ``G ∈ R^{n×n}`` whose **columns** are the
-basis vectors (the convention of spec ``cepam.md`` §2.0, ``Λ = G Z^n``) and a scale ``s > 0``. Its basic
+basis vectors (the convention of docs/papers/cepam.md#s2-0, ``Λ = G Z^n``) and a scale ``s > 0``. Its basic
 Voronoi cell ``𝒱 = {x : ||x|| ≤ ||x − λ|| ∀λ ∈ Λ}`` has volume ``μ(𝒱) = |det(sG)| = s^n |det G|``, the
 covering radius ``R = max_{x ∈ 𝒱} ||x||`` and the packing radius ``ρ = min_{λ ≠ 0} ||λ|| / 2``.
 
-:meth:`Lattice.nearest` is the lattice quantizer ``Q(x) = argmin_{λ ∈ Λ} ||x − λ||`` (spec §2.1), batched
-over leading axes, pure ``jax.numpy`` (no loops over points), so it runs under ``jit`` and ``vmap``. It
-returns the point and its integer coordinates ``j`` (``point = sG j``). The decoders are Conway & Sloane's
-(SPLAG ch. 20; "Fast quantizing and decoding algorithms for lattice quantizers", IEEE T-IT 1982):
+:meth:`Lattice.nearest` is the lattice quantizer ``Q(x) = argmin_{λ ∈ Λ} ||x − λ||``
+(docs/papers/cepam.md#s2-1), batched over leading axes, pure ``jax.numpy`` (no loops over points), so it runs
+under ``jit`` and ``vmap``. It returns the point and its integer coordinates ``j`` (``point = sG j``). The
+decoders are Conway & Sloane's (SPLAG ch. 20; "Fast quantizing and decoding algorithms for lattice
+quantizers", IEEE T-IT 1982):
 
-* ``Z^n``: ``Q(x) = floor(x + 1/2)`` componentwise, so the cell is ``[−1/2, 1/2)^n`` (ties go up), as spec
-  §2.1 recommends.
+* ``Z^n``: ``Q(x) = floor(x + 1/2)`` componentwise, so the cell is ``[−1/2, 1/2)^n`` (ties go up), as
+  docs/papers/cepam.md#s2-1 recommends.
 * ``D_n = {p ∈ Z^n : Σ p_i even}``: ``f(x)`` = ``Z^n``-rounding; ``g(x)`` = ``f(x)`` with the coordinate of
   largest ``|x_i − f(x)_i|`` rounded the other way; ``Q(x)`` is whichever of ``f, g`` has an even sum.
 * ``E8 = D8 ∪ (D8 + ½·1)``: decode ``x`` in ``D8`` and ``x − ½·1`` in ``D8`` (then add ``½·1`` back) and take

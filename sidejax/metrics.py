@@ -12,10 +12,10 @@ leaf by leaf (:func:`sum_stats`), and :func:`accuracy_from_stats`, :func:`nll_fr
 :func:`ece_from_stats` turn the totals into the metrics, equal (up to float summation order) to the metric
 of all examples at once. Counts are int32, so accuracy's numerator and every bin count are exact.
 
-Bayesian / ensemble predictive (spec ``bpcfl.md`` §A5): with ``S`` samples ``θ_s``,
+Bayesian / ensemble predictive (docs/papers/bpcfl.md#a5): with ``S`` samples ``θ_s``,
 ``p̄(c|x) = (1/S) Σ_s softmax(f(x, θ_s))_c``; :func:`predictive_average` returns ``log p̄`` computed in log
-space, and the metrics of ``log p̄`` are the spec's NLL ``-mean_i log p̄(y_i|x_i)``, accuracy
-``mean_i 1[argmax_c p̄(c|x_i) = y_i]`` and ECE (§A9).
+space, and the metrics of ``log p̄`` are the NLL ``-mean_i log p̄(y_i|x_i)``, accuracy
+``mean_i 1[argmax_c p̄(c|x_i) = y_i]`` and ECE (docs/papers/bpcfl.md#a9).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 DEFAULT_NUM_BINS = 10
-"""Number of ECE bins: B = 10 as in Naeini et al. (2015), the value spec ``bpcfl.md`` §A9 recommends."""
+"""Number of ECE bins: B = 10 as in Naeini et al. (2015), the value docs/papers/bpcfl.md#a9 recommends."""
 
 
 class CalibrationStats(NamedTuple):
@@ -115,7 +115,7 @@ def predictive_average(logits_samples: jax.Array, axis: int = 0) -> jax.Array:
 
         log p̄ = m + log((1/S) Σ_s exp(l_s - m)) = logsumexp_s(l_s) - log S
 
-    (spec ``bpcfl.md`` §A5). Writing the ``1/S`` inside the log, rather than subtracting ``log S`` from the
+    (docs/papers/bpcfl.md#a5). Writing the ``1/S`` inside the log, rather than subtracting ``log S`` from the
     logsumexp, is the same number in exact arithmetic and keeps identical samples exact more often. For
     ``S`` identical samples ``Σ_s exp(0) = S`` exactly and the mean is ``S · fl(1/S)`` (XLA turns the
     division by the constant ``S`` into a product with its rounded reciprocal): exactly 1 for many ``S``
@@ -191,7 +191,7 @@ def _float_dtype(log_probs: jax.Array):
 def calibration_bin_stats(
     confidence: jax.Array, correct: jax.Array, mask: jax.Array | None = None, num_bins: int = DEFAULT_NUM_BINS
 ) -> CalibrationStats:
-    """Histogram of confidences into ``B = num_bins`` equal-width bins, spec ``bpcfl.md`` §A9.
+    """Histogram of confidences into ``B = num_bins`` equal-width bins, docs/papers/bpcfl.md#a9.
 
     Bin ``b = 1..B`` is the right-closed interval ``I_b = ((b-1)/B, b/B]`` (Naeini et al. 2015), so a
     confidence exactly on an edge ``b/B`` belongs to the bin below it (``0.1`` to ``I_1`` when ``B = 10``)
@@ -233,14 +233,14 @@ def ece_bin_stats(
     log_probs: jax.Array, y: jax.Array, mask: jax.Array | None = None, num_bins: int = DEFAULT_NUM_BINS
 ) -> CalibrationStats:
     """The ECE histogram (:func:`calibration_bin_stats`) of a predictive: ``conf_i = exp(max_c log_probs)``
-    and ``correct_i = 1[argmax_c log_probs = y_i]`` (spec ``bpcfl.md`` §A9)."""
+    and ``correct_i = 1[argmax_c log_probs = y_i]`` (docs/papers/bpcfl.md#a9)."""
     valid = _check_labels(log_probs, y, mask)
     confidence = jnp.exp(jnp.max(log_probs, axis=-1))
     return calibration_bin_stats(confidence, _correct(log_probs, y), valid, num_bins)
 
 
 def ece_from_stats(stats: CalibrationStats) -> jax.Array:
-    """Expected calibration error of a histogram (spec ``bpcfl.md`` §A9, Naeini et al. 2015):
+    """Expected calibration error of a histogram (docs/papers/bpcfl.md#a9, Naeini et al. 2015):
 
         ECE = Σ_b (|B_b| / n) · |acc(B_b) - conf(B_b)| = (1/n) Σ_b |Σ_{i∈B_b} 1[ŷ_i = y_i] - Σ_{i∈B_b} conf_i|
 
@@ -304,6 +304,7 @@ def ece(
     log_probs: jax.Array, y: jax.Array, mask: jax.Array | None = None, num_bins: int = DEFAULT_NUM_BINS
 ) -> jax.Array:
     """Expected calibration error of a predictive with ``B = num_bins`` equal-width bins ``((b-1)/B, b/B]``
-    (spec ``bpcfl.md`` §A9): ``ECE = Σ_b (|B_b|/n) |acc(B_b) - conf(B_b)|`` with ``conf_i = max_c p̄(c|x_i)``;
-    see :func:`calibration_bin_stats` for the binning and :func:`ece_from_stats` for the formula."""
+    (docs/papers/bpcfl.md#a9): ``ECE = Σ_b (|B_b|/n) |acc(B_b) - conf(B_b)|`` with
+    ``conf_i = max_c p̄(c|x_i)``; see :func:`calibration_bin_stats` for the binning and :func:`ece_from_stats`
+    for the formula."""
     return ece_from_stats(ece_bin_stats(log_probs, y, mask, num_bins))

@@ -4,13 +4,13 @@ privacy profiles, and the per-round guarantees of Theorems 12 and 13.
 
 Host-side float64 math (numpy + ``scipy.special``); nothing here is traced by jax. Every formula uses the
 natural log (the paper's notation section says base 2, but its reported numbers only reproduce with ln;
-spec §6 item 12). All evaluations stay in log space, so ``eps_tilde = 5000`` (the paper's Laplace setting)
-works without overflow.
+docs/papers/cepam.md#s6-12). All evaluations stay in log space, so ``eps_tilde = 5000`` (the paper's Laplace
+setting) works without overflow.
 
-Notation (spec §2.0, §2.11). One client holds ``n_k`` records and runs ``tau`` single-sample SGD steps with
-indices drawn uniformly *with replacement*, i.e. a multiset of size ``tau``; ``K = num_clients``. The base
-mechanism ``F`` acts on the subsample with privacy parameter ``eps_tilde`` (ε̃); the subsampled mechanism
-``F∘s`` gets
+Notation (docs/papers/cepam.md#s2-0, docs/papers/cepam.md#s2-11). One client holds ``n_k`` records and runs
+``tau`` single-sample SGD steps with indices drawn uniformly *with replacement*, i.e. a multiset of size
+``tau``; ``K = num_clients``. The base mechanism ``F`` acts on the subsample with privacy parameter
+``eps_tilde`` (ε̃); the subsampled mechanism ``F∘s`` gets
 
     p = 1 − (1 − 1/n_k)^τ,            ε = ln(1 + p (e^ε̃ − 1))                       (Thm 7)
     δ_{F∘s}(ε) ≤ Σ_{j=1}^{τ} C(τ,j) (1/n_k)^j (1 − 1/n_k)^{τ−j} δ_{F,j}(ε̃)           (12)
@@ -23,25 +23,25 @@ Gaussian base mechanism (Balle–Wang, Thm 8 / eq. 13) with ℓ2-sensitivity Δ2
 which turns (12) into eq. (14) (Lemma 9) and, with Δ2 = 2τγ/K and σ̃ = σ/√K, into eq. (16) (Thm 12).
 Laplace base mechanism (Thm 10): δ_F(ε) = [1 − e^{(ε − Δ1/b)/2}]_+, and Thm 13: ε-DP once ε̃ ≥ 2τγ/b.
 
-Corrections of the paper that this module documents and implements (spec §6):
+Corrections of the paper that this module documents and implements (docs/papers/cepam.md#s6):
 
 * Lemma 9 states "if and only if"; amplification + group privacy only give an upper bound, so (14)/(16)
-  are *sufficient* conditions ("if"), not necessary ones (§6 item 7).
+  are *sufficient* conditions ("if"), not necessary ones (docs/papers/cepam.md#s6-7).
 * Δ2 = 2τγ/K multiplies by τ ("a record appears at most τ times") although the group-privacy sum over j
   already accounts for j appearances: double counting, conservative. ``clip_mode='paper'`` reproduces it;
   ``clip_mode='dp'`` uses Δ2 = 2γ/K, which is the replace-one sensitivity when each client *clips* its
-  update to norm γ without rescaling at the server (§6 items 3, 4).
+  update to norm γ without rescaling at the server (docs/papers/cepam.md#s6-3, docs/papers/cepam.md#s6-4).
 * Under the paper's normalise-and-rescale encoder the released noise is σ‖X^k‖/γ and ‖X^k‖ is sent in the
-  clear, so the DP statement strictly covers only the normalised average (§6 item 3). The accountant is the
-  same; only ``clip_mode='dp'`` has a proof for the released model.
+  clear, so the DP statement strictly covers only the normalised average (docs/papers/cepam.md#s6-3). The
+  accountant is the same; only ``clip_mode='dp'`` has a proof for the released model.
 * Laplace: Δ1 "almost 2τγ" uses the ℓ2 bound γ as an ℓ1 bound. For an m-vector with ‖x‖₂ = γ,
   ‖x‖₁ ≤ γ√m, so the correct value is Δ1 = 2τγ√m (``l1_mode='l2_norm'``), or clip in ℓ1 to γ
-  (``l1_mode='l1_clip'``, Δ1 = 2τγ). ``l1_mode='paper'`` reproduces the paper (§6 item 5).
-* Per-client noise levels σ_k (spec §2.12, a sidejax extension, not in the paper): the aggregate noise
-  std per coordinate in the normalised domain is σ̃ = sqrt(Σ_k σ_k²)/K, replacing σ/√K.
+  (``l1_mode='l1_clip'``, Δ1 = 2τγ). ``l1_mode='paper'`` reproduces the paper (docs/papers/cepam.md#s6-5).
+* Per-client noise levels σ_k (docs/papers/cepam.md#s2-12, a sidejax extension, not in the paper): the
+  aggregate noise std per coordinate in the normalised domain is σ̃ = sqrt(Σ_k σ_k²)/K, replacing σ/√K.
 * The reported Gaussian guarantee is vacuous: δ = 9.69e−3 equals δ_sat (the σ → 0 value of (16)) and
-  exceeds p, while any subsampled mechanism, even without noise, is (0, p)-DP (§6 item 6). The accountant
-  reports ``delta_sat`` and ``trivial_delta = p`` and raises :class:`VacuousPrivacyWarning`.
+  exceeds p, while any subsampled mechanism, even without noise, is (0, p)-DP (docs/papers/cepam.md#s6-6). The
+  accountant reports ``delta_sat`` and ``trivial_delta = p`` and raises :class:`VacuousPrivacyWarning`.
 
 Beyond the paper and labelled as such: :func:`monotone_delta` (δ*(ε) = min_{ε' ≤ ε} δ(ε')),
 :func:`compose_naive` (R rounds: (Rε, Rδ)), :func:`subsampled_laplace_delta` ((12) with the Laplace profile,
@@ -97,7 +97,10 @@ ClipMode = Literal["paper", "dp"]
 L1Mode = Literal["paper", "l2_norm", "l1_clip"]
 _CLIP_MODES = ("paper", "dp")
 _L1_MODES = ("paper", "l2_norm", "l1_clip")
-_NOTE_IFF = "Lemma 9 / (14) is a sufficient condition ('if'), not 'iff' as the paper states (spec §6.7)"
+_NOTE_IFF = (
+    "Lemma 9 / (14) is a sufficient condition ('if'), not 'iff' as the paper states "
+    "(docs/papers/cepam.md#s6-7)"
+)
 
 
 class VacuousPrivacyWarning(UserWarning):
@@ -188,8 +191,8 @@ def eps_from_eps_tilde(eps_tilde, p):
 
     ``ε = ln(1 + p (e^ε̃ − 1))``, evaluated as ``log1p(p · expm1(ε̃))`` (full relative precision for tiny
     ε̃ and small p) and, where ``expm1`` overflows (ε̃ ≳ 709, e.g. the paper's 5000), as the equal
-    ``ε̃ + ln(p + (1 − p)e^{−ε̃})`` of the spec's pseudocode (a sum of positive terms: no cancellation even
-    for p ~ 1e−9).
+    ``ε̃ + ln(p + (1 − p)e^{−ε̃})`` of the accountant pseudocode of docs/papers/cepam.md#s2-11 (a sum of
+    positive terms: no cancellation even for p ~ 1e−9).
 
     Args:
         eps_tilde: base-mechanism parameter ε̃ > 0 (scalar or array).
@@ -406,8 +409,9 @@ def subsampled_gaussian_delta(eps_tilde, sigma_tilde, sensitivity, tau: int, n_k
     max(0, Φ(Δ/(2σ̃) − ε̃σ̃/(jΔ)) − e^{ε̃/j} Φ(−Δ/(2σ̃) − ε̃σ̃/(jΔ)))``,
 
     the bound for ε = ln(1 + p(e^ε̃ − 1)). Binomial weights, group factor and Gaussian term are summed in log
-    space. The paper says (14) holds "if and only if"; it is only sufficient ("if"), spec §6 item 7. The
-    value can exceed 1 (returned as is, possibly ``inf``): then the bound is vacuous.
+    space. The paper says (14) holds "if and only if"; it is only sufficient ("if"),
+    docs/papers/cepam.md#s6-7. The value can exceed 1 (returned as is, possibly ``inf``): then the bound is
+    vacuous.
 
     Args:
         eps_tilde: ε̃ > 0 (scalar or array).
@@ -432,8 +436,8 @@ def subsampled_delta_sat(eps_tilde, *, tau: int, n_k: int):
     """Noise-free limit of (12) + group privacy: ``δ_sat = Σ_j C(τ,j)(1/n_k)^j(1−1/n_k)^{τ−j} gf(ε̃, j)``.
 
     Every base profile tends to 1 as the noise vanishes (Gaussian: the bracket of (14) → Φ(∞) = 1), so this
-    is (14)/(16) at σ → 0 (spec §2.13 ``δ_sat``). Since gf >= 1 and Σ_j w_j = p, δ_sat >= p always: a
-    saturated bound is never better than the trivial (0, p)-DP.
+    is (14)/(16) at σ → 0 (docs/papers/cepam.md#s2-13 ``δ_sat``). Since gf >= 1 and Σ_j w_j = p, δ_sat >= p
+    always: a saturated bound is never better than the trivial (0, p)-DP.
 
     Args:
         eps_tilde: ε̃ > 0 (scalar or array).
@@ -452,7 +456,8 @@ def subsampled_delta_sat(eps_tilde, *, tau: int, n_k: int):
 def cepam_gaussian_sensitivity(
     *, tau: int, num_clients: int, gamma: float, clip_mode: ClipMode = "paper"
 ) -> float:
-    """ℓ2-sensitivity Δ2 of the client average in one CEPAM round (Theorem 12 / spec §6 items 3, 4).
+    """ℓ2-sensitivity Δ2 of the client average in one CEPAM round (Theorem 12 / docs/papers/cepam.md#s6-3,
+    docs/papers/cepam.md#s6-4).
 
     * ``'paper'``: Δ2 = 2τγ/K (paper App. C: "a record appears at most τ times, each adding at most γ").
       Double counts: the group-privacy sum over j in (14) already accounts for repeated appearances. Kept
@@ -483,8 +488,8 @@ def cepam_gaussian_sensitivity(
 def cepam_sigma_tilde(sigma, num_clients: int) -> float:
     """Std σ̃ per coordinate of the noise on the normalised client average (Theorem 12, eq. 15).
 
-    Common σ: σ̃ = σ/√K (paper). Per-client σ_k (array of length K; sidejax extension, spec §2.12, not in
-    the paper): σ̃ = sqrt(Σ_k σ_k²)/K, which equals σ/√K when all σ_k = σ.
+    Common σ: σ̃ = σ/√K (paper). Per-client σ_k (array of length K; sidejax extension,
+    docs/papers/cepam.md#s2-12, not in the paper): σ̃ = sqrt(Σ_k σ_k²)/K, which equals σ/√K when all σ_k = σ.
 
     Args:
         sigma: σ > 0, or an array of K values σ_k > 0.
@@ -531,7 +536,7 @@ def cepam_gaussian_delta(
 
     i.e. (14) with σ̃ = σ/√K and Δ2 from ``clip_mode`` (``'paper'``: 2τγ/K, which reproduces (16) and
     depends on σ, γ only through σ/γ; ``'dp'``: 2γ/K). A sufficient condition only (Lemma 9 is "if", not
-    "iff"). With per-client ``sigma`` (length K) σ̃ = sqrt(Σσ_k²)/K (spec §2.12 extension).
+    "iff"). With per-client ``sigma`` (length K) σ̃ = sqrt(Σσ_k²)/K (extension, docs/papers/cepam.md#s2-12).
 
     Args:
         sigma: CEPAM noise scale σ > 0 in the normalised domain, or an array of K per-client values.
@@ -553,7 +558,7 @@ def cepam_gaussian_delta(
 
 
 def cepam_gaussian_delta_sat(eps_tilde, *, tau: int, n_k: int):
-    """δ_sat: (16) as σ → 0 (spec §2.13), independent of K, γ and the clip mode; see
+    """δ_sat: (16) as σ → 0 (docs/papers/cepam.md#s2-13), independent of K, γ and the clip mode; see
     :func:`subsampled_delta_sat`. At ε̃ = 5.9 (n_k = 1666, τ = 15) it is the paper's δ = 9.69e−3."""
     return subsampled_delta_sat(eps_tilde, tau=tau, n_k=n_k)
 
@@ -585,7 +590,8 @@ def gaussian_sigma_for(
     clip_mode: ClipMode = "paper",
     sensitivity: float | None = None,
 ) -> float:
-    """Smallest common σ for which (16) certifies (ε, δ)-DP per round (spec §2.11 ``sigma_for``).
+    """Smallest common σ for which (16) certifies (ε, δ)-DP per round (docs/papers/cepam.md#s2-11
+    ``sigma_for``).
 
     ε̃ = ln(1 + (e^ε − 1)/p); δ(σ) of (16) decreases in σ from δ_sat (σ → 0) to 0 (σ → ∞). If
     δ_sat <= δ the request is already met without noise: returns 0.0 and warns
@@ -697,7 +703,8 @@ def subsampled_laplace_delta(eps_tilde, b, sensitivity, tau: int, n_k: int):
 def cepam_laplace_sensitivity(
     *, tau: int, gamma: float, l1_mode: L1Mode = "paper", num_params: int | None = None
 ) -> float:
-    """ℓ1-sensitivity Δ1 of one client's normalised update over a round (Theorem 13; spec §6 item 5).
+    """ℓ1-sensitivity Δ1 of one client's normalised update over a round (Theorem 13;
+    docs/papers/cepam.md#s6-5).
 
     * ``'paper'``: Δ1 = 2τγ ("almost 2τγ"). It treats the ℓ2 norm γ as an ℓ1 bound, so it *understates*
       the sensitivity of an m-vector normalised in ℓ2 (for m > 1). Reproduction only.
@@ -820,7 +827,8 @@ def monotone_delta(eps, delta) -> np.ndarray:
     """Monotonised profile δ*(ε_i) = min_{i' <= i} δ(ε_{i'}) over an increasing ε grid (beyond the paper).
 
     (ε', δ)-DP implies (ε, δ)-DP for ε >= ε', so the running minimum is a valid (and tighter) bound. (16)
-    is not monotone in ε (δ_sat grows with ε), spec §2.11 extras and §6 item 6.
+    is not monotone in ε (δ_sat grows with ε), docs/papers/cepam.md#s2-11 (extras) and
+    docs/papers/cepam.md#s6-6.
 
     Args:
         eps: strictly increasing 1-d grid of ε values.
@@ -842,7 +850,7 @@ def monotone_delta(eps, delta) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PrivacyGuarantee:
-    """What the accountant certifies for CEPAM (spec §2.13 "Privacy").
+    """What the accountant certifies for CEPAM (docs/papers/cepam.md#s2-13 "Privacy").
 
     Attributes:
         mechanism: ``'gaussian'`` (Thm 12) or ``'laplace'`` (Thm 13).
@@ -850,8 +858,8 @@ class PrivacyGuarantee:
         delta: δ certified at ``epsilon`` (0 for Laplace).
         eps_tilde: ε̃ of the base mechanism actually used (Laplace: max(requested, Δ1/b)).
         p: subsampling probability 1 − (1 − 1/n_k)^τ.
-        delta_sat: the bound's value as the noise vanishes (spec §2.13); δ >= δ_sat means the noise is
-            irrelevant to the bound.
+        delta_sat: the bound's value as the noise vanishes (docs/papers/cepam.md#s2-13); δ >= δ_sat means the
+            noise is irrelevant to the bound.
         trivial_delta: δ that holds without any noise: p per round (coupling), 1 − (1 − p)^R after R rounds.
         vacuous: True if δ >= trivial_delta or δ >= 1/n_k (the guarantee says nothing useful).
         scale: σ (Gaussian; per-client array allowed) or b (Laplace).
@@ -888,7 +896,8 @@ def cepam_guarantee(
     l1_mode: L1Mode = "paper",
     num_params: int | None = None,
 ) -> PrivacyGuarantee:
-    """Per-round privacy report of CEPAM (Theorems 12/13, spec §2.13), with vacuity flags and warnings.
+    """Per-round privacy report of CEPAM (Theorems 12/13, docs/papers/cepam.md#s2-13), with vacuity flags and
+    warnings.
 
     Gaussian: δ from (16) (:func:`cepam_gaussian_delta`) at ε = ln(1 + p(e^ε̃ − 1)). Laplace: ε from
     :func:`cepam_laplace_epsilon`, δ = 0. Both report ε̃, p, δ_sat (:func:`subsampled_delta_sat`) and
@@ -926,11 +935,18 @@ def cepam_guarantee(
         sc = float(scale) if np.ndim(scale) == 0 else tuple(float(v) for v in np.asarray(scale))
         notes.append(_NOTE_IFF)
         if sensitivity is None and clip_mode == "paper":
-            notes.append("Delta_2 = 2 tau gamma / K (paper): double counts repeated appearances (spec §6.4)")
-            notes.append("normalise+rescale: the DP claim covers the normalised average only (spec §6.3)")
+            notes.append(
+                "Delta_2 = 2 tau gamma / K (paper): double counts repeated appearances "
+                "(docs/papers/cepam.md#s6-4)"
+            )
+            notes.append(
+                "normalise+rescale: the DP claim covers the normalised average only "
+                "(docs/papers/cepam.md#s6-3)"
+            )
         if np.ndim(scale) != 0:
             notes.append(
-                "per-client sigmas: sigma_tilde = sqrt(sum sigma_k^2)/K (sidejax extension, spec §2.12)"
+                "per-client sigmas: sigma_tilde = sqrt(sum sigma_k^2)/K (sidejax extension, "
+                "docs/papers/cepam.md#s2-12)"
             )
         if delta >= sat * (1.0 - 1e-12):
             notes.append("delta equals delta_sat: the noise does not enter the bound")
@@ -953,7 +969,7 @@ def cepam_guarantee(
         if sensitivity is None and l1_mode == "paper":
             notes.append(
                 "Delta_1 = 2 tau gamma (paper) understates the l1 sensitivity of an l2-normalised vector "
-                "(spec §6.5); use l1_mode='l2_norm' or 'l1_clip'"
+                "(docs/papers/cepam.md#s6-5); use l1_mode='l2_norm' or 'l1_clip'"
             )
     else:
         raise ValueError(f"mechanism must be 'gaussian' or 'laplace', got {mechanism!r}")
@@ -977,7 +993,7 @@ def cepam_guarantee(
 
 def compose_naive(guarantee: PrivacyGuarantee, rounds: int) -> PrivacyGuarantee:
     """Basic composition over R rounds: (Rε, Rδ) (beyond the paper, which only states per-round guarantees;
-    spec §6 item 8). Loose; an RDP/PLD accountant would be tighter.
+    docs/papers/cepam.md#s6-8). Loose; an RDP/PLD accountant would be tighter.
 
     The trivial bound composes as 1 − (1 − p)^R (probability the record is ever drawn), δ_sat as R·δ_sat.
 

@@ -1,5 +1,5 @@
 """Block partitions (sidejax.blocks): KL-driven partitions against a numpy oracle, fixed blocks, and
-Aggregate-Block-Locations (spec klms.md §7 items 7, 8).
+Aggregate-Block-Locations (docs/papers/klms.md#s7-7, docs/papers/klms.md#s7-8).
 """
 
 from __future__ import annotations

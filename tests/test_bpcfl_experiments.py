@@ -41,7 +41,8 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
     for path in written:
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
     assert {preset_name(s, m) for s in SETTINGS for m in METHODS} <= set(list_presets())
-    # the paper's moons column (spec Tables 2, 3, 7) and EMNIST's (Table 2)
+    # the paper's moons column (docs/papers/bpcfl.md#table-2, docs/papers/bpcfl.md#table-3,
+    # docs/papers/bpcfl.md#table-7) and EMNIST's (Table 2)
     hmc = load_preset("bpcfl_moons_bpcfl_hmc")
     m = hmc.method
     assert (hmc.run.rounds, hmc.data.num_clients, hmc.data.train_subset, hmc.data.model) == (

@@ -142,7 +142,7 @@ def test_gaussian_nll_loss_and_predictive_numbers():
     value = loss({"w": jnp.float32(1.0)}, Batch(x, y, jnp.array([1.0, 1.0, 0.0])), None)
     want = np.mean([0.0, 0.5 * (1.0 / 0.5) ** 2]) + math.log(0.5) + 0.5 * math.log(2 * math.pi)
     assert float(value) == pytest.approx(want, rel=1e-6)
-    # S identical samples: the mixture NLL is the single-model NLL (spec T12)
+    # S identical samples: the mixture NLL is the single-model NLL (docs/papers/bpcfl.md#t12)
     grid = np.linspace(-1.2, 1.2, 25)
     f = np.array([[0.0, 1.0]])
     a = predictive_numbers(f, np.array([0.3, 0.7]), np.zeros((1, 25)), grid, 0.3)

@@ -27,7 +27,8 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
     names = set(list_presets())
     assert {preset_name(s, v) for s in SETTINGS for v in SCHEMES} <= names
-    # the paper's setting (spec §3): 30 clients x 1,666, tau = 15, batch 1, momentum 0.9, lr 0.01, 80 rounds
+    # the paper's setting (docs/papers/cepam.md#s3): 30 clients x 1,666, tau = 15, batch 1, momentum 0.9,
+    # lr 0.01, 80 rounds
     cfg = load_preset("cepam_mnist_mlp_cepam_gauss_z3")
     assert (cfg.data.dataset, cfg.data.model, cfg.data.num_clients, cfg.data.examples_per_client) == (
         "mnist",
@@ -45,8 +46,9 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
 
 
 def test_privacy_columns_reproduce_the_papers_numbers():
-    """The paper's per-round guarantees (spec §4): Gaussian sigma = 0.1, eps_tilde = 5.9 -> (1.4502,
-    9.6887e-3), vacuous (delta >= p); Laplace b = 0.1, eps_tilde = 5000 -> eps = 4995.2857; none for FL."""
+    """The paper's per-round guarantees (docs/papers/cepam.md#s4): Gaussian sigma = 0.1, eps_tilde = 5.9 ->
+    (1.4502, 9.6887e-3), vacuous (delta >= p); Laplace b = 0.1, eps_tilde = 5000 -> eps = 4995.2857; none for
+    FL."""
     g = guarantee(suite_config("mnist_cnn", "cepam_gauss_z1").to_dict())
     assert g.epsilon == pytest.approx(1.4501871413572687, rel=1e-9)
     assert g.delta == pytest.approx(0.009688739711522966, rel=1e-9)

@@ -37,8 +37,9 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
     for path in written:
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
     assert {preset_name(s, m) for s in SETTINGS for m in METHODS} <= set(list_presets())
-    # the paper's setting (spec §3.1): pFedMe's split, 10 clients x 5 labels x 1,000, 20% train, MLP
-    # 784-100-10, zeta 10, Adam 1e-3 both tracks, R = 20, R_p = 5, b = 100; coreset sizes: fractions of 1,000
+    # the paper's setting (docs/papers/coreset_pfedbayes.md#s3-1): pFedMe's split, 10 clients x 5 labels x
+    # 1,000, 20% train, MLP 784-100-10, zeta 10, Adam 1e-3 both tracks, R = 20, R_p = 5, b = 100; coreset
+    # sizes: fractions of 1,000
     cfg = load_preset("coreset_pfedbayes_fmnist_mlp_coreset_30")
     data, method = cfg.data, cfg.method
     assert (data.partition, data.num_clients, data.labels_per_client, data.examples_per_label) == (

@@ -1,6 +1,6 @@
 """Factorized distributions (sidejax.distributions): KL formulas, validation, inverse-CDF sampling.
 
-Closed forms or float64 numpy are the references (spec klms.md §7 item 6).
+Closed forms or float64 numpy are the references (docs/papers/klms.md#s7-6).
 """
 
 from __future__ import annotations

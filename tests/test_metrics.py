@@ -1,5 +1,6 @@
-"""sidejax.metrics and the evaluators of sidejax.fl.evaluate: numpy float64 oracles, the spec's ECE cases
-(bpcfl.md §7 T12), batching exactness, and single / ensemble / personal evaluators against each other."""
+"""sidejax.metrics and the evaluators of sidejax.fl.evaluate: numpy float64 oracles, the ECE cases of
+docs/papers/bpcfl.md#t12, batching exactness, and single / ensemble / personal evaluators against each
+other."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def log_softmax64(z: np.ndarray) -> np.ndarray:
 
 def oracle(log_probs: np.ndarray, y: np.ndarray, mask: np.ndarray, num_bins: int = 10):
     """float64 metrics of the valid rows: (#correct, n, nll, ece, distance of the nearest confidence to a bin
-    edge). Bins are ((b-1)/B, b/B] as in spec bpcfl.md §A9: b = ceil(conf·B)."""
+    edge). Bins are ((b-1)/B, b/B] as in docs/papers/bpcfl.md#a9: b = ceil(conf·B)."""
     lp, yv = log_probs[mask].astype(np.float64), y[mask]
     correct = lp.argmax(-1) == yv
     conf = np.exp(lp.max(-1))
@@ -121,7 +122,7 @@ def test_padding_rows_cannot_change_a_metric_and_no_valid_row_gives_zero():
 
 
 def test_ece_cases_of_the_spec():
-    """bpcfl.md §7 T12."""
+    """docs/papers/bpcfl.md#t12."""
     bins = jax.jit(calibration_bin_stats)
     ece_of = jax.jit(lambda conf, correct: ece_from_stats(calibration_bin_stats(conf, correct)))
     n = 100

@@ -1,7 +1,9 @@
-"""Privacy accountant (sidejax/privacy.py): the CEPAM spec's regression numbers (§4, §5 Thm 12/13), a 50-digit
-mpmath oracle of eq. (16), the noise table and δ_sat list of spec §4, properties (monotone in σ, σ/γ only,
-ε ↔ ε̃ round trips, τ = 1 reduction, clip modes), the analytic Gaussian against numeric hockey-stick integrals
-and Google's dp-accounting, the Laplace profile against a numeric integral, warnings and argument errors."""
+"""Privacy accountant (sidejax/privacy.py): the regression numbers of CEPAM
+(docs/papers/cepam.md#privacy-numbers, docs/papers/cepam.md#s5 Thm 12/13), a 50-digit mpmath oracle of
+eq. (16), the noise table and δ_sat list of docs/papers/cepam.md#noise-table, properties (monotone in σ, σ/γ
+only, ε ↔ ε̃ round trips, τ = 1 reduction, clip modes), the analytic Gaussian against numeric hockey-stick
+integrals and Google's dp-accounting, the Laplace profile against a numeric integral, warnings and argument
+errors."""
 
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ from scipy import stats
 from sidejax import privacy as P
 from sidejax.privacy import VacuousPrivacyWarning
 
-# the paper's setting (spec §3/§4): MNIST, K = 30, n_k = floor(50000/30), τ = 15, γ = 1
+# the paper's setting (docs/papers/cepam.md#s3, docs/papers/cepam.md#s4): MNIST, K = 30,
+# n_k = floor(50000/30), τ = 15, γ = 1
 PAPER = dict(tau=15, num_clients=30, gamma=1.0, n_k=1666)
-REL = 1e-9  # the spec's printed values carry ~16 digits but came from the naive 1 − (1 − 1/n)^τ (1.7e−14 off)
+# the printed values of docs/papers/cepam.md#privacy-numbers carry ~16 digits but came from the naive
+# 1 − (1 − 1/n)^τ (1.7e−14 off)
+REL = 1e-9
 
 
 def _ignore_vacuous():
@@ -29,7 +34,7 @@ def _ignore_vacuous():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# regression values of the spec
+# regression values of docs/papers/cepam.md#privacy-numbers
 
 
 def test_spec_regression_values():
@@ -50,7 +55,8 @@ def test_spec_regression_values():
         4995.285669800896, rel=REL
     )
     assert P.cepam_laplace_eps_tilde_min(0.1, tau=15, gamma=1.0) == pytest.approx(300.0, rel=1e-15)
-    # n_k = 2000 (60k/30) gives the spec's ε = 1.3139 and Laplace ε = 4995.1036
+    # n_k = 2000 (60k/30) gives the ε = 1.3139 and Laplace ε = 4995.1036 of
+    # docs/papers/cepam.md#privacy-numbers
     p2000 = P.subsample_probability(2000, 15)
     assert round(P.eps_from_eps_tilde(5.9, p2000), 4) == 1.3139
     assert round(P.cepam_laplace_epsilon(0.1, 5000.0, tau=15, gamma=1.0, n_k=2000), 4) == 4995.1036
@@ -113,7 +119,8 @@ def test_delta_sat_list_of_spec():
     )
 
 
-# spec §4 noise table: σ required by (16) for (ε, δ) with γ = 1, K = 30, τ = 15, n_k = 1666 ("0": vacuous)
+# docs/papers/cepam.md#noise-table: σ required by (16) for (ε, δ) with γ = 1, K = 30, τ = 15, n_k = 1666
+# ("0": vacuous)
 NOISE_TABLE = {
     1: (0, 0, 2.31, 4.64),
     2: (0, 0, 2.09, 4.28),
@@ -242,7 +249,8 @@ def test_vectorised_over_eps_tilde_and_monotone_delta():
     vec = P.cepam_gaussian_delta(2.0, et, **PAPER)
     loop = np.array([P.cepam_gaussian_delta(2.0, float(e), **PAPER) for e in et])
     np.testing.assert_array_equal(vec, loop)
-    # (16) at σ = 2 is not monotone in ε (spec §6.6); the running minimum is, and never exceeds it
+    # (16) at σ = 2 is not monotone in ε (docs/papers/cepam.md#s6-6); the running minimum is, and never
+    # exceeds it
     assert np.any(np.diff(vec) > 0)
     mono = P.monotone_delta(eps, vec)
     assert np.all(np.diff(mono) <= 0) and np.all(mono <= vec) and mono[0] == vec[0]

@@ -1,5 +1,5 @@
 """Benchmark: CoreSet-PFedBayes' coreset hot path, :func:`sidejax.bayes.aiht` (A-IHT I, Zhang et al.,
-AISTATS 2021; spec ``coreset_pfedbayes.md`` §2.4), against a plain numpy float64 A-IHT (what the authors'
+AISTATS 2021; docs/papers/coreset_pfedbayes.md#s2-4), against a plain numpy float64 A-IHT (what the authors'
 released code runs) on the paper's client problem, measured in the same process.
 
 Problems (real, not synthetic low-rank): ``--clients`` (default 10) clients, each a uniformly random subset of
@@ -84,7 +84,7 @@ METHODS = ("sidejax_vmap", "sidejax_loop", "numpy")
 
 
 def num_samples(k: int) -> int:
-    """``J = max(100, 2k)`` (CoreSet-PFedBayes' default, spec §6 E6)."""
+    """``J = max(100, 2k)`` (CoreSet-PFedBayes' default, docs/papers/coreset_pfedbayes.md#e6)."""
     return max(100, 2 * k)
 
 

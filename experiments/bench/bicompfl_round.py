@@ -22,8 +22,9 @@ the chosen rows (a ``torch.Generator`` stream cannot be read at an offset, so th
 Both single-threaded by default (``--threads 1``; see :mod:`experiments.bench.torch_compare`), median of
 ``--repeats`` runs, each contestant timed in turn within a repeat. Writes JSON (default
 ``results/bench/bicompfl_round.json``) with each configuration's seconds, and ``torch_over_sidejax_time``
-for encode and decode (> 1: sidejax is faster). Two configurations: the spec's CPU profile (blocks of
-128, 16 candidates) and its paper default (blocks of 256, 256 candidates); both are 1/32 bit per parameter.
+for encode and decode (> 1: sidejax is faster). Two configurations: the CPU profile of
+docs/papers/bicompfl.md#s2-3 (blocks of 128, 16 candidates) and its paper default (blocks of 256, 256
+candidates); both are 1/32 bit per parameter.
 
 Run: ``python -m experiments.bench.bicompfl_round [--repeats 5] [--threads 1]``.
 """

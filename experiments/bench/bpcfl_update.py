@@ -1,16 +1,16 @@
-"""Benchmark: BPC-FL's client hot path, one BPC-fKL update (spec ``bpcfl.md`` §A2; Kim et al. 2022):
+"""Benchmark: BPC-FL's client hot path, one BPC-fKL update (docs/papers/bpcfl.md#a2; Kim et al. 2022):
 ``B_w`` inner chains of ``L_C`` optimizer steps on the pseudocoreset from expert-trajectory checkpoints,
 then the gradient of the surrogate ``J`` with respect to the pseudocoreset, ``S`` noise draws per chain,
 then the SGD step on the pseudo-inputs. Measured in one process, variants interleaved.
 
-Problem: the paper's moons client (spec §5.1-5.2, Table 2 moons column): ``moons_mlp`` (Dense50-GN-ReLU x2,
-Dense2; P = 3,002) with the masked softmax cross-entropy plus ``λ/2‖θ‖²`` (λ = 0.1), the client's 20 points
-from ``sidejax.data.load_dataset("moons", "train", num_samples=20)``, ``K = 5`` pseudo-points
-(``init_pseudocoreset``, σ_z = 0.6, labels cycled by frequency), ``B_w = 20`` pairs per update, ``L_C = 200``
-Adam(1e-2) inner steps, ``S = 10`` noise draws, ``σ_ε = 1e-2``, ``ψ_x = 1e-3``, ``L_D = 150``; the pairs are
-drawn by :func:`sidejax.bayes.trajectory_pairs` from :func:`sidejax.bayes.expert_trajectories` (full batch,
-Adam 1e-2, ``--trajectories`` 10 x ``--pretrain-steps`` 300 steps, a modest J instead of the paper's 100:
-the pairs' cost does not depend on J).
+Problem: the paper's moons client (docs/papers/bpcfl.md#s5-1, docs/papers/bpcfl.md#table-2 moons column):
+``moons_mlp`` (Dense50-GN-ReLU x2, Dense2; P = 3,002) with the masked softmax cross-entropy plus ``λ/2‖θ‖²``
+(λ = 0.1), the client's 20 points from ``sidejax.data.load_dataset("moons", "train", num_samples=20)``,
+``K = 5`` pseudo-points (``init_pseudocoreset``, σ_z = 0.6, labels cycled by frequency), ``B_w = 20`` pairs
+per update, ``L_C = 200`` Adam(1e-2) inner steps, ``S = 10`` noise draws, ``σ_ε = 1e-2``, ``ψ_x = 1e-3``,
+``L_D = 150``; the pairs are drawn by :func:`sidejax.bayes.trajectory_pairs` from
+:func:`sidejax.bayes.expert_trajectories` (full batch, Adam 1e-2, ``--trajectories`` 10 x ``--pretrain-steps``
+300 steps, a modest J instead of the paper's 100: the pairs' cost does not depend on J).
 
 Variants (all float32, all computing the same math with the same pairs and noise keys):
 
@@ -23,9 +23,10 @@ Variants (all float32, all computing the same math with the same pairs and noise
   single-chain surrogate gradient (noise keys ``draw_key(key, 2(bS + s))``, ``+ 1``, as in
   :func:`sidejax.bayes.fkl_surrogate`), the gradients averaged on the host side (eager JAX), then the SGD
   step;
-- ``through_chain`` (a **different estimator**, wrong for fKL, the rKL/MTT-style path spec A2 warns against):
-  the jitted single update with the gradient taken *through* the inner chain (no ``stop_gradient``), in a
-  Python loop over updates. Timed for context only; its pseudocoreset is not compared.
+- ``through_chain`` (a **different estimator**, wrong for fKL, the rKL/MTT-style path docs/papers/bpcfl.md#a2
+  warns against): the jitted single update with the gradient taken *through* the inner chain (no
+  ``stop_gradient``), in a Python loop over updates. Timed for context only; its pseudocoreset is not
+  compared.
 
 Cross-check: the final pseudo-inputs of ``unrolled`` and ``per_chain`` against ``sidejax``, and the first
 update's gradient of ``per_chain`` against :func:`sidejax.bayes.fkl_gradient` (max abs difference relative to

@@ -1,4 +1,4 @@
-"""BICompFL: stochastic federated learning with bi-directional compression (spec ``bicompfl.md``).
+"""BICompFL: stochastic federated learning with bi-directional compression (docs/papers/bicompfl.md).
 
 Every party trains or holds a FedPM model (:mod:`sidejax.algorithms.fedpm`): frozen random signed weights
 and a Bernoulli keep-probability mask :math:`\\theta \\in [\\epsilon, 1 - \\epsilon]^d`. Nothing is sent as
@@ -16,8 +16,8 @@ Round ``t`` (the engine's order: downlink, local work, uplink, aggregation):
    (sample ``l`` with the keys :func:`sidejax.keys.draw_key` ``(keys, l)``), back to back in one stream.
 2. **Aggregation**: the federator decodes every sample and sets
    :math:`\\theta_{t+1} = c\\big(\\frac1{n}\\sum_i \\frac1{n_{UL}} \\sum_l y_{i,l}\\big)` with the clip
-   :math:`c(v) = \\epsilon + (1 - 2\\epsilon) v`, :math:`\\epsilon = 0.01` (spec §2.2 [R]; unweighted mean
-   [P], spec §8 #16).
+   :math:`c(v) = \\epsilon + (1 - 2\\epsilon) v`, :math:`\\epsilon = 0.01` (docs/papers/bicompfl.md#s2-2 [R];
+   unweighted mean [P], docs/papers/bicompfl.md#s8-16).
 3. **Downlink** of :math:`\\theta_{t+1}` (at the start of round ``t + 1``), per variant:
 
    - **GR** (:func:`bicompfl_gr`, global shared randomness): the federator relays the other clients'
@@ -33,8 +33,8 @@ Round ``t`` (the engine's order: downlink, local work, uplink, aggregation):
      diverge across clients and the federator keeps a copy of each.
    - **PR-Fixed-SplitDL** (:func:`bicompfl_pr` with ``split_downlink=True``): client ``j`` is refreshed
      only on the block-aligned group :math:`G_j(t) = ` group :math:`(j + t) \\bmod n` of ``n`` contiguous
-     groups (spec §3.6 [A]); the other coordinates keep :math:`\\hat\\theta_{j,t}`, so every coordinate is
-     refreshed within ``n`` rounds and the downlink costs about ``1/n`` of PR's.
+     groups (docs/papers/bicompfl.md#s3-6 [A]); the other coordinates keep :math:`\\hat\\theta_{j,t}`, so
+     every coordinate is refreshed within ``n`` rounds and the downlink costs about ``1/n`` of PR's.
 
 **Exact priors.** Every average is a count of 0/1 samples mapped through a lookup table,
 :math:`c(k/N)` for :math:`k = 0..N` (:func:`clip_table`, float64 then float32), so the federator and
@@ -45,13 +45,14 @@ federator's copy of client ``i``'s estimate equals client ``i``'s" hold bit for 
 **Bits.** Every rate is the length of a real stream (the engine reads ``RoundInfo.uplink_bits`` and
 ``downlink_bits`` from the messages). The relayed GR downlink is the other clients' streams back to back
 with no length fields: the KLMS streams are self-delimiting (:attr:`sidejax.coding.Coder.frame`). The
-Fixed-allocation formulas of spec §2.3 are :func:`fixed_rates` (for checking and for the table's "ideal"
-columns; never used as a measured rate).
+Fixed-allocation formulas of docs/papers/bicompfl.md#s2-3 are :func:`fixed_rates` (for checking and for the
+table's "ideal" columns; never used as a measured rate).
 
-Spec corrections: Alg. 1 line 3's ``s^(0) - grad`` is ``s^(l-1) - eta grad`` (§8 #3); the PR prior mixture
-is not implemented (``lambda = 1``, the paper's default and the only value its tables use, §3.7); Alg. 3's
-superscript ``t`` on the new priors is ``t + 1`` (§8 #10); the probability clip, not in the paper, is
-applied exactly once per average (§8 #4).
+Corrections (docs/papers/bicompfl.md#s8): Alg. 1 line 3's ``s^(0) - grad`` is ``s^(l-1) - eta grad``
+(docs/papers/bicompfl.md#s8-3); the PR prior mixture is not implemented (``lambda = 1``, the paper's default
+and the only value its tables use, docs/papers/bicompfl.md#s3-7); Alg. 3's superscript ``t`` on the new priors
+is ``t + 1`` (docs/papers/bicompfl.md#s8-10); the probability clip, not in the paper, is applied exactly once
+per average (docs/papers/bicompfl.md#s8-4).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ CLIP = MASK_CLIP
 
 def clip_table(num_samples: int) -> np.ndarray:
     """``float32[num_samples + 1]``: :math:`c(k/N) = \\epsilon + (1 - 2\\epsilon) k / N` for ``k = 0..N``,
-    computed in float64 and rounded once (spec §2.2, §7 #13: averages lie on this grid)."""
+    computed in float64 and rounded once (docs/papers/bicompfl.md#s2-2, docs/papers/bicompfl.md#s7-13:
+    averages lie on this grid)."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     k = np.arange(num_samples + 1, dtype=np.float64)
@@ -150,8 +152,8 @@ def fixed_rates(
     num_uplink_samples: int = 1,
     num_downlink_samples: int | None = None,
 ) -> dict[str, dict[str, float]]:
-    """The Fixed-allocation rates of spec §2.3, in bits per parameter per client per round, for each variant:
-    ``{"gr" | "gr_reconst" | "pr" | "pr_splitdl": {"uplink", "downlink", "bpp", "bc"}}``.
+    """The Fixed-allocation rates of docs/papers/bicompfl.md#s2-3, in bits per parameter per client per round,
+    for each variant: ``{"gr" | "gr_reconst" | "pr" | "pr_splitdl": {"uplink", "downlink", "bpp", "bc"}}``.
 
     One IS sample costs :math:`B \\log_2 n_{IS}` bits with :math:`B = \\lceil d / b \\rceil`. GR relays the
     other ``n - 1`` clients' samples; GR-Reconst and PR send :math:`n_{DL}` samples; SplitDL sends
@@ -180,7 +182,8 @@ def fixed_rates(
 
 def split_groups(num_blocks: int, num_groups: int) -> np.ndarray:
     """Block-aligned contiguous groups for SplitDL: ``int32[num_groups + 1]`` boundaries, group ``g`` is
-    blocks ``[bounds[g], bounds[g + 1])``, sizes differing by at most one block (spec §3.6 [A])."""
+    blocks ``[bounds[g], bounds[g + 1])``, sizes differing by at most one block (docs/papers/bicompfl.md#s3-6
+    [A])."""
     if num_groups < 1 or num_groups > num_blocks:
         raise ValueError(
             f"SplitDL needs 1 <= num_groups <= num_blocks, got {num_groups} groups for {num_blocks} blocks "
@@ -549,9 +552,9 @@ def bicompfl_gr(
 
     Every party decodes every client's samples (their candidates come from the global seed) against the
     common prior :math:`\\theta_t` and sets :math:`\\theta_{t+1} = c(\\text{mean})`, so the clients' models
-    equal the federator's bit for bit (spec §7 #9; client ``j`` uses its *own* decoded samples, not
-    :math:`q_j`). Downlink: the other ``n - 1`` clients' streams back to back, ``(n - 1)`` times the uplink.
-    Requires full participation [P] (every client must hear every round).
+    equal the federator's bit for bit (docs/papers/bicompfl.md#s7-9; client ``j`` uses its *own* decoded
+    samples, not :math:`q_j`). Downlink: the other ``n - 1`` clients' streams back to back, ``(n - 1)`` times
+    the uplink. Requires full participation [P] (every client must hear every round).
 
     Args:
       loss_fn: ``loss_fn(params, batch, key)`` of the masked network.
@@ -610,7 +613,7 @@ def _group_width(config: KLMSConfig, dim: int, num_groups: int) -> int:
 
 def _sub(vec, g: _Group, width: int):
     """``vec[g.start : g.start + width]`` from ``vec`` padded with 1/2 (pads: q = p, so they add exactly 0
-    to every log-weight; spec §2.1)."""
+    to every log-weight; docs/papers/bicompfl.md#s2-1)."""
     padded = jnp.concatenate([vec, jnp.full((width,), 0.5, vec.dtype)])
     return jax.lax.dynamic_slice(padded, (g.start,), (width,))
 
@@ -767,7 +770,8 @@ class PRServer(NamedTuple):
 
     Attributes:
       weights, eval_uniforms: as in :class:`GRServer`.
-      theta: :math:`\\theta_{t+1}`, the federator's aggregate (the model evaluated, spec §8 #9).
+      theta: :math:`\\theta_{t+1}`, the federator's aggregate (the model evaluated,
+        docs/papers/bicompfl.md#s8-9).
       theta_hat: float32 ``[n, d]``: the federator's copy of every client's estimate
         :math:`\\hat\\theta_{i,t}` (decoded from the messages it sent; equal to the client's own bit for bit).
       coder: the uplink coder's protocol state.
@@ -912,8 +916,8 @@ def bicompfl_gr_reconst(
     estimator: str = "fedpm",
     eval_mask: str = "sample",
 ) -> Algorithm:
-    """BICompFL-GR-Reconst-Fixed (spec §3.4): the uplink as in GR; the federator reconstructs
-    :math:`\\theta_{t+1}` and broadcasts ``n_DL`` IS samples of it against the common
+    """BICompFL-GR-Reconst-Fixed (docs/papers/bicompfl.md#s3-4): the uplink as in GR; the federator
+    reconstructs :math:`\\theta_{t+1}` and broadcasts ``n_DL`` IS samples of it against the common
     :math:`\\hat\\theta_t` (one stream for every client); every party sets
     :math:`\\hat\\theta_{t+1} = c(\\text{mean})`. The priors stay common (:math:`\\zeta = 0`) but the
     downlink adds sampling noise. Requires full participation [P].
@@ -965,19 +969,20 @@ def bicompfl_pr(
     estimator: str = "fedpm",
     eval_mask: str = "sample",
 ) -> Algorithm:
-    """BICompFL-PR (Alg. 3) and PR-Fixed-SplitDL (spec §3.5-3.6): private shared randomness per client.
+    """BICompFL-PR (Alg. 3) and PR-Fixed-SplitDL (docs/papers/bicompfl.md#s3-5): private shared randomness per
+    client.
 
     Client ``i`` codes its uplink against its own estimate :math:`\\hat\\theta_{i,t}`; the federator
     decodes it with its copy, aggregates :math:`\\theta_{t+1}` over the participants, and sends each
     participant ``n_DL`` IS samples of :math:`\\theta_{t+1}` against that client's estimate, with randomness
     only the two share. Estimates differ across clients (:math:`\\zeta > 0`); the federator's copies equal
-    the clients' own bit for bit (spec §7 #10). Partial participation is allowed [P]: a client that sits a
-    round out keeps its estimate, and so does the federator's copy.
+    the clients' own bit for bit (docs/papers/bicompfl.md#s7-10). Partial participation is allowed [P]: a
+    client that sits a round out keeps its estimate, and so does the federator's copy.
 
     With ``split_downlink=True`` (PR-Fixed-SplitDL) the downlink blocks are split into ``n`` contiguous
     block-aligned groups and client ``j`` receives only group :math:`(j + t) \\bmod n` in round ``t``: the
     other coordinates keep :math:`\\hat\\theta_{j,t}`, every coordinate is refreshed within ``n`` rounds, and
-    the downlink costs ``1/n`` of PR's (spec §3.6 [A]: the paper does not give the rule).
+    the downlink costs ``1/n`` of PR's (docs/papers/bicompfl.md#s3-6 [A]: the paper does not give the rule).
 
     Args:
       loss_fn, local, estimator, eval_mask: as :func:`bicompfl_gr`.
@@ -989,7 +994,7 @@ def bicompfl_pr(
       num_downlink_samples: ``n_DL`` (default ``n * n_UL`` [P]).
       split_downlink: PR-Fixed-SplitDL.
 
-    The evaluated model is the federator's :math:`\\theta_{t+1}` (spec §8 #9).
+    The evaluated model is the federator's :math:`\\theta_{t+1}` (docs/papers/bicompfl.md#s8-9).
     """
     _check_common("bicompfl_pr", coder, estimator, num_uplink_samples, num_clients)
     config = _check_downlink(downlink)

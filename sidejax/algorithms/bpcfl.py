@@ -1,35 +1,39 @@
 r"""BPC-FL: one-shot Bayesian federated learning with function-space pseudocoresets (d'Hondt, Pechenizkiy,
-Peharz; spec ``bpcfl.md``), on the round engine.
+Peharz; docs/papers/bpcfl.md), on the round engine.
 
-One round (the only one: the method is one-shot, paper Alg. 1 / spec A1):
+One round (the only one: the method is one-shot, paper Alg. 1 / docs/papers/bpcfl.md#a1):
 
 1. **Downlink.** Nothing is sent (0 bits): the shared initialisation seeds of the expert trajectories come
    from the round's downlink key, which every party derives (``stream_key(downlink_key, EXPERTS)``;
-   trajectory ``j`` starts from ``init_fn(draw_key(., j))`` on *every* client, spec A0).
+   trajectory ``j`` starts from ``init_fn(draw_key(., j))`` on *every* client, docs/papers/bpcfl.md#a0).
 2. **Clients** (all of them, in parallel). Client ``m`` pretrains ``J`` MAP trajectories on
-   ``mean NLL + (λ/2)‖θ‖²`` (spec A0 and §8.6), initialises ``C_m = (Z_m, ŷ_m)`` (A3: ``Z ~ N(X̄_m, σ_z² I)``,
-   labels cycled by frequency or ``mean(y)`` for regression), learns it by BPC-fKL (A2:
+   ``mean NLL + (λ/2)‖θ‖²`` (docs/papers/bpcfl.md#a0 and docs/papers/bpcfl.md#s8-6), initialises
+   ``C_m = (Z_m, ŷ_m)`` (docs/papers/bpcfl.md#a3: ``Z ~ N(X̄_m, σ_z² I)``, labels cycled by frequency or
+   ``mean(y)`` for regression), learns it by BPC-fKL (docs/papers/bpcfl.md#a2:
    ``num_updates`` SGD steps along ``E_D[∇_C ℓ̄] − E_C[∇_C ℓ̄]``, **sign corrected** against the paper's
    eq. (14) and Alg. 2 line 10; no gradient through the inner chain), and sends ``(Z_m, ŷ_m, n_m)`` once
    through the coder (:func:`sidejax.coding.pseudocoreset_coder`: a real stream, whose length is the
    reported rate).
 3. **Server.** It decodes every stream, concatenates the pseudocoresets with weights ``w_m = M n_m / N``
-   taken from the *decoded* counts (A4), and runs the downstream inference (A5) on
+   taken from the *decoded* counts (docs/papers/bpcfl.md#a4), and runs the downstream inference
+   (docs/papers/bpcfl.md#a5) on
 
    .. math:: \log \tilde p(\theta\mid C) = -\tfrac{\lambda}{2}\|\theta\|^2
       + \beta \sum_m w_m \sum_k \log p(\hat y_{mk}\mid f(z_{mk},\theta)),
 
-   (the likelihood summed over the coreset, explicit scale ``β``: spec §8.7) with an :class:`Inference`:
-   :func:`map_inference` (SGD / Adam MAP, one "sample"), :func:`hmc_inference` (full-batch HMC through
-   blackjax) or :func:`sgld_inference` (an addition beyond the paper). The samples are the server state;
-   ``eval_params`` returns them with a leading sample axis (``eval_axis = "sample"``: the Bayesian predictive
-   ``(1/S) Σ_s p(y | f(x, θ_s))``).
+   (the likelihood summed over the coreset, explicit scale ``β``: docs/papers/bpcfl.md#s8-7) with an
+   :class:`Inference`: :func:`map_inference` (SGD / Adam MAP, one "sample"), :func:`hmc_inference` (full-batch
+   HMC through blackjax) or :func:`sgld_inference` (an addition beyond the paper). The samples are the server
+   state; ``eval_params`` returns them with a leading sample axis (``eval_axis = "sample"``: the Bayesian
+   predictive ``(1/S) Σ_s p(y | f(x, θ_s))``).
 
-Spec resolutions applied: the inner chain and the pretraining descend the mean-reduced NLL plus the prior's
-``λ/2‖θ‖²`` (§8.6-8.7); one isotropic noise ``σ_ε`` for both terms (§8.2); the start checkpoint ``r`` is at
-most ``max_start`` (default ``L_D``, the literal "r ≤ L_D", §8.3), so only ``max_start + L_D`` pretraining
-steps are ever used and only those are run (pitfall 3: memory); ``B_w`` independent (trajectory, r) pairs
-per update with ``S`` noise draws each (§8.4); concatenation, not a product of function-space priors (§8.9).
+Resolutions applied (docs/papers/bpcfl.md#s8): the inner chain and the pretraining descend the mean-reduced
+NLL plus the prior's ``λ/2‖θ‖²`` (docs/papers/bpcfl.md#s8-6); one isotropic noise ``σ_ε`` for both terms
+(docs/papers/bpcfl.md#s8-2); the start checkpoint ``r`` is at most ``max_start`` (default ``L_D``, the literal
+"r ≤ L_D", docs/papers/bpcfl.md#s8-3), so only ``max_start + L_D`` pretraining steps are ever used and only
+those are run (pitfall 3: memory, docs/papers/bpcfl.md#s9-3); ``B_w`` independent (trajectory, r) pairs per
+update with ``S`` noise draws each (docs/papers/bpcfl.md#s8-4); concatenation, not a product of function-space
+priors (docs/papers/bpcfl.md#s8-9).
 
 Every party holds only what it could know: clients never see each other's data, and the server sees only
 the decoded streams.
@@ -93,7 +97,8 @@ __all__ = [
 
 
 class BPCFLSettings(NamedTuple):
-    """BPC-FL's client hyperparameters (spec Table 2; names as in the spec, §8.18 for ``num_updates``).
+    """BPC-FL's client hyperparameters (docs/papers/bpcfl.md#table-2; names as there,
+    docs/papers/bpcfl.md#s8-18 for ``num_updates``).
 
     Attributes:
       num_points: ``K``, pseudo-points per client.
@@ -112,7 +117,8 @@ class BPCFLSettings(NamedTuple):
         used).
       save_interval: optimizer steps between checkpoints (5).
       pretrain_batch_size: real-data minibatch of pretraining (``None``: full batch, masked).
-      pretrain_optimizer: Optax optimizer of pretraining (spec §8.6: the "mcmc sampler" with lr 1e-2).
+      pretrain_optimizer: Optax optimizer of pretraining (docs/papers/bpcfl.md#s8-6: the "mcmc sampler" with
+        lr 1e-2).
       chain_optimizer: the inner chain's optimizer (the "mcmc sampler" with step ``η``; a fresh state at
         every start).
       data_chain_length: ``L_D`` in optimizer steps (a multiple of ``save_interval``).
@@ -166,7 +172,8 @@ def _real(value, name: str, *, low: float = 0.0, strict: bool = True) -> float:
 
 
 def check_settings(settings: BPCFLSettings) -> BPCFLSettings:
-    """Validates :class:`BPCFLSettings`, naming the field at fault (spec T10's ``r + L_D <= T_pre``)."""
+    """Validates :class:`BPCFLSettings`, naming the field at fault (``r + L_D <= T_pre``,
+    docs/papers/bpcfl.md#t10)."""
     s = settings
     counts = (
         "num_points",
@@ -195,7 +202,7 @@ def check_settings(settings: BPCFLSettings) -> BPCFLSettings:
     if s.num_classes is not None and s.step_size_labels != 0:
         raise ValueError(
             "settings.step_size_labels must be 0 for classification: the labels are fixed, frequency-cycled "
-            "class ids (spec A3; psi_y = 0 in every classification experiment)"
+            "class ids (docs/papers/bpcfl.md#a3; psi_y = 0 in every classification experiment)"
         )
     start = check_count(s.start_limit, "settings.max_start", 0)
     for name, value in (("data_chain_length", s.data_chain_length), ("max_start", start)):
@@ -207,8 +214,8 @@ def check_settings(settings: BPCFLSettings) -> BPCFLSettings:
     if s.steps_used > s.pretrain_steps:
         raise ValueError(
             f"settings.max_start + settings.data_chain_length = {start} + {s.data_chain_length} exceeds "
-            f"settings.pretrain_steps={s.pretrain_steps} (spec T10: r + L_D <= T_pre); lower max_start or "
-            f"pretrain longer"
+            f"settings.pretrain_steps={s.pretrain_steps} (docs/papers/bpcfl.md#t10: r + L_D <= T_pre); lower "
+            f"max_start or pretrain longer"
         )
     return s
 
@@ -234,14 +241,14 @@ def check_client_sizes(num_points: int, num_examples) -> None:
 
 
 def uplink_floats(settings: BPCFLSettings, input_dim: int, *, one_hot: bool = False) -> int:
-    """The paper's communication convention (spec A8), per client: ``K·D + K·d_ŷ + 1`` "floats" (``d_ŷ = 1``
-    for integer labels or regression, ``C`` for one-hot labels; ``+1`` for ``n_m``). A formula, reported
-    beside the measured stream length (``RoundInfo.uplink_bits``), never instead of it."""
+    """The paper's communication convention (docs/papers/bpcfl.md#a8), per client: ``K·D + K·d_ŷ + 1``
+    "floats" (``d_ŷ = 1`` for integer labels or regression, ``C`` for one-hot labels; ``+1`` for ``n_m``). A
+    formula, reported beside the measured stream length (``RoundInfo.uplink_bits``), never instead of it."""
     d_y = settings.num_classes if (one_hot and settings.num_classes is not None) else 1
     return settings.num_points * (input_dim + d_y) + 1
 
 
-# --- downstream inference (spec A5) -----------------------------------------------------------------------
+# --- downstream inference (docs/papers/bpcfl.md#a5) ---------------------------------------------------------
 
 
 class InferenceResult(NamedTuple):
@@ -264,8 +271,8 @@ class Inference(NamedTuple):
 
 
 def map_inference(optimizer: optax.GradientTransformation, num_steps: int, *, name: str = "map") -> Inference:
-    """Full-batch MAP by ``num_steps`` Optax steps (spec A5: BPC-FL + SGD, ``sgd(2e-2)`` × 500 on moons;
-    + Adam, ``adam(1e-2)`` × 300 on regression); one "sample", the MAP estimate."""
+    """Full-batch MAP by ``num_steps`` Optax steps (docs/papers/bpcfl.md#a5: BPC-FL + SGD, ``sgd(2e-2)``
+    × 500 on moons; + Adam, ``adam(1e-2)`` × 300 on regression); one "sample", the MAP estimate."""
     num_steps = check_count(num_steps, "num_steps", 1)
 
     def run(key, logdensity_fn, init_position):
@@ -287,11 +294,12 @@ def hmc_inference(
     mode: str = "consecutive",
     start: Inference | None = None,
 ) -> Inference:
-    """Full-batch HMC through blackjax (spec A5, Table 7: moons ``ε = 2e-3``, ``L = 30``, ``M⁻¹ = 100·I``, 40
-    burn-in steps, 50 samples), ``mode`` ``"consecutive"`` (burn-in, then consecutive states) or
-    ``"chains"`` (independent chains, final states; §8.10). ``start``: an optional MAP inference whose
-    estimate is the chain's start (the spec's option for EMNIST); otherwise the network initialisation.
-    Divergent transitions are counted in the result (``num_divergent``; the driver reports them)."""
+    """Full-batch HMC through blackjax (docs/papers/bpcfl.md#a5, docs/papers/bpcfl.md#table-7: moons
+    ``ε = 2e-3``, ``L = 30``, ``M⁻¹ = 100·I``, 40 burn-in steps, 50 samples), ``mode`` ``"consecutive"``
+    (burn-in, then consecutive states) or ``"chains"`` (independent chains, final states;
+    docs/papers/bpcfl.md#s8-10). ``start``: an optional MAP inference whose estimate is the chain's start (the
+    option of docs/papers/bpcfl.md#s8-10 for EMNIST); otherwise the network initialisation. Divergent
+    transitions are counted in the result (``num_divergent``; the driver reports them)."""
     check_count(num_samples, "num_samples", 1)
 
     def run(key, logdensity_fn, init_position):
@@ -410,7 +418,8 @@ def bpcfl_init(
 
 
 def bpcfl_broadcast(key, server: BPCFLServer, client_ids) -> tuple[BPCFLServer, Message]:
-    """Nothing is sent (spec A8: downlink 0 floats; the shared seeds come from the common key)."""
+    """Nothing is sent (docs/papers/bpcfl.md#a8: downlink 0 floats; the shared seeds come from the common
+    key)."""
     del key, client_ids
     return server, empty_message()
 
@@ -431,9 +440,10 @@ def bpcfl_client_update(
     state,
     data: ClientData,
 ):
-    """Client ``m``: expert trajectories (A0), pseudocoreset init (A3) and BPC-fKL (A2), then the upload of
-    ``(Z_m, ŷ_m, n_m)``. ``loss_fn(params, Batch, key)`` is the mean NLL of a masked batch (the loss
-    contract); the prior's ``λ/2‖θ‖²`` is added here."""
+    """Client ``m``: expert trajectories (docs/papers/bpcfl.md#a0), pseudocoreset init
+    (docs/papers/bpcfl.md#a3) and BPC-fKL (docs/papers/bpcfl.md#a2), then the upload of ``(Z_m, ŷ_m, n_m)``.
+    ``loss_fn(params, Batch, key)`` is the mean NLL of a masked batch (the loss contract); the prior's
+    ``λ/2‖θ‖²`` is added here."""
     s = settings
     max_examples = data.indices.shape[0]
     if s.num_points > max_examples:
@@ -503,11 +513,11 @@ def bpcfl_client_update(
 
 
 def coreset_posterior(loss_fn: Callable, settings: BPCFLSettings, coreset: Pseudocoreset, weights, key):
-    """The server's ``log p̃(θ | C)`` (spec A4-A5) of an aggregated pseudocoreset: per-point log-likelihoods
-    from the loss contract (``−loss_fn`` on one-point batches, ``key`` handed to it), weighted by ``weights``,
-    scaled by ``settings.likelihood_scale``, plus the prior ``N(0, settings.prior_precision⁻¹ I)``. What
-    :func:`bpcfl_server_update` runs its inference on, and what a caller re-running another inference on a
-    server state's ``coreset`` / ``weights`` should use."""
+    """The server's ``log p̃(θ | C)`` (docs/papers/bpcfl.md#a4) of an aggregated pseudocoreset: per-point
+    log-likelihoods from the loss contract (``−loss_fn`` on one-point batches, ``key`` handed to it), weighted
+    by ``weights``, scaled by ``settings.likelihood_scale``, plus the prior
+    ``N(0, settings.prior_precision⁻¹ I)``. What :func:`bpcfl_server_update` runs its inference on, and what a
+    caller re-running another inference on a server state's ``coreset`` / ``weights`` should use."""
     log_lik = per_example_log_likelihood(loss_fn)
     return coreset_logdensity(
         lambda params, zs, ys: log_lik(params, zs, ys, key),
@@ -531,8 +541,9 @@ def bpcfl_server_update(
     messages: Message,
     weights,
 ):
-    """Decode every upload, aggregate with ``w_m = M n_m / N`` from the decoded counts (A4), run the
-    downstream inference on ``log p̃(θ | C)`` (A5) with ``stream_key(round_key, SERVER)``."""
+    """Decode every upload, aggregate with ``w_m = M n_m / N`` from the decoded counts
+    (docs/papers/bpcfl.md#a4), run the downstream inference on ``log p̃(θ | C)`` (docs/papers/bpcfl.md#a5)
+    with ``stream_key(round_key, SERVER)``."""
     del client_ids, weights  # the server uses the counts it received, not the engine's bookkeeping
     k = settings.num_points
     dim = k * (math.prod(input_shape) + 1) + 1
@@ -575,8 +586,9 @@ def bpcfl(
     inference: Inference,
     coder: Coder | None = None,
 ) -> Algorithm:
-    """BPC-FL (spec A1) as an :class:`sidejax.fl.Algorithm`: run it for **one** round with every client
-    participating (``clients_per_round = num_clients``); ``eval_params`` gives the posterior samples.
+    """BPC-FL (docs/papers/bpcfl.md#a1) as an :class:`sidejax.fl.Algorithm`: run it for **one** round with
+    every client participating (``clients_per_round = num_clients``); ``eval_params`` gives the posterior
+    samples.
 
     Args:
       loss_fn: ``loss_fn(params, Batch, key)``, the masked mean NLL (``sidejax.fl.classification_loss``, or

@@ -1,12 +1,12 @@
 r"""CEPAM (Algorithm 1): FedAvg whose uplink is a privacy mechanism, with per-client noise levels.
 
-Round ``t`` (spec ``cepam.md`` §2.6):
+Round ``t`` (docs/papers/cepam.md#s2-6):
 
 - **downlink**: the global model :math:`W_t` as float32 (every client decodes it);
 - **client** ``k``: :math:`\tau` single-sample SGD steps from :math:`W_t` (eq. (3) with the *current* iterate,
-  spec §6 item 18), each on an example drawn uniformly **with replacement** from the client's data (the
-  sampling Theorem 7's privacy amplification assumes), with the client's optimizer (SGD with momentum 0.9 in
-  the paper); the update :math:`X^k = W^k - W_t` is sent with ``coder`` against the side information
+  docs/papers/cepam.md#s6-18), each on an example drawn uniformly **with replacement** from the client's data
+  (the sampling Theorem 7's privacy amplification assumes), with the client's optimizer (SGD with momentum 0.9
+  in the paper); the update :math:`X^k = W^k - W_t` is sent with ``coder`` against the side information
   :class:`sidejax.coding.lattice.NoisePrior` ``(W_t, level_k)``;
 - **server**: decodes every message with the client's shared key and level, and takes
   :math:`W_{t+\tau} = W_t + \frac{1}{|S_t|}\sum_k \hat X^k` (eq. (19), :math:`p_k = 1/K`).
@@ -18,19 +18,20 @@ The mechanism is the coder (a new mechanism is a new coder, not a flag here):
 - FL+Gaussian / FL+Laplace: ``clip_update(additive_noise_coder(noise), gamma=γ)``; FL+Gaussian+SDQ:
   ``clip_update(additive_noise_coder(noise, sdq_coder(...)), gamma=γ)``.
 
-**Privacy adaptability** (spec §2.12): ``noise_levels[k]`` is client ``k``'s own ``σ_k`` (or ``b_k``), agreed
-with the server at initialisation: the client holds it in its state, the server in its own, and both build
-``NoisePrior(W_t, level_k)`` from it, so the noise of each client follows its own choice. With
+**Privacy adaptability** (docs/papers/cepam.md#s2-12): ``noise_levels[k]`` is client ``k``'s own ``σ_k`` (or
+``b_k``), agreed with the server at initialisation: the client holds it in its state, the server in its own,
+and both build ``NoisePrior(W_t, level_k)`` from it, so the noise of each client follows its own choice. With
 ``noise_levels=None`` every client uses the coder's level. The accountant for these settings is
 :mod:`sidejax.privacy` (per round; ``sqrt(Σσ_k²)/K`` for unequal levels).
 
-**Optimizer state**: with ``persistent_optimizer=True`` (the reference code [R], spec §3) each client keeps
-its optimizer state (the momentum buffer) across rounds, its weights overwritten by the global model each
-round; with ``False`` it starts afresh every round.
+**Optimizer state**: with ``persistent_optimizer=True`` (the reference code [R], docs/papers/cepam.md#s3) each
+client keeps its optimizer state (the momentum buffer) across rounds, its weights overwritten by the global
+model each round; with ``False`` it starts afresh every round.
 
-Deviation (documented, spec §3): the paper halves the learning rate when the validation accuracy plateaus
-for 10 rounds; this builder uses the optimizer as given (pass an Optax schedule to change the rate over the
-client's steps). The paper's theory (η_t = ζ/(t+α), plain SGD) does not cover either (spec §6 item 16).
+Deviation (documented, docs/papers/cepam.md#s3): the paper halves the learning rate when the validation
+accuracy plateaus for 10 rounds; this builder uses the optimizer as given (pass an Optax schedule to change
+the rate over the client's steps). The paper's theory (η_t = ζ/(t+α), plain SGD) does not cover either
+(docs/papers/cepam.md#s6-16).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def sampled_sgd(
 ):
     """``train(key, params, opt_state, data) -> (params, opt_state, loss, finite)``: ``num_steps`` optimizer
     steps, each on ``batch_size`` examples drawn uniformly **with replacement** from the client's valid
-    examples (CEPAM's local sampling, spec §3 [REC]; Theorem 7's privacy amplification assumes it).
+    examples (CEPAM's local sampling, docs/papers/cepam.md#s3 [REC]; Theorem 7's privacy amplification assumes
+    it).
 
     Step ``s`` uses ``step_key(epoch_key(key, 0), s)``: its ``ORDER`` stream draws the indices and the key
     itself goes to ``loss_fn``. A ``lax.scan`` over steps; a client without examples does not move."""

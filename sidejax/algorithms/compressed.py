@@ -1,4 +1,5 @@
-"""The non-stochastic bi-directionally compressed baselines of the BICompFL paper (spec §4.1, §4.3): Mem-SGD,
+"""The non-stochastic bi-directionally compressed baselines of the BICompFL paper
+(docs/papers/bicompfl.md#s4-1, docs/papers/bicompfl.md#s4-3): Mem-SGD,
 DoubleSqueeze, Neolithic and CSER, each with error feedback and a deterministic compressor.
 
 Notation: :math:`d` parameters, :math:`S_t` the participants of round :math:`t`, :math:`\\eta_S` the
@@ -13,7 +14,7 @@ residual version (Neolithic's compressor)
 sent as the :math:`R` messages of :math:`C` back to back (``R (32 + d)`` bits; :math:`C_1 = C`). Every
 client trains locally (:class:`sidejax.fl.LocalTraining`) from the model it holds, :math:`w_i`, and forms
 :math:`\\Delta_i = w_i^{\\mathrm{end}} - w_i`. The server averages the decoded uplinks with the unweighted
-mean :math:`\\bar c = \\frac1{|S_t|}\\sum_{i \\in S_t} c_i` (spec §8 #16).
+mean :math:`\\bar c = \\frac1{|S_t|}\\sum_{i \\in S_t} c_i` (docs/papers/bicompfl.md#s8-16).
 
 - **Mem-SGD** (Stich et al. 2018; :func:`memsgd`): client error feedback :math:`v_i = \\Delta_i + e_i`,
   :math:`c_i = C(v_i)`, :math:`e_i \\leftarrow v_i - c_i`; server :math:`w \\leftarrow w + \\eta_S \\bar c`.
@@ -25,8 +26,9 @@ mean :math:`\\bar c = \\frac1{|S_t|}\\sum_{i \\in S_t} c_i` (spec §8 #16).
   adds the decoded :math:`\\hat u` to its own copy of the model. (Tang et al. compress the averaged gradient
   and step by :math:`\\gamma`; because :math:`C` is positively homogeneous, :math:`C(\\gamma x) = \\gamma
   C(x)`, compressing the step itself is the same method with :math:`e_s` measured in step units.)
-- **Neolithic** (Huang et al. 2022; :func:`neolithic`), as the spec sketches it: DoubleSqueeze with
-  :math:`C_R` in both directions (``compress_rounds = R``, ~``R`` bits per parameter each way).
+- **Neolithic** (Huang et al. 2022; :func:`neolithic`), as docs/papers/bicompfl.md#s4-3 sketches it:
+  DoubleSqueeze with :math:`C_R` in both directions (``compress_rounds = R``, ~``R`` bits per parameter each
+  way).
 - **CSER** (Xie et al. 2020; :func:`cser`), CSER-PSync in a server/client form: each client's local model
   is :math:`x_i = w + e_i`, the global model plus the residual it has not shared. A client trains from
   :math:`x_i`, takes the step :math:`\\delta_i = \\eta_S \\Delta_i`, sends :math:`c_i = C(\\delta_i)` and
@@ -36,8 +38,8 @@ mean :math:`\\bar c = \\frac1{|S_t|}\\sum_{i \\in S_t} c_i` (spec §8 #16).
   :math:`e_i \\leftarrow e_i - c'_i`, and the server adds :math:`\\frac1{|S_t|}\\sum c'_i` to :math:`w`
   (CSER's second, compressed all-reduce of the residuals). Uplink: one message, two in reset rounds
   (:math:`\\approx 1 + 1/\\mathrm{period}` bits per parameter); downlink 32. The paper's tables print DL 33
-  for some datasets (spec §8 #15), consistent with a second float32 downlink in reset rounds; here the
-  reset is folded into the next model broadcast, so DL stays 32.
+  for some datasets (docs/papers/bicompfl.md#s8-15), consistent with a second float32 downlink in reset
+  rounds; here the reset is folded into the next model broadcast, so DL stays 32.
 
 Timing of a compressed downlink (DoubleSqueeze, Neolithic): the server compresses its step at the end of
 round :math:`t` (so the model it evaluates, :attr:`CompressedState.params`, includes round :math:`t`) and
@@ -45,7 +47,8 @@ the message is broadcast at the start of round :math:`t + 1`, before the clients
 both apply it as ``w + decode(message)`` with the decoder's exact reconstruction (a float32 scale times
 ``±1``, summed over the ``R`` parts in order), so every client's copy equals the server's model bit for bit.
 A client that missed a broadcast would miss a step and drift, so these two methods need full participation.
-Round 0's broadcast carries :math:`C_R(0) = 0`; the initial model itself is not sent (spec §8 #17).
+Round 0's broadcast carries :math:`C_R(0) = 0`; the initial model itself is not sent
+(docs/papers/bicompfl.md#s8-17).
 
 Compressors: a coder of point masses (:class:`sidejax.distributions.PointMass`) that is deterministic
 (its message does not depend on the keys: the server compresses in one round's update and the clients
@@ -400,7 +403,7 @@ def _initial_downlink(coder: Coder, key, dim: int, rounds: int) -> tuple[Message
 
 def compressed_init(method: ErrorFeedbackMethod, key, params: Params, num_clients: int) -> RoundState:
     """The initial state: the model; zero error memories; with a compressed downlink, every client's copy of
-    the initial model (not sent, spec §8 #17), a zero server memory and the first broadcast,
+    the initial model (not sent, docs/papers/bicompfl.md#s8-17), a zero server memory and the first broadcast,
     :math:`C_R(0)`.
 
     Raises:
@@ -498,7 +501,7 @@ def compressed_client_update(
 def compressed_server_update(
     method: ErrorFeedbackMethod, rkey, server: CompressedState, client_ids, shared_keys, messages, weights
 ):
-    """The server: decode every uplink, take the unweighted mean (spec §8 #16), step.
+    """The server: decode every uplink, take the unweighted mean (docs/papers/bicompfl.md#s8-16), step.
 
     Mem-SGD: :math:`w \\leftarrow w + \\eta_S \\bar c`. DoubleSqueeze, Neolithic: :math:`u = \\eta_S \\bar c +
     e_s`, the next broadcast is :math:`C_R(u)`, :math:`e_s \\leftarrow u - C_R(u)`, :math:`w \\leftarrow w +
@@ -624,9 +627,9 @@ def neolithic(
     compress_rounds: int = 2,
     coder: Coder | None = None,
 ) -> Algorithm:
-    """Builds Neolithic (Huang et al. 2022) as the spec sketches it: DoubleSqueeze with :math:`C_R`, ``R =
-    compress_rounds`` rounds of compressing the residual, both ways (~``R`` bits per parameter each way).
-    Needs full participation (checked by ``init``).
+    """Builds Neolithic (Huang et al. 2022) as docs/papers/bicompfl.md#s4-3 sketches it: DoubleSqueeze with
+    :math:`C_R`, ``R = compress_rounds`` rounds of compressing the residual, both ways (~``R`` bits per
+    parameter each way). Needs full participation (checked by ``init``).
 
     Args: as :func:`memsgd`, and ``compress_rounds`` (:math:`R \\ge 1`; [P]: 2).
     """

@@ -1,6 +1,6 @@
 """Federated posterior averaging, FedPA (Al-Shedivat, Gillenwater, Xing and Rostamizadeh, "Federated
 Learning via Posterior Averaging: A New Perspective and Practical Algorithms", ICLR 2021): the BPC-FL
-paper's FedPA baseline (spec ``bpcfl.md`` §A7, Table 5).
+paper's FedPA baseline (docs/papers/bpcfl.md#a7, docs/papers/bpcfl.md#table-5).
 
 FedPA reads FedAvg's pseudo-gradient as an estimate of the global posterior mode: with Gaussian local
 posteriors :math:`\\mathcal N(\\mu_i, \\Sigma_i)`, the global posterior mean solves
@@ -31,15 +31,15 @@ burn-in switch is a ``lax.cond`` on it, never a Python branch on a traced value.
 
 Uplink: the client sends the point :math:`x_t - \\Delta_i` (in burn-in exactly :math:`y_i`, FedAvg's
 message) with ``coder`` against ``p`` = the point mass at :math:`x_t`, and the server runs FedAvg's decode,
-weighted mean and step on it, so its pseudo-gradient is :math:`x_t - \\sum_i q_i (x_t - \\Delta_i)`. [R] The
-spec says "up Δ"; sending :math:`x_t - \\Delta_i` instead costs the same ``32 P`` bits with
+weighted mean and step on it, so its pseudo-gradient is :math:`x_t - \\sum_i q_i (x_t - \\Delta_i)`. [R]
+docs/papers/bpcfl.md#a7 says "up Δ"; sending :math:`x_t - \\Delta_i` instead costs the same ``32 P`` bits with
 :func:`sidejax.coding.float32_coder` (read from the messages), makes a burn-in round FedAvg's round bit for
 bit, and lets any coder of FedAvg's model messages (relative to :math:`x_t`) code it. Its one extra
 rounding, :math:`\\mathrm{fl}(x_t - \\Delta_i)`, is at most half an ulp of the sent coordinate, the size of
 the roundings in FedAvg's own :math:`x_t - \\sum_i q_i y_i`. Downlink: ``32 P`` bits. Together the
-spec's ``2·P`` floats per participant per round (§A8).
+``2·P`` floats per participant per round of docs/papers/bpcfl.md#a8.
 
-Decisions where the spec is silent, marked [R]:
+Decisions where docs/papers/bpcfl.md#a7 is silent, marked [R] (docs/papers/bpcfl.md#dep-fedpa):
 
 - [R] **How the samples are collected.** The FedPA paper's experiments draw the local samples with
   iterate-averaged SGD (IASG, Mandt, Hoffman and Blei 2017; the reference code's
@@ -47,7 +47,7 @@ Decisions where the spec is silent, marked [R]:
   the iterates of a window of consecutive SGD steps (the reference code's ``avg_steps``). Here:
   ``local_burnin_steps`` steps, then ℓ windows of ``steps_per_sample`` steps; with ``average_iterates=True``
   (the default, IASG) sample :math:`l` is the mean of the iterates after the steps of window :math:`l`, with
-  ``False`` the iterate after its last step (the spec's "collects ℓ iterates"). With
+  ``False`` the iterate after its last step (the "collects ℓ iterates" of docs/papers/bpcfl.md#a7). With
   ``steps_per_sample = 1`` both read the ℓ last iterates. Steps count along the local schedule of
   :func:`sidejax.fl.build_local_trainer` (one epoch = ``ceil(max_examples / batch_size)`` steps), so
   "one sample per epoch" is ``steps_per_sample = steps_per_epoch``. The client optimizer's state (momentum)
@@ -55,11 +55,12 @@ Decisions where the spec is silent, marked [R]:
 - [R] **The sample covariance** is :math:`\\hat S = \\frac{1}{\\ell - 1} \\sum_l (\\theta_l - \\hat\\mu)
   (\\theta_l - \\hat\\mu)^\\top` (the unbiased estimate, ``jnp.cov``'s, as in the FedPA reference code); with
   ℓ = 1 it is 0, so :math:`\\hat\\Sigma = \\rho I` and :math:`\\Delta = (x_t - \\theta_1)/\\rho`.
-- [R] **The shrinkage parameterisation.** The spec writes :math:`\\hat\\Sigma = \\rho I + (1-\\rho)\\hat S`
-  with ρ = 0.1 (``shrinkage_form="direct"``, the default). The FedPA paper and its reference code
-  (``ShrinkageMomentEstimator``) use :math:`\\rho_\\ell = 1 / (1 + (\\ell - 1)\\rho)` in that place, ρ ≥ 0 the
-  hyperparameter (so :math:`\\hat\\Sigma_\\ell \\propto I + \\rho M_\\ell`, :math:`M_\\ell` the scatter
-  matrix); ``shrinkage_form="fedpa"`` reads ``shrinkage`` that way (ρ = 0.1 and ℓ = 10 give
+- [R] **The shrinkage parameterisation.** docs/papers/bpcfl.md#a7 writes
+  :math:`\\hat\\Sigma = \\rho I + (1-\\rho)\\hat S` with ρ = 0.1 (``shrinkage_form="direct"``, the default).
+  The FedPA paper and its reference code (``ShrinkageMomentEstimator``) use
+  :math:`\\rho_\\ell = 1 / (1 + (\\ell - 1)\\rho)` in that place, ρ ≥ 0 the hyperparameter (so
+  :math:`\\hat\\Sigma_\\ell \\propto I + \\rho M_\\ell`, :math:`M_\\ell` the scatter matrix);
+  ``shrinkage_form="fedpa"`` reads ``shrinkage`` that way (ρ = 0.1 and ℓ = 10 give
   :math:`\\rho_\\ell = 0.526`, not 0.1). Which one the BPC-FL paper's "shrinkage 0.1" meant is not said.
 """
 
@@ -103,8 +104,8 @@ __all__ = [
     "fedpa",
 ]
 
-#: ``"direct"``: Σ̂ = ρI + (1 − ρ)Ŝ (the BPC-FL spec); ``"fedpa"``: ρ_ℓ = 1/(1 + (ℓ − 1)ρ) in place of ρ (the
-#: FedPA paper and reference code)
+#: ``"direct"``: Σ̂ = ρI + (1 − ρ)Ŝ (docs/papers/bpcfl.md#a7); ``"fedpa"``: ρ_ℓ = 1/(1 + (ℓ − 1)ρ) in place of
+#: ρ (the FedPA paper and reference code)
 SHRINKAGE_FORMS = ("direct", "fedpa")
 
 

@@ -1,4 +1,5 @@
-"""FedPM (Isik et al., ICLR 2023) and FedPM-KLMS (KLMS paper Alg. 1, 2 and 9; spec ``klms.md`` §4.1-4.2).
+"""FedPM (Isik et al., ICLR 2023) and FedPM-KLMS (KLMS paper Alg. 1, 2 and 9;
+docs/papers/klms.md#s4-1).
 
 The network weights are frozen random signed constants :math:`w \\in \\{\\pm c_l\\}^d`
 (:math:`c_l = e \\sqrt{1/\\mathrm{fan\\_in}_l}`, biases included, [C] "ME_init"); what is learned is a
@@ -25,8 +26,9 @@ Round ``t`` (Alg. 1):
 3. the server clips every received mask to {0.01, 0.99} ([C]) and runs BayesAgg (Alg. 2) with
    :math:`\\lambda_0 = 1`: :math:`\\alpha \\mathrel{+}= \\sum_c m^{(c)}`, :math:`\\beta \\mathrel{+}= C -
    \\sum_c m^{(c)}`, :math:`\\theta = (\\alpha - 1)/(\\alpha + \\beta - 2)` (the paper prints
-   :math:`\\alpha^{(t-1)}` in the numerator, a typo the spec corrects). With ``reset_priors=True`` ([C]
-   default) the priors are reset every round, so :math:`\\theta` is the mean of the clipped masks.
+   :math:`\\alpha^{(t-1)}` in the numerator, a typo corrected in docs/papers/klms.md#s8-3). With
+   ``reset_priors=True`` ([C] default) the priors are reset every round, so :math:`\\theta` is the mean of the
+   clipped masks.
 
 Evaluation uses one mask :math:`m = 1[u < \\theta]` with uniforms ``u`` fixed at initialisation (so the
 evaluated network is a deterministic function of the server state), or ``eval_mask="threshold"``
@@ -157,8 +159,8 @@ def signed_constant_init(key, params: Params) -> Params:
 def bernoulli_mask(probs: jax.Array, uniforms: jax.Array, estimator: str = "fedpm") -> jax.Array:
     """``1[uniforms < probs]`` with FedPM's gradient estimator w.r.t. ``probs``.
 
-    ``"fedpm"`` ([C], the spec's faithful default): the backward pass returns ``probs * g``; ``"ste"``:
-    the straight-through identity ``g``.
+    ``"fedpm"`` ([C], the faithful default, docs/papers/klms.md#s8-35): the backward pass returns
+    ``probs * g``; ``"ste"``: the straight-through identity ``g``.
     """
     return (uniforms < probs).astype(probs.dtype)
 

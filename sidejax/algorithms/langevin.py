@@ -1,5 +1,5 @@
 """Bayesian FL with Langevin dynamics: QLSD (Vono et al., 2022) and SGLD-KLMS (KLMS paper Alg. 4 and 12;
-spec ``klms.md`` §4.6-4.7).
+docs/papers/klms.md#s4-6).
 
 Client ``c`` evaluates a stochastic gradient of its potential at the global sample :math:`\\theta` on one
 minibatch :math:`S_c` of size ``B`` ([C]: 64, one minibatch per round):
@@ -11,7 +11,7 @@ minibatch :math:`S_c` of size ``B`` ([C]: 64, one minibatch per round):
 
 (cross-entropy plus the reference code's Gaussian-prior share :math:`\\frac{\\lambda}{|D_c|}\\|\\theta\\|^2`
 per example, :math:`\\lambda` = ``weight_decay``, [C] 5). With :math:`a = N / C` and step size
-:math:`\\gamma` (the paper's :math:`\\eta_S` and :math:`\\gamma` are one step size, spec §8 #5):
+:math:`\\gamma` (the paper's :math:`\\eta_S` and :math:`\\gamma` are one step size, docs/papers/klms.md#s8-5):
 
 - **QLSD** (:func:`qlsd`) sends :math:`H_c` through QSGD with ``s`` levels ([C] s = 5; by default
   Elias-coded, as :mod:`sidejax.algorithms.qsgd`, with any levels coder accepted); the server steps
@@ -22,8 +22,8 @@ per example, :math:`\\lambda` = ``weight_decay``, [C] 5). With :math:`a = N / C`
   :math:`p = N(0, \\sigma^2 I)` and the server steps
   :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c y_c`
   with **no** extra noise: the clients' noise is the Langevin noise. The paper's
-  :math:`N(0, \\sqrt{2/(\\gamma C^2)})` is ambiguous (and the reference code doubles the noise); the spec's
-  derivation (§4.7 [R]) gives :math:`\\gamma^2 a^2 C \\sigma^2 = 2\\gamma`, i.e.
+  :math:`N(0, \\sqrt{2/(\\gamma C^2)})` is ambiguous (and the reference code doubles the noise); the
+  derivation of docs/papers/klms.md#s4-7 [R] gives :math:`\\gamma^2 a^2 C \\sigma^2 = 2\\gamma`, i.e.
   :math:`\\sigma^2 = 2 / (\\gamma a^2 C)`, used here. Per-coordinate KL: :math:`H_i^2 / (2\\sigma^2)` nats.
   With ``coder=float32_coder()`` the client sends its own Gaussian sample uncompressed (federated SGLD).
 
@@ -31,7 +31,7 @@ QLSD and SGLD are two builders, not one with a flag: they differ in the law that
 Gaussian) and in where the Langevin noise comes from (the server vs the clients' samples).
 
 The evaluated model is the current sample :math:`\\theta^{(t)}` (the paper averages predictions over
-posterior samples after convergence, without saying how; spec §8 #32).
+posterior samples after convergence, without saying how; docs/papers/klms.md#s8-32).
 Downlink: :math:`\\theta` as float32, plus the protocol bits.
 """
 
@@ -66,7 +66,7 @@ __all__ = [
 
 
 def sgld_klms_sigma(step_size: float, num_clients: int, clients_per_round: int) -> float:
-    """:math:`\\sigma = \\sqrt{2 / (\\gamma a^2 C)}` with :math:`a = N/C` (spec §4.7 [R])."""
+    """:math:`\\sigma = \\sqrt{2 / (\\gamma a^2 C)}` with :math:`a = N/C` (docs/papers/klms.md#s4-7 [R])."""
     a = num_clients / clients_per_round
     return math.sqrt(2.0 / (step_size * a * a * clients_per_round))
 

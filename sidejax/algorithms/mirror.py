@@ -1,8 +1,8 @@
 """Mirror descent on Bernoulli mask probabilities with the negative binary entropy (BICompFL App. B).
 
 BICompFL trains the mask probabilities :math:`\\theta \\in (0, 1)^d` through scores
-:math:`s = \\sigma^{-1}(\\theta)` and calls this mirror descent with a KL proximity term (App. B; spec
-``bicompfl.md`` §3.2 "Mirror-descent view"). With the mirror map
+:math:`s = \\sigma^{-1}(\\theta)` and calls this mirror descent with a KL proximity term (App. B;
+docs/papers/bicompfl.md#s3-2 "Mirror-descent view"). With the mirror map
 
 .. math::
 
@@ -31,9 +31,9 @@ objective is strictly convex and separable): :func:`kl_prox_step`. In score spac
 :math:`\\nabla_s f = \\nabla_\\theta f \\odot \\theta(1-\\theta)`: :func:`mirror_descent`, an Optax
 transformation on the scores.
 
-Note (spec §3.2 [A]): the paper's Alg. 1 steps along :math:`\\nabla_s f` itself and uses Adam, which is a
-KL-proximal-like step but not exact mirror descent; ``update_rule = "mirror"`` (this module) exists for the
-theory (Theorem 1's :math:`|q - p| \\le \\rho` assumption comes from this step).
+Note (docs/papers/bicompfl.md#s3-2 [A]): the paper's Alg. 1 steps along :math:`\\nabla_s f` itself and uses
+Adam, which is a KL-proximal-like step but not exact mirror descent; ``update_rule = "mirror"`` (this module)
+exists for the theory (Theorem 1's :math:`|q - p| \\le \\rho` assumption comes from this step).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ __all__ = [
     "mirror_descent",
 ]
 
-#: The probability clip of the spec (§2, FedPM's 0.01): the Jacobian :math:`\theta(1-\theta)` is guarded
-#: with :math:`\theta` clipped to [MIRROR_EPS, 1 - MIRROR_EPS].
+#: The probability clip of docs/papers/bicompfl.md#s2 (FedPM's 0.01): the Jacobian :math:`\theta(1-\theta)` is
+#: guarded with :math:`\theta` clipped to [MIRROR_EPS, 1 - MIRROR_EPS].
 MIRROR_EPS = 0.01
 
 
@@ -113,7 +113,7 @@ def scale_by_inverse_sigmoid_jacobian(eps: float = MIRROR_EPS) -> optax.Gradient
     \\theta (1 - \\theta)`, so dividing by the sigmoid's Jacobian recovers :math:`\\nabla_\\theta f`. The
     Jacobian vanishes as :math:`|s| \\to \\infty` (in float32 :math:`1 - \\sigma(s) = 0` for
     :math:`s > 17`), so it is evaluated at :math:`\\theta` clipped to :math:`[\\epsilon, 1 - \\epsilon]`
-    (``eps``, default the spec's 0.01), as :math:`\\sigma(s_c)\\sigma(-s_c)` with
+    (``eps``, default 0.01, docs/papers/bicompfl.md#s2), as :math:`\\sigma(s_c)\\sigma(-s_c)` with
     :math:`s_c = \\mathrm{clip}(s, \\mathrm{logit}\\,\\epsilon, -\\mathrm{logit}\\,\\epsilon)` (no
     cancellation in :math:`1 - \\theta`). Inside :math:`[\\epsilon, 1 - \\epsilon]` the result is exactly
     :math:`\\nabla_\\theta f`; outside it is :math:`\\nabla_\\theta f \\cdot \\theta(1-\\theta) /
@@ -148,7 +148,7 @@ def mirror_descent(
     :math:`-\\eta\\, \\nabla_s f / (\\theta(1-\\theta)) = -\\eta\\, \\nabla_\\theta f`, so that
     ``optax.apply_updates(s, updates)`` is :math:`\\mathrm{logit}(\\theta) - \\eta \\nabla_\\theta f` and
     :math:`\\sigma` of it is :func:`kl_prox_step`: plain SGD in logit space on :math:`\\nabla_\\theta f`
-    (spec §3.2, ``update_rule = "mirror"``). The Jacobian is guarded with ``eps``
+    (docs/papers/bicompfl.md#s3-2, ``update_rule = "mirror"``). The Jacobian is guarded with ``eps``
     (:func:`scale_by_inverse_sigmoid_jacobian`): exact while :math:`\\theta \\in [\\epsilon, 1-\\epsilon]`,
     where BICompFL keeps every prior and target.
 

@@ -1,9 +1,9 @@
-r"""pFedBayes and CoreSet-PFedBayes: personalized variational Bayesian FL (spec ``coreset_pfedbayes.md``).
+r"""pFedBayes and CoreSet-PFedBayes: personalized variational Bayesian FL (docs/papers/coreset_pfedbayes.md).
 
 Every client ``i`` keeps a mean-field Gaussian **personal** posterior :math:`q^i = q_v`
 (:class:`sidejax.bayes.MeanField`, ``σ = softplus(ρ)``) over the parameters of any model of the zoo; the
-server holds the **global** posterior :math:`z = z_{v_z}`. Round ``t`` (spec §2.5, Alg. 1 with the spec's
-resolutions):
+server holds the **global** posterior :math:`z = z_{v_z}`. Round ``t`` (docs/papers/coreset_pfedbayes.md#s2-5,
+Alg. 1 as corrected there):
 
 - **downlink**: the global ``(μ, ρ)`` as float32 (``2P`` floats);
 - **client** (:func:`vi_track`, ``R`` iterations): draw a minibatch ``Λ``; take ``R_p`` optimizer steps on the
@@ -17,7 +17,8 @@ resolutions):
   (``m`` = the number of points the minibatch is drawn from, uniformly; ``ℓ_j`` = log-likelihood of example
   ``j``), then one step of the **localized global** copy ``v_z`` (initialised from the server's) on
   :math:`\zeta\,\mathrm{KL}(q_v\|z_{v_z})`. The personal track and its optimizer state persist across
-  rounds; the localized copy and its optimizer state restart from the server every round (spec [R]);
+  rounds; the localized copy and its optimizer state restart from the server every round
+  (docs/papers/coreset_pfedbayes.md#r-global-optimizer);
 - **uplink**: the client's localized global ``(μ, ρ)`` (``2P`` floats with
   :func:`sidejax.coding.float32_coder`);
 - **server**: :math:`v^{t+1} = (1-\beta)v^t + \frac{\beta}{S}\sum_i v_i` on ``(μ, ρ)`` (Alg. 1; ``β = 1``: the
@@ -34,21 +35,25 @@ The three builders are three sets of role kernels over this one track trainer:
   ``w``: a minibatch drawn uniformly from ``supp(w)``, ``m = |supp(w)|``); after training, every
   ``coreset_every`` rounds, the weights are recomputed by A-IHT (:func:`sidejax.bayes.aiht`) from ``J``
   Monte-Carlo samples of :math:`\hat q^i` (:func:`sidejax.bayes.projected_potentials`); the uplink is the
-  **coreset** track's localized global (spec §6 E10), and the personal model is :math:`\hat q_w` (§2.6).
+  **coreset** track's localized global (docs/papers/coreset_pfedbayes.md#e10), and the personal model is
+  :math:`\hat q_w` (docs/papers/coreset_pfedbayes.md#s2-6).
 
-Deviations and resolutions (spec §6), all documented here and in the settings:
+Deviations and resolutions (docs/papers/coreset_pfedbayes.md#s6), all documented here and in the settings:
 
-- E1: the client objective uses the global posterior ``z`` as the prior (Eq. 1 writes the prior ``π``).
-- E4: the weighted objective keeps ``w`` inside the sum (the paper's Eq. 9 drops it), sampled uniformly from
-  the support with the unbiased scale ``|supp(w)|/b``.
-- E5: potentials are **log**-likelihoods, :math:`\hat\pi = \hat q^i` (the trained full-data posterior).
-- E7: the coreset starts as a uniformly random ``k``-subset with weights ``n/k`` (the paper's ``w = 0`` has no
-  data term; ``CoresetSettings.init = "zeros"`` gives it).
-- E8: A-IHT runs on the quadratic ``‖y − Φw‖²`` only; ``KL(q̂_w ‖ q̂)`` is logged as the diagnostic
-  (``coreset_kl``); Prop. 1 is not implemented (not computable).
-- E9: A-IHT's exact line-search steps (no spurious factor 2); ``step_scale = 0.5`` is the reference code's.
-- E6: ``J`` defaults to ``max(100, 2k)`` (``J ≤ k`` lets A-IHT fit the ``J`` samples exactly with any mass);
-  ``sum_to_n`` constrains ``Σw = n``; ``Σw`` and ``f/‖y‖²`` are logged.
+- E1 (docs/papers/coreset_pfedbayes.md#e1): the client objective uses the global posterior ``z`` as the prior
+  (Eq. 1 writes the prior ``π``).
+- E4 (docs/papers/coreset_pfedbayes.md#e4): the weighted objective keeps ``w`` inside the sum (the paper's
+  Eq. 9 drops it), sampled uniformly from the support with the unbiased scale ``|supp(w)|/b``.
+- E5 (docs/papers/coreset_pfedbayes.md#e5): potentials are **log**-likelihoods, :math:`\hat\pi = \hat q^i`
+  (the trained full-data posterior).
+- E7 (docs/papers/coreset_pfedbayes.md#e7): the coreset starts as a uniformly random ``k``-subset with weights
+  ``n/k`` (the paper's ``w = 0`` has no data term; ``CoresetSettings.init = "zeros"`` gives it).
+- E8 (docs/papers/coreset_pfedbayes.md#e8): A-IHT runs on the quadratic ``‖y − Φw‖²`` only; ``KL(q̂_w ‖ q̂)``
+  is logged as the diagnostic (``coreset_kl``); Prop. 1 is not implemented (not computable).
+- E9 (docs/papers/coreset_pfedbayes.md#e9): A-IHT's exact line-search steps (no spurious factor 2);
+  ``step_scale = 0.5`` is the reference code's.
+- E6 (docs/papers/coreset_pfedbayes.md#e6): ``J`` defaults to ``max(100, 2k)`` (``J ≤ k`` lets A-IHT fit the
+  ``J`` samples exactly with any mass); ``sum_to_n`` constrains ``Σw = n``; ``Σw`` and ``f/‖y‖²`` are logged.
 - The reference code's quirks are settings, not defaults: ``eps_std = 0.001``, ``kl_scale_mode =
   "reference"`` (data term summed over the batch without ``n/b``, KL weight ``ζ/R``), ``step_scale = 0.5``.
 
@@ -114,11 +119,13 @@ KL_SCALE_MODES = ("eq9", "reference")
 
 
 class PFedBayesSettings(NamedTuple):
-    """The variational training of pFedBayes' clients (defaults: spec §3.1 / §7).
+    """The variational training of pFedBayes' clients (defaults: docs/papers/coreset_pfedbayes.md#s3-1 /
+    docs/papers/coreset_pfedbayes.md#s7).
 
     Attributes:
       zeta: ``ζ``, the KL weight (a likelihood temperature: larger ``ζ`` pulls ``q`` to ``z``, i.e. *less*
-        personalization; the paper's sentence says the opposite, spec §6 E2). 10.
+        personalization; the paper's sentence says the opposite,
+        docs/papers/coreset_pfedbayes.md#e2). 10.
       local_iters: ``R``, minibatch iterations per round (the reference code's ``local_epochs`` = 20).
       personal_steps: ``R_p``, personal optimizer steps on each minibatch (reference: 5).
       batch_size: ``b`` (100).
@@ -149,17 +156,18 @@ class PFedBayesSettings(NamedTuple):
 
 
 class CoresetSettings(NamedTuple):
-    """CoreSet-PFedBayes' coreset computation (spec §2.3-2.5, §7).
+    """CoreSet-PFedBayes' coreset computation (docs/papers/coreset_pfedbayes.md#s2-3,
+    docs/papers/coreset_pfedbayes.md#s7).
 
     Attributes:
       projection_samples: ``J``, posterior samples of the Monte-Carlo projection (``None``: ``max(100, 2k)``,
-        spec §6 E6).
+        docs/papers/coreset_pfedbayes.md#e6).
       every: recompute the weights in rounds ``t`` with ``t mod every = 0`` (1: every round, the paper's;
         larger values bound the cost of ``J × n`` forward passes per client).
       max_iter, tol: A-IHT's iteration cap and relative-change tolerance (300, 1e-5).
       step_scale: A-IHT's step (1: exact line search; 0.5: the reference code's half step).
       debias: A-IHT II (a de-bias step on the support after each projection).
-      sum_to_n: constrain ``Σw = n`` (the client's number of examples), spec §6 E6.
+      sum_to_n: constrain ``Σw = n`` (the client's number of examples), docs/papers/coreset_pfedbayes.md#e6.
       init: the first round's coreset: ``"random"`` (a uniform ``k``-subset with weights ``n/k``, [R]) or
         ``"zeros"`` (the paper's literal ``w = 0``: no data term until the first A-IHT).
     """
@@ -297,10 +305,10 @@ def vi_track(
     data,
     points: Coreset,
 ):
-    """One round of a variational track (spec §2.5 ``ClientUpdate``): ``R`` iterations, each drawing a
-    minibatch of ``b`` slots uniformly from the nonzero-weight slots of ``points`` (``m`` of them), taking
-    ``R_p`` steps of the personal optimizer on Eq. 9 (weighted) against the localized global copy, then one
-    step of the copy on ``ζ·KL(q ‖ z)`` (scaled as ``kl_scale_mode`` says).
+    """One round of a variational track (docs/papers/coreset_pfedbayes.md#s2-5 ``ClientUpdate``): ``R``
+    iterations, each drawing a minibatch of ``b`` slots uniformly from the nonzero-weight slots of ``points``
+    (``m`` of them), taking ``R_p`` steps of the personal optimizer on Eq. 9 (weighted) against the localized
+    global copy, then one step of the copy on ``ζ·KL(q ‖ z)`` (scaled as ``kl_scale_mode`` says).
 
     Keys: iteration ``r`` uses ``step_key(epoch_key(key, 0), r)``: its ``ORDER`` stream draws the minibatch,
     ``draw_key(step, p·K + k)`` the noise of inner step ``p``, MC sample ``k``.
@@ -368,7 +376,8 @@ def coreset_weights(
     data,
     k: int,
 ):
-    """A-IHT coreset weights of a client from ``J`` samples of ``posterior`` (spec §2.3, Prop. 2).
+    """A-IHT coreset weights of a client from ``J`` samples of ``posterior``
+    (docs/papers/coreset_pfedbayes.md#s2-3, Prop. 2).
 
     ``L[s, j] = ℓ_j(θ_s)``, ``θ_s ~ posterior`` (sample ``s`` from ``draw_key(key, s)``; ``lax.map`` over the
     samples, all the client's examples at once), padding positions set to 0 (a zero column: never useful to
@@ -554,7 +563,7 @@ def pfedbayes(
     settings: PFedBayesSettings = DEFAULT_SETTINGS,
     coder: Coder | None = None,
 ) -> Algorithm:
-    """pFedBayes (Zhang et al. 2022; spec §2.2, the full-data track of Alg. 1).
+    """pFedBayes (Zhang et al. 2022; docs/papers/coreset_pfedbayes.md#s2-2, the full-data track of Alg. 1).
 
     Args:
       loss_fn: ``loss_fn(params, batch, key) -> scalar`` mean negative log-likelihood of the model.
@@ -625,9 +634,10 @@ def pfedbayes_subset(
     settings: PFedBayesSettings = DEFAULT_SETTINGS,
     coder: Coder | None = None,
 ) -> Algorithm:
-    """The RandomSubset baseline (spec §2.5): pFedBayes on a fixed uniformly random subset of
-    ``subset_size`` points per client, drawn from the client's ``SUBSETS`` stream in its first round and
-    kept. ``reweight=False``: unit weights (scale ``k/b``, the paper's); ``True``: weights ``n/k``.
+    """The RandomSubset baseline (docs/papers/coreset_pfedbayes.md#baselines): pFedBayes on a fixed uniformly
+    random subset of ``subset_size`` points per client, drawn from the client's ``SUBSETS`` stream in its
+    first round and kept. ``reweight=False``: unit weights (scale ``k/b``, the paper's); ``True``: weights
+    ``n/k``.
 
     Raises:
       ValueError: ``subset_size`` not an integer >= 1 (here), or larger than a client's data (when traced).
@@ -663,7 +673,8 @@ def _coreset_client(
 ):
     _check_k(k, data, "coreset_size")
     train = client_streams(keys.private).train
-    # the first round's coreset (spec §6 E7): a random k-subset with weights n/k, or the paper's w = 0
+    # the first round's coreset (docs/papers/coreset_pfedbayes.md#e7): a random k-subset with weights n/k, or
+    # the paper's w = 0
     if cs.init == "random":
         fresh = _random_subset(stream_key(keys.private, SUBSETS), data, k, reweight=True)
     else:
@@ -714,7 +725,7 @@ def coreset_pfedbayes(
     coreset: CoresetSettings = DEFAULT_CORESET,
     coder: Coder | None = None,
 ) -> Algorithm:
-    """CoreSet-PFedBayes (Alg. 1 with the spec's resolutions; module docstring).
+    """CoreSet-PFedBayes (Alg. 1 as corrected in docs/papers/coreset_pfedbayes.md#s2-5; module docstring).
 
     Args:
       loss_fn: the model's mean negative log-likelihood ``loss_fn(params, batch, key)``.
@@ -726,8 +737,9 @@ def coreset_pfedbayes(
 
     Returns:
       An :class:`sidejax.fl.Algorithm`; ``personal_params`` are the coreset tracks' means (``q̂_w``, the
-      paper's personal model, spec §2.6); the algorithm's metrics log ``KL(q̂_w ‖ q̂)``, ``f/‖y‖²`` (NaN in a
-      round without A-IHT), ``Σw``, ``|supp w|`` and A-IHT's iterations.
+      paper's personal model, docs/papers/coreset_pfedbayes.md#s2-6); the algorithm's metrics log
+      ``KL(q̂_w ‖ q̂)``, ``f/‖y‖²`` (NaN in a round without A-IHT), ``Σw``, ``|supp w|`` and A-IHT's
+      iterations.
 
     Raises:
       ValueError: ``coreset_size`` not an integer >= 1 (here) or larger than a client's data (when traced),
@@ -745,8 +757,8 @@ def coreset_pfedbayes(
     ):
         raise ValueError(
             f"coreset.projection_samples={coreset.projection_samples} must exceed coreset_size={k}: with "
-            f"J <= k A-IHT fits the J samples exactly with weights of any total mass (spec §6 E6); "
-            f"use None for max(100, 2k)"
+            f"J <= k A-IHT fits the J samples exactly with weights of any total mass "
+            f"(docs/papers/coreset_pfedbayes.md#e6); use None for max(100, 2k)"
         )
     if coreset.init not in ("random", "zeros"):
         raise ValueError(f"coreset.init must be 'random' or 'zeros', got {coreset.init!r}")

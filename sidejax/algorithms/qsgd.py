@@ -1,4 +1,5 @@
-"""QSGD (Alistarh et al., 2017) and QSGD-KLMS (KLMS paper Alg. 3 and 10; spec ``klms.md`` §4.3-4.4).
+"""QSGD (Alistarh et al., 2017) and QSGD-KLMS (KLMS paper Alg. 3 and 10;
+docs/papers/klms.md#s4-3).
 
 Each client trains locally from the global model :math:`w^{(t-1)}` and forms the model change
 :math:`v = w^{(t,c)} - w^{(t-1)}`. Per tensor :math:`l` (the reference code's granularity), with
@@ -16,26 +17,28 @@ Each client trains locally from the global model :math:`w^{(t-1)}` and forms the
   as float32 side information (:func:`sidejax.coding.with_side_info`). The reported length is the
   stream's. :func:`qsgd_elias_bound_bits` gives the reference code's Elias *bound* (with its
   operator-precedence bug under ``paper_compat=True``), which reproduces the paper's QSGD bitrates
-  (spec §4.3); it is an accounting formula, reported beside the real length, never as it.
+  (docs/papers/klms.md#s4-3); it is an accounting formula, reported beside the real length, never as it.
 - **QSGD-KLMS** (``coder=klms_coder(config)``, s = 1, eq. 5) sends a KLMS sample of the symbol law
   :math:`q_i = (P(-1), P(0), P(+1)) = (\\max(-v_i/n_l, 0),\\ 1 - |v_i|/n_l,\\ \\max(v_i/n_l, 0))`
   against the side information :math:`p_i^{(t)}`: the per-coordinate empirical frequencies of the symbols
   the server decoded in the previous round [P], mixed with weight :math:`\\lambda` (``prior_smoothing``)
-  with the tensor's pooled frequencies :math:`f_l` (spec §4.4 [R]: "a mixture with the tensor-level
-  frequencies"; a zero count would make the KL infinite):
+  with the tensor's pooled frequencies :math:`f_l` (docs/papers/klms.md#s4-4 [R]: "a mixture with the
+  tensor-level frequencies"; a zero count would make the KL infinite):
   :math:`p_i(\\sigma) = (1 - \\lambda)\\,\\#\\{c: \\sigma_i^{(c)} = \\sigma\\}/C
   + \\lambda f_{l(i)}(\\sigma)`,
   :math:`f_l(\\sigma) = (n_l(\\sigma) + \\tfrac12)/(C d_l + \\tfrac32)`. Round 1 has no history and uses
   :math:`f_l(\\pm1) = 1/(2\\sqrt{d_l})`, the nonzero rate of a typical vector (:math:`E|v_i|/\\|v\\| \\approx
-  1/\\sqrt{d_l}`). The spec's first suggestion, additive smoothing ``(count + 0.5)/(C + 1.5)``, costs
-  :math:`\\log_2(11.5/10.5) \\approx 0.13` bits on every all-zero coordinate with C = 10, as much as
-  QSGD's Elias code. The default :math:`\\lambda = 1` uses the tensor-level frequencies only: with few
-  clients the per-coordinate counts make ``p`` much sparser than ``q`` at most coordinates, and the
-  finite-K coder then mostly returns the all-zero candidate (measured on digits, 10 clients, 10 rounds,
-  server lr 1: test accuracy 29% with :math:`\\lambda = 0.1`, 36% with 0.5, 45% with 1).
-  The per-tensor norms are sent as float32 (32 bits each, counted; the paper does not say, spec §8 #8).
+  1/\\sqrt{d_l}`). The first suggestion of docs/papers/klms.md#s8-9, additive smoothing
+  ``(count + 0.5)/(C + 1.5)``, costs :math:`\\log_2(11.5/10.5) \\approx 0.13` bits on every all-zero
+  coordinate with C = 10, as much as QSGD's Elias code. The default :math:`\\lambda = 1` uses the
+  tensor-level frequencies only: with few clients the per-coordinate counts make ``p`` much sparser than
+  ``q`` at most coordinates, and the finite-K coder then mostly returns the all-zero candidate (measured
+  on digits, 10 clients, 10 rounds, server lr 1: test accuracy 29% with :math:`\\lambda = 0.1`, 36% with
+  0.5, 45% with 1).
+  The per-tensor norms are sent as float32 (32 bits each, counted; the paper does not say,
+  docs/papers/klms.md#s8-8).
 
-Server (sign corrected, spec §8 #4: ``v`` is local minus global, so the step is ``+``):
+Server (sign corrected, docs/papers/klms.md#s8-4: ``v`` is local minus global, so the step is ``+``):
 :math:`w^{(t)} = w^{(t-1)} + \\eta_S \\frac1C \\sum_c \\hat v^{(c)}`.
 Downlink: :math:`w` as float32; when the coder decodes with ``p`` (QSGD-KLMS) also the symbol counts behind
 the prior (2 fields of :math:`\\lceil\\log_2(C+1)\\rceil` bits per coordinate), from which every client
@@ -113,7 +116,7 @@ def qsgd_elias_bound_bits(levels: int, tensor_sizes, *, paper_compat: bool = Fal
     :math:`(3 + \\tfrac32 \\log_2 \\tfrac{2(s^2 + d_l)}{s(s + \\sqrt{d_l})}) \\, s(s + \\sqrt{d_l}) + 32`.
     ``paper_compat=True`` evaluates the reference code's expression, whose precedence bug computes
     :math:`\\log_2(\\tfrac{2(s^2+d_l)}{s} (s + \\sqrt{d_l}))`; it reproduces the paper's Table 8 QSGD
-    bitrates (0.072 bpp at s = 1, 0.140 at s = 2 on CONV6; spec §4.3). A formula, not a stream.
+    bitrates (0.072 bpp at s = 1, 0.140 at s = 2 on CONV6; docs/papers/klms.md#s4-3). A formula, not a stream.
     """
     s = float(levels)
     total = 0.0

@@ -1,4 +1,5 @@
-"""SignSGD, stochastic SignSGD and SignSGD-KLMS (KLMS paper Alg. 11, eq. 6; spec ``klms.md`` §4.5).
+"""SignSGD, stochastic SignSGD and SignSGD-KLMS (KLMS paper Alg. 11, eq. 6;
+docs/papers/klms.md#s4-5).
 
 From the local model change :math:`v = w^{(t,c)} - w^{(t-1)}`:
 
@@ -16,7 +17,8 @@ From the local model change :math:`v = w^{(t,c)} - w^{(t-1)}`:
   :math:`p = \\mathrm{Uniform}\\{-1, +1\\}` (:mod:`sidejax.coding.klms`), per-coordinate KL
   :math:`1 - H_b(\\sigma(v_i/M))` bits.
 
-Server (sign corrected, spec §8 #4): :math:`w^{(t)} = w^{(t-1)} + \\eta_S \\frac1C \\sum_c \\hat v^{(c)}`.
+Server (sign corrected, docs/papers/klms.md#s8-4):
+:math:`w^{(t)} = w^{(t-1)} + \\eta_S \\frac1C \\sum_c \\hat v^{(c)}`.
 Downlink: :math:`w` as float32, plus the protocol bits.
 """
 

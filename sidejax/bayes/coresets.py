@@ -1,6 +1,6 @@
 r"""Bayesian coresets by Accelerated Iterative Hard Thresholding (A-IHT I and II).
 
-The coreset problem of CoreSet-PFedBayes (spec ``coreset_pfedbayes.md`` §2.3-2.4; Zhang, Khanna, Kyrillidis,
+The coreset problem of CoreSet-PFedBayes (docs/papers/coreset_pfedbayes.md#s2-3; Zhang, Khanna, Kyrillidis,
 Koyejo, AISTATS 2021): given Monte-Carlo projections of the data points' log-likelihoods, the columns
 ``Φ[:, j]`` (``J`` samples, centred), and ``y = Φ 1`` (the full data set), find sparse non-negative weights
 
@@ -9,7 +9,7 @@ Koyejo, AISTATS 2021): given Monte-Carlo projections of the data points' log-lik
     \min_{w}\; f(w) = \|y - \Phi w\|_2^2 \quad \text{s.t. } \|w\|_0 \le k,\; w \ge 0
     \;[\text{and optionally } \textstyle\sum_j w_j = L].
 
-A-IHT I (spec §2.4, Alg. 2), from ``w_0 = z_0 = 0``:
+A-IHT I (docs/papers/coreset_pfedbayes.md#s2-4, Alg. 2), from ``w_0 = z_0 = 0``:
 
 .. math::
 
@@ -27,8 +27,8 @@ of ``|b|``, which is not). Then the momentum step with the exact line search
     d = w_{t+1} - w_t,\quad \tau_{t+1} = \frac{\langle y - \Phi w_{t+1}, \Phi d\rangle}{\|\Phi d\|^2},\quad
     z_{t+1} = w_{t+1} + \tau_{t+1} d
 
-(**corrected**: the paper's τ has a spurious factor 2, spec §6 E9). Zero denominators are guarded: a zero
-``‖Φ∇_S‖`` means ``z_t`` is stationary (stop), a zero ``‖Φd‖`` gives ``τ = 0``. Stop when
+(**corrected**: the paper's τ has a spurious factor 2, docs/papers/coreset_pfedbayes.md#e9). Zero denominators
+are guarded: a zero ``‖Φ∇_S‖`` means ``z_t`` is stationary (stop), a zero ``‖Φd‖`` gives ``τ = 0``. Stop when
 ``‖w_{t+1} − w_t‖ < tol·‖w_{t+1}‖`` (from the second iteration) or after ``max_iter``.
 
 A-IHT II (``debias=True``) adds, after the projection, one exact gradient step on the support of
@@ -110,8 +110,8 @@ class AIHTResult(NamedTuple):
 
 
 def projected_potentials(log_likelihoods: jax.Array) -> tuple[jax.Array, jax.Array]:
-    r"""The Monte-Carlo projection of the coreset objective (Eq. 3; spec §2.3, Prop. 2): from the points'
-    log-likelihoods ``L[s, j] = ℓ_j(θ_s)`` at ``J`` samples ``θ_s ~ π̂``,
+    r"""The Monte-Carlo projection of the coreset objective (Eq. 3; docs/papers/coreset_pfedbayes.md#s2-3,
+    Prop. 2): from the points' log-likelihoods ``L[s, j] = ℓ_j(θ_s)`` at ``J`` samples ``θ_s ~ π̂``,
 
     .. math::
 
@@ -230,7 +230,8 @@ def aiht(
     sum_to: float | None = None,
     trace: bool = False,
 ) -> AIHTResult:
-    """Accelerated IHT for sparse non-negative coreset weights (module docstring; spec §2.4).
+    """Accelerated IHT for sparse non-negative coreset weights (module docstring;
+    docs/papers/coreset_pfedbayes.md#s2-4).
 
     Args:
       y: ``[J]`` target (``Φ 1`` for a Bayesian coreset).

@@ -1,4 +1,4 @@
-r"""Posterior sampling with blackjax: full-batch HMC (BPC-FL's downstream inference, spec ``bpcfl.md`` §A5)
+r"""Posterior sampling with blackjax: full-batch HMC (BPC-FL's downstream inference, docs/papers/bpcfl.md#a5)
 and SGLD (an addition beyond the paper).
 
 Both take an unnormalised log-density ``logdensity_fn(position) -> scalar`` over any pytree ``position``
@@ -8,13 +8,13 @@ Both take an unnormalised log-density ``logdensity_fn(position) -> scalar`` over
 
 **HMC** (Neal 2011; blackjax's ``hmc`` kernel, velocity Verlet): potential ``U = −log p̃``, momentum
 ``p ~ N(0, M)`` with the **inverse** mass matrix ``M⁻¹ = diag(c)`` given as ``inverse_mass_matrix`` (a
-scalar ``c`` for ``c·I``, the paper's "diag(c)", spec §8 item 12, or one value per coordinate of the
-flattened position), ``L = num_integration_steps`` leapfrog steps of size ``ε``, then a Metropolis-Hastings
-accept. Schedule (spec §8 item 10): ``mode="consecutive"`` (default) runs ``num_burnin`` steps and keeps the
-next ``num_samples`` states of one chain; ``mode="chains"`` runs ``num_samples`` independent chains of
-``num_burnin`` steps from the same start and keeps each chain's final state. A transition whose energy error
-exceeds ``divergence_threshold`` is **divergent**: the result counts them and :func:`hmc` warns
-(:class:`DivergenceWarning`) when there are any, with the step size to lower.
+scalar ``c`` for ``c·I``, the paper's "diag(c)", docs/papers/bpcfl.md#hmc-inverse-mass, or one value per
+coordinate of the flattened position), ``L = num_integration_steps`` leapfrog steps of size ``ε``, then a
+Metropolis-Hastings accept. Schedule (docs/papers/bpcfl.md#s8-10): ``mode="consecutive"`` (default) runs
+``num_burnin`` steps and keeps the next ``num_samples`` states of one chain; ``mode="chains"`` runs
+``num_samples`` independent chains of ``num_burnin`` steps from the same start and keeps each chain's final
+state. A transition whose energy error exceeds ``divergence_threshold`` is **divergent**: the result counts
+them and :func:`hmc` warns (:class:`DivergenceWarning`) when there are any, with the step size to lower.
 
 **SGLD** (Welling & Teh 2011; blackjax's ``sgld``): ``θ ← θ + (ε/2)∇log p̃(θ) + N(0, ε·T)`` with temperature
 ``T``, no accept step (so a bias of order ``ε``); with ``data`` and ``batch_size`` the gradient is the
@@ -107,8 +107,8 @@ def hmc(
     mode: str = "consecutive",
     divergence_threshold: float = 1000.0,
 ) -> HMCResult:
-    """Full-batch HMC from ``init_position`` (module docstring; the paper's settings, spec Table 7: moons
-    ``ε = 2e-3, L = 30, M⁻¹ = 100·I``, 40 steps, 50 samples).
+    """Full-batch HMC from ``init_position`` (module docstring; the paper's settings,
+    docs/papers/bpcfl.md#table-7: moons ``ε = 2e-3, L = 30, M⁻¹ = 100·I``, 40 steps, 50 samples).
 
     Args:
       key: the sampler's key (step ``i`` of chain ``c`` uses ``draw_key(draw_key(key, c), i)``).
@@ -267,9 +267,9 @@ class MAPResult(NamedTuple):
 def map_estimate(
     logdensity_fn: Callable, init_position, *, optimizer: optax.GradientTransformation, num_steps: int
 ) -> MAPResult:
-    """Full-batch MAP (spec bpcfl.md A5: BPC-FL's SGD / Adam downstream inference, and A6's FedAvg warm
-    start): ``num_steps`` Optax steps on ``U = −logdensity_fn`` from ``init_position``, in ``lax.scan``
-    under ``jit``.
+    """Full-batch MAP (docs/papers/bpcfl.md#a5: BPC-FL's SGD / Adam downstream inference, and the FedAvg warm
+    start of docs/papers/bpcfl.md#a6): ``num_steps`` Optax steps on ``U = −logdensity_fn`` from
+    ``init_position``, in ``lax.scan`` under ``jit``.
 
     Raises:
       ValueError: ``num_steps`` not an integer >= 1.

@@ -1,10 +1,10 @@
-r"""Forward-KL Bayesian pseudocoresets: the gradient estimator of BPC-fKL (spec ``bpcfl.md`` §3 eq. (14),
-Algorithm A2; Kim et al. 2022), the building block of BPC-FL's clients.
+r"""Forward-KL Bayesian pseudocoresets: the gradient estimator of BPC-fKL (docs/papers/bpcfl.md#eq-14,
+Algorithm A2, docs/papers/bpcfl.md#a2; Kim et al. 2022), the building block of BPC-FL's clients.
 
 A pseudocoreset ``C`` (learnable pseudo-inputs ``Z`` and labels ``ŷ``, any pytree) defines the posterior
 ``π_C(θ) ∝ p0(θ) exp(−ℓ(C, θ))`` with the coreset loss ``ℓ`` (a negative log-likelihood). The forward KL to
 the data posterior ``π_D`` has the gradient (**sign corrected**: the paper's eq. (14) is written with
-``log p`` and is the negative of the gradient it then descends, spec §3)
+``log p`` and is the negative of the gradient it then descends, docs/papers/bpcfl.md#s3)
 
 .. math::
 
@@ -70,8 +70,8 @@ def inner_chain(
     loss_fn: Callable, coreset, theta_start, optimizer: optax.GradientTransformation, num_steps: int
 ):
     """``num_steps`` optimizer steps on ``θ ↦ loss_fn(coreset, θ)`` from ``theta_start`` (a fresh optimizer
-    state; no noise injected, spec A2), in ``lax.scan``; the result is ``stop_gradient``-ed, so no gradient
-    flows from it back to ``coreset``."""
+    state; no noise injected, docs/papers/bpcfl.md#a2), in ``lax.scan``; the result is ``stop_gradient``-ed,
+    so no gradient flows from it back to ``coreset``."""
     coreset = jax.lax.stop_gradient(coreset)
     grad = jax.grad(lambda th: loss_fn(coreset, th))
 
@@ -125,8 +125,8 @@ def fkl_gradient(
     noise_std: float = 0.0,
     num_noise: int = 1,
 ) -> FKLGradient:
-    """The BPC-fKL gradient estimate (spec A2, one update): run the inner chains from ``theta_start``
-    (``[B, ...]``, vmapped), then ``grad(fkl_surrogate)`` at the fixed end points.
+    """The BPC-fKL gradient estimate (docs/papers/bpcfl.md#a2, one update): run the inner chains from
+    ``theta_start`` (``[B, ...]``, vmapped), then ``grad(fkl_surrogate)`` at the fixed end points.
 
     Args:
       loss_fn: ``loss_fn(coreset, θ) -> scalar``, the coreset loss ``ℓ`` (mean-reduced NLL, plus the prior's
@@ -165,9 +165,9 @@ class Pseudocoreset(NamedTuple):
 
 
 def cycled_labels(y: jax.Array, valid: jax.Array, num_classes: int, num_points: int) -> jax.Array:
-    """Spec A3: the client's labels present in its data, by descending frequency (ties: ascending label id),
-    cycled to ``num_points`` (counts ``{3: 10, 1: 5, 7: 2}``, ``K = 7`` → ``[3, 1, 7, 3, 1, 7, 3]``).
-    Jittable (``num_classes``, ``num_points`` static); ``valid`` masks padding."""
+    """docs/papers/bpcfl.md#a3: the client's labels present in its data, by descending frequency (ties:
+    ascending label id), cycled to ``num_points`` (counts ``{3: 10, 1: 5, 7: 2}``, ``K = 7`` →
+    ``[3, 1, 7, 3, 1, 7, 3]``). Jittable (``num_classes``, ``num_points`` static); ``valid`` masks padding."""
     counts = jnp.zeros((num_classes,), jnp.int32).at[y].add(valid.astype(jnp.int32))
     # descending count, then ascending id: sort by -count (stable argsort keeps ids ascending among ties)
     order = jnp.argsort(-counts, stable=True)
@@ -185,9 +185,10 @@ def init_pseudocoreset(
     init_std: float,
     num_classes: int | None,
 ) -> Pseudocoreset:
-    """Spec A3: pseudo-inputs ``z ~ N(X̄, σ_z² I)`` (``X̄`` the element-wise mean of the client's valid
-    inputs, ``σ_z = init_std``), labels by :func:`cycled_labels` (classification, ``num_classes`` given) or
-    ``mean(y)`` for every point (regression, ``num_classes=None``). Jittable and vmappable over clients."""
+    """docs/papers/bpcfl.md#a3: pseudo-inputs ``z ~ N(X̄, σ_z² I)`` (``X̄`` the element-wise mean of the
+    client's valid inputs, ``σ_z = init_std``), labels by :func:`cycled_labels` (classification,
+    ``num_classes`` given) or ``mean(y)`` for every point (regression, ``num_classes=None``). Jittable and
+    vmappable over clients."""
     num_points = check_count(num_points, "num_points", 1)
     if not (isinstance(init_std, numbers.Real) and 0 < init_std < float("inf")):
         raise ValueError(f"init_std must be a finite number > 0, got {init_std!r}")
@@ -203,8 +204,9 @@ def init_pseudocoreset(
 
 
 def aggregate_pseudocoresets(coresets: Pseudocoreset, num_examples) -> tuple[Pseudocoreset, jax.Array]:
-    """Spec A4: the server's concatenation of ``M`` clients' pseudocoresets (leading ``[M, K]`` axes) with
-    per-point weights ``w_m = M n_m / N`` (mean weight 1: equal ``n_m`` is plain concatenation).
+    """docs/papers/bpcfl.md#a4: the server's concatenation of ``M`` clients' pseudocoresets (leading
+    ``[M, K]`` axes) with per-point weights ``w_m = M n_m / N`` (mean weight 1: equal ``n_m`` is plain
+    concatenation).
 
     Returns ``(Pseudocoreset [M K, ...], weights [M K])``.
 
@@ -236,8 +238,9 @@ def coreset_logdensity(
     prior_precision: float,
     likelihood_scale: float = 1.0,
 ) -> Callable:
-    """``log p̃(θ | C) = −(λ/2)‖θ‖² + β Σ_i w_i log p(ŷ_i | f(z_i, θ))`` (spec §3, A4-A5; ``β`` the explicit
-    likelihood scale, spec §8), as a function of ``θ`` for :func:`sidejax.bayes.hmc` or a MAP optimizer.
+    """``log p̃(θ | C) = −(λ/2)‖θ‖² + β Σ_i w_i log p(ŷ_i | f(z_i, θ))`` (docs/papers/bpcfl.md#s3,
+    docs/papers/bpcfl.md#a4; ``β`` the explicit likelihood scale, docs/papers/bpcfl.md#s8-7), as a function of
+    ``θ`` for :func:`sidejax.bayes.hmc` or a MAP optimizer.
 
     Args:
       log_likelihood: ``log_likelihood(θ, inputs [K, ...], labels [K]) -> [K]`` per-point log-likelihoods.
@@ -266,7 +269,8 @@ class LearnInfo(NamedTuple):
 
 
 def trajectory_pairs(trajectories, *, data_offset: int, save_interval: int, num_pairs: int) -> Callable:
-    """The BPC-fKL sampler of sample pairs from stored expert trajectories (spec A2, lines "τ ~ U(𝒯)",
+    """The BPC-fKL sampler of sample pairs from stored expert trajectories (docs/papers/bpcfl.md#a2,
+    lines "τ ~ U(𝒯)",
     "r ~ U{0, 5, …}"): ``trajectories`` is a pytree with leading axes ``[J, T]`` (``J`` trajectories of ``T``
     checkpoints, ``save_interval`` optimizer steps apart); pair ``b`` draws a trajectory and a checkpoint
     ``r`` with ``r + data_offset`` inside it and returns ``θ_D = τ[r + data_offset/save_interval]``,
@@ -276,8 +280,8 @@ def trajectory_pairs(trajectories, *, data_offset: int, save_interval: int, num_
     :func:`learn_pseudocoreset`.
 
     Raises:
-      ValueError: ``L_D`` not a multiple of the save interval, or longer than the trajectories (spec T10:
-        ``r + L_D <= T_pre``).
+      ValueError: ``L_D`` not a multiple of the save interval, or longer than the trajectories
+        (docs/papers/bpcfl.md#t10: ``r + L_D <= T_pre``).
     """
     save_interval = check_count(save_interval, "save_interval", 1)
     data_offset = check_count(data_offset, "data_offset", 0)
@@ -321,10 +325,11 @@ def learn_pseudocoreset(
     noise_std: float = 0.0,
     num_noise: int = 1,
 ):
-    """BPC-fKL (spec A2): ``num_updates`` SGD steps on the pseudocoreset along :func:`fkl_gradient`, in
-    ``lax.scan``. Update ``u`` draws its pairs with ``sample_pairs(draw_key(key, 2u), coreset)`` and its
-    noise from ``draw_key(key, 2u + 1)``; inputs move by ``step_size_inputs`` (``ψ_x``), labels by
-    ``step_size_labels`` (``ψ_y``; 0 keeps them, as for classification: integer labels are never moved).
+    """BPC-fKL (docs/papers/bpcfl.md#a2): ``num_updates`` SGD steps on the pseudocoreset along
+    :func:`fkl_gradient`, in ``lax.scan``. Update ``u`` draws its pairs with
+    ``sample_pairs(draw_key(key, 2u), coreset)`` and its noise from ``draw_key(key, 2u + 1)``; inputs move by
+    ``step_size_inputs`` (``ψ_x``), labels by ``step_size_labels`` (``ψ_y``; 0 keeps them, as for
+    classification: integer labels are never moved).
 
     Args:
       loss_fn: ``loss_fn(coreset, θ)`` (:func:`fkl_gradient`).
@@ -385,9 +390,9 @@ def expert_trajectories(
     optimizer: optax.GradientTransformation,
     trajectories_per_step: int | None = None,
 ):
-    """Spec A0: ``J`` MAP-optimisation trajectories on a client's data, checkpoints every ``save_interval``
-    steps (``num_steps / save_interval + 1`` of them, the start included), the approximate samples of
-    ``π_D`` that :func:`trajectory_pairs` draws from.
+    """docs/papers/bpcfl.md#a0: ``J`` MAP-optimisation trajectories on a client's data, checkpoints every
+    ``save_interval`` steps (``num_steps / save_interval + 1`` of them, the start included), the approximate
+    samples of ``π_D`` that :func:`trajectory_pairs` draws from.
 
     Trajectory ``j`` starts from ``init_fn(draw_key(shared_key, j))``: **identical** on every client (the
     paper shares the initialisation seeds); its minibatches (``batch_size`` examples drawn uniformly from the

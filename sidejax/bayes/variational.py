@@ -1,5 +1,5 @@
-r"""Mean-field Gaussian variational posteriors over a model's parameters (pFedBayes, spec
-``coreset_pfedbayes.md`` §2.1).
+r"""Mean-field Gaussian variational posteriors over a model's parameters (pFedBayes,
+docs/papers/coreset_pfedbayes.md#s2-1).
 
 A posterior is :class:`MeanField` ``v = (μ, ρ)``, two pytrees shaped like the model's parameters, with
 
@@ -8,8 +8,8 @@ A posterior is :class:`MeanField` ``v = (μ, ρ)``, two pytrees shaped like the 
     q(\theta) = \prod_m \mathcal N(\theta_m; \mu_m, \sigma_m^2), \qquad \sigma_m = \mathrm{softplus}(\rho_m),
 
 sampled by reparameterisation ``θ = μ + softplus(ρ)·g``, ``g ~ N(0, eps_std² I)`` (``eps_std = 1`` per Alg. 1;
-the reference code's ``0.001`` is exposed, spec §2.1 quirk), and compared by the closed-form KL between
-diagonal Gaussians summed over all ``P`` coordinates,
+the reference code's ``0.001`` is exposed, docs/papers/coreset_pfedbayes.md#s2-1-quirk), and compared by the
+closed-form KL between diagonal Gaussians summed over all ``P`` coordinates,
 
 .. math::
 

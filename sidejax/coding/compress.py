@@ -1,7 +1,7 @@
 """Deterministic compressors of a vector, as coders: the non-stochastic baselines' messages.
 
 :func:`scaled_sign_coder` sends the scaled sign (Karimireddy et al. 2019, "EF-SignSGD"; the compressor of
-every non-stochastic baseline of the BICompFL paper, spec §4.1)
+every non-stochastic baseline of the BICompFL paper, docs/papers/bicompfl.md#s4-1)
 
 .. math::
 

@@ -12,7 +12,7 @@ same :math:`K` candidates :math:`y_{1..K} \\sim p` on the block's coordinates. T
 and sends :math:`k^*_m` with :math:`\\log_2 K` bits; the server outputs :math:`y_{k^*_m}`. The output is
 an exact sample of the self-normalised importance-sampling measure, an approximate sample of ``q`` that is
 good when :math:`\\log_2 K \\gtrsim D_{KL}(q_{I_m} \\| p_{I_m})` bits (KLMS Thm 4.1; biased for finite K,
-see spec ``klms.md`` §7 item 10).
+see docs/papers/klms.md#s7-10).
 
 Candidates are **counter-based**: the uniform behind candidate ``k`` at coordinate ``j`` is a Threefry-2x32
 hash of ``(k, j // 2)`` under the shared key (word ``j % 2`` of the output), mapped to (0, 1) and through

@@ -1,6 +1,6 @@
 """The exact law of the importance-sampled Bernoulli for block size 1, and the paper's bounds on its bias.
 
-BICompFL (Sec. 5 and App. A; spec ``bicompfl.md`` §6) analyses the scalar case of the coder in
+BICompFL (Sec. 5 and App. A; docs/papers/bicompfl.md#s6) analyses the scalar case of the coder in
 :mod:`sidejax.coding.importance`: posterior :math:`Q = \\mathrm{Bern}(q)`, prior
 :math:`P = \\mathrm{Bern}(p)`, :math:`p, q \\in (0, 1)`, candidates
 :math:`X_1, \\dots, X_n \\stackrel{iid}{\\sim} P` (:math:`n = n_{IS}`), index :math:`I \\sim W`,
@@ -21,7 +21,7 @@ computed by :func:`bernoulli_selection_prob` (float32 or whatever JAX's dtype is
 :func:`bernoulli_selection_prob_np` (a float64 numpy oracle). Special values: :math:`n = 1` gives
 :math:`p`; :math:`q = p` gives :math:`p` for every :math:`n` (uniform weights); the law always lies
 between :math:`p` and :math:`q` (IS is biased towards the prior) and :math:`|\\Pr - q|` is non-increasing
-in :math:`n` (both checked numerically, spec §6 [D]).
+in :math:`n` (both checked numerically, docs/papers/bicompfl.md#s6 [D]).
 
 **Bounds.**
 
@@ -32,30 +32,32 @@ in :math:`n` (both checked numerically, spec §6 [D]).
   :math:`\\Delta' = q\\,(p/q + (1-p)/(1-q)) = p + q(1-p)/(1-q)` and
   :math:`\\eta = \\sqrt{6 p \\log(2n) / n}` (:func:`lemma1_eta`, natural log),
   :math:`|\\Pr(X_I=1) - q| \\le \\Delta'/n^2 + O((|\\Delta| + \\Delta^2)\\,\\eta)`. The paper's :math:`O`
-  has no constant; this module makes it an explicit ``constant`` :math:`C`. The spec found (and the tests
-  check) that :math:`C = 1` holds on the grid :math:`p, q \\in [0.02, 0.98]`,
+  has no constant; this module makes it an explicit ``constant`` :math:`C`. docs/papers/bicompfl.md#s6 found
+  (and the tests check) that :math:`C = 1` holds on the grid :math:`p, q \\in [0.02, 0.98]`,
   :math:`n \\in \\{2, \\dots, 4096\\}`, with an implied constant of at most 0.017. The proof assumes
   :math:`p \\pm \\eta \\in [0, 1]` (its footnote 3: otherwise the concentration step is vacuous), which
   holds only for large :math:`n` away from the ends of :math:`(0, 1)`; on that grid :math:`C = 1` also
   holds where it fails.
-- :func:`asymptotic_bias` (not in the paper, spec §6 [D]): the bias is :math:`O(1/n)`, tighter than Lemma
-  1's :math:`O(\\sqrt{\\log n / n})`: :math:`n\\,(\\Pr(X_I=1) - q) \\to -q(1-q)\\Delta`. (Expanding
-  :math:`1/(1 + \\Delta (L + 1 - n p)/n)` to second order around :math:`L = np` with
+- :func:`asymptotic_bias` (not in the paper, docs/papers/bicompfl.md#s6 [D]): the bias is :math:`O(1/n)`,
+  tighter than Lemma 1's :math:`O(\\sqrt{\\log n / n})`: :math:`n\\,(\\Pr(X_I=1) - q) \\to -q(1-q)\\Delta`.
+  (Expanding :math:`1/(1 + \\Delta (L + 1 - n p)/n)` to second order around :math:`L = np` with
   :math:`\\mathbb{E}[L + 1 - np] = 1 - p` and :math:`\\mathrm{Var}\\,L \\approx n p (1-p)` gives
   :math:`q\\,(-\\Delta(1-p) + \\Delta^2 p(1-p))/n = -q(1-q)\\Delta/n`.)
 
-**Corrections to the paper's proofs** (spec §8 items 11-13; the formulas above are the corrected ones).
+**Corrections to the paper's proofs** (docs/papers/bicompfl.md#s8-11; the formulas above are the corrected
+ones).
 
 - Prop. 1 proof: the sum over :math:`\\{x : x_i = i\\}` means :math:`x_i = 1`; :math:`\\binom{n-1}{L}`
   means :math:`\\binom{n_{IS}-1}{L}`. (Also, in the line before eq. (1) the factor after
   :math:`p^{L+1}(1-p)^{n-L-1}` must be :math:`q/p` over the weight sum, not :math:`q`; eq. (1) itself,
-  with :math:`p^L`, is right. Not in the spec's list; found checking eq. (1) against the reference table.)
+  with :math:`p^L`, is right. Found checking eq. (1) against the reference table,
+  docs/papers/bicompfl.md#s8-11.)
 - Lemma 1 proof: ``n eta`` means :math:`n_{IS}\\,\\eta_\\delta`; the Chernoff event is
   :math:`|L - n_{IS} p| \\ge \\varepsilon\\, n_{IS} p` (the printed centring
   :math:`L - \\varepsilon(n_{IS} p)` is garbled); :math:`L \\sim \\mathrm{Bin}(n_{IS} - 1, p)`, not
   :math:`\\mathrm{Bin}(n_{IS}, p)`. With :math:`\\delta = 1/n^2` the Chernoff radius is
   :math:`\\sqrt{3 p \\log(2 n^2) / n}`, which the paper rounds up to :math:`\\eta = \\sqrt{6 p \\log(2n)/n}`
-  (a harmless over-estimate; not in the spec's list). The "approximations up to second order" are
+  (a harmless over-estimate, docs/papers/bicompfl.md#s8-11). The "approximations up to second order" are
   heuristic, hence the unspecified constant.
 - Sec. 5 misquotes Pinsker as :math:`|q - p| \\le \\frac12 \\sqrt{d_{KL}/2}`; it is
   :math:`|q - p| \\le \\sqrt{d_{KL}/2}` (nats).
@@ -139,8 +141,8 @@ def bernoulli_selection_prob(q, p, num_candidates: int) -> jax.Array:
     masked cumulative sums), so the weights that matter are near 0 in log space, and are normalised by their
     sum (the constant :math:`\\log \\Pr(L = m)` is never needed). The likelihood ratios
     :math:`q/p` and :math:`(1-q)/(1-p)` enter scaled by their maximum (no overflow for normal floats).
-    In float32 the result is within 5 ulp of the float64 law at the same (float32) inputs on the spec's grid
-    for ``n`` up to 4096 (measured 4.7; the test allows 8).
+    In float32 the result is within 5 ulp of the float64 law at the same (float32) inputs on the grid of
+    docs/papers/bicompfl.md#s6 for ``n`` up to 4096 (measured 4.7; the test allows 8).
 
     Args:
       q: posterior probabilities in (0, 1) (any shape).
@@ -248,9 +250,9 @@ def lemma1_bound(q, p, num_candidates, constant: float = 1.0) -> jax.Array:
             \\sqrt{\\frac{6 p \\log(2n)}{n}},\\qquad
         \\Delta = \\frac{q}{p} - \\frac{1-q}{1-p},\\quad \\Delta' = p + \\frac{q(1-p)}{1-q}.
 
-    The paper states it with :math:`O(\\cdot)` and no constant; the spec (§6 [D]) found that :math:`C = 1`
-    holds on the grid :math:`p, q \\in [0.02, 0.98]`, :math:`n \\in \\{2, 4, \\dots, 4096\\}` (implied
-    constant at most 0.017), which the tests re-check. Validity condition of the proof:
+    The paper states it with :math:`O(\\cdot)` and no constant; docs/papers/bicompfl.md#s6 ([D]) found that
+    :math:`C = 1` holds on the grid :math:`p, q \\in [0.02, 0.98]`, :math:`n \\in \\{2, 4, \\dots, 4096\\}`
+    (implied constant at most 0.017), which the tests re-check. Validity condition of the proof:
     :math:`p \\pm \\eta \\in [0, 1]` with :math:`\\eta` = :func:`lemma1_eta`. Elementwise over broadcast
     ``q``, ``p`` and ``num_candidates`` (which may be an array here).
     """
@@ -268,9 +270,10 @@ def lemma1_bound(q, p, num_candidates, constant: float = 1.0) -> jax.Array:
 def asymptotic_bias(q, p, num_candidates) -> jax.Array:
     """The leading term of the bias: :math:`\\Pr(X_I = 1) - q \\approx -q(1-q)(q-p) / (p(1-p)\\,n)`.
 
-    :math:`n\\,(\\Pr(X_I=1) - q) \\to -q(1-q)\\Delta` as :math:`n \\to \\infty` (module docstring; spec §6
-    [D]: relative error below 0.35% at :math:`n = 4096` for :math:`p, q \\in [0.1, 0.9]`). Negative
-    when :math:`q > p` and positive when :math:`q < p`: towards the prior.
+    :math:`n\\,(\\Pr(X_I=1) - q) \\to -q(1-q)\\Delta` as :math:`n \\to \\infty` (module docstring;
+    docs/papers/bicompfl.md#s6 [D]: relative error below 0.35% at :math:`n = 4096` for
+    :math:`p, q \\in [0.1, 0.9]`). Negative when :math:`q > p` and positive when :math:`q < p`: towards the
+    prior.
     """
     _check_open_unit(q, "q")
     _check_open_unit(p, "p")

@@ -2,7 +2,7 @@
 
 Isik, Pase et al., "Adaptive Compression in Federated Learning via Side Information" (AISTATS 2024):
 Alg. 5 (Fixed-KLMS), Alg. 6 (Adaptive-KLMS), Alg. 7 (Aggregate-Block-Locations), Alg. 8 (decoder) and the
-update protocol shared by Alg. 9-12 (spec ``klms.md`` §3.2-3.7). Framework-agnostic: a framework supplies
+update protocol shared by Alg. 9-12 (docs/papers/klms.md#s3-2). Framework-agnostic: a framework supplies
 the client-only distribution ``q`` and the shared prior ``p`` (:mod:`sidejax.distributions`); this module
 turns them into a real bitstream and back.
 
@@ -17,13 +17,13 @@ turns them into a real bitstream and back.
 - Server: decodes every client with the client's own partition in update rounds, then sets
   :math:`I^{(t+1)} =` Aggregate-Block-Locations of the clients' partitions and clears ``update``; in other
   rounds it sets ``update`` when the mean statistic leaves :math:`[\\bar D_{min}, \\bar D_{max}]`
-  (defaults :math:`D_{target}/3` and :math:`2 D_{target}`, spec §3.6 [R]) or, with ``"rho"``, when
-  :math:`\\bar\\rho > 3` ([C]).
+  (defaults :math:`D_{target}/3` and :math:`2 D_{target}`, docs/papers/klms.md#s3-6 [R]) or, with ``"rho"``,
+  when :math:`\\bar\\rho > 3` ([C]).
 
-Deviation [R]: the lower trigger (and the rho trigger) is suppressed when the partition is *cap-bound*
-(every block already has ``max_block_size`` coordinates). A re-partition cannot enlarge such blocks, so the
-paper's rule would re-partition every other round for nothing once the KL is small, and pay
-:math:`M \\log_2(\\text{MAX\\_BLOCK\\_SIZE})` bits each time.
+Deviation [R] (docs/papers/klms.md#d-cap-bound): the lower trigger (and the rho trigger) is suppressed when
+the partition is *cap-bound* (every block already has ``max_block_size`` coordinates). A re-partition cannot
+enlarge such blocks, so the paper's rule would re-partition every other round for nothing once the KL is
+small, and pay :math:`M \\log_2(\\text{MAX\\_BLOCK\\_SIZE})` bits each time.
 
 **Bitstream** (one ``uint32`` buffer per client, LSB first; :mod:`sidejax.coding.bitstream`):
 
@@ -36,9 +36,9 @@ statistic (float32)   32                                           adaptive
 CRC-32                32                                           ``config.crc32``
 ====================  ===========================================  ========================
 
-The message length is exactly the sum of the present fields (spec §3.7; the paper's Alg. 9-12 print
-``K*M``, corrected to ``M log2 K``). In update rounds the server learns ``M`` from the lengths (they sum to
-``dim``), so no header is needed; otherwise ``M`` is the number of blocks of :math:`I^{(t)}`.
+The message length is exactly the sum of the present fields (docs/papers/klms.md#s3-7; the paper's Alg. 9-12
+print ``K*M``, corrected to ``M log2 K``). In update rounds the server learns ``M`` from the lengths (they sum
+to ``dim``), so no header is needed; otherwise ``M`` is the number of blocks of :math:`I^{(t)}`.
 
 **Length and integrity.** The receiver reads exactly the ``ceil(num_bits / 32)`` words sent; a length that
 does not match the fields (truncated, padded, or block lengths not summing to ``dim``) is invalid
@@ -129,7 +129,8 @@ class KLMSConfig:
         block is :math:`D_{target} = \\log_2 K - r` bits ([C] ``kl_rate``; default 2, so K = 4).
       overhead_bits: the overhead :math:`r` in bits (default 0, as the paper and [C]): blocks are sized to
         :math:`\\log_2 K - r` bits of KL, so each block has :math:`2^r` times more candidates than its KL
-        asks for and the sample is closer to ``q`` (Thm 4.1's :math:`K = e^{KL + r}`; spec §8 #15, #21).
+        asks for and the sample is closer to ``q`` (Thm 4.1's :math:`K = e^{KL + r}`;
+        docs/papers/klms.md#s8-15, docs/papers/klms.md#s8-21).
       adaptive: Adaptive-KLMS (Alg. 6 + update protocol) if True, Fixed-KLMS (Alg. 5) if False.
       block_size: the fixed block size S (Fixed-KLMS), and the initial partition of Adaptive-KLMS ([C]: 8).
       max_block_size: the cap MAX_BLOCK_SIZE, a power of two >= 2 ([C]: 256 for FedPM, 16 for SGLD).

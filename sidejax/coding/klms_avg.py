@@ -1,13 +1,14 @@
 """Adaptive-Avg KLMS: equal-sized blocks whose one size adapts to the clients' average KL (BICompFL App. C).
 
-BICompFL (spec ``bicompfl.md`` §3.8 "Adaptive-Avg", §8 item 8) replaces Adaptive-KLMS's per-block partition
-by equal-sized blocks of one size :math:`b_t`: blocks :math:`I_m = [m b_t, \\min((m+1) b_t, d))`,
-:math:`m < M_t = \\lceil d / b_t \\rceil` (the last one shorter), one importance-sampling index of
-:math:`K^* = \\log_2 n_{IS}` bits per block. Only the size is ever communicated, in
-:math:`L = \\log_2 b_{max}` bits, instead of :math:`M \\log_2 b_{max}` bits of block lengths.
+BICompFL (docs/papers/bicompfl.md#s3-8 "Adaptive-Avg", docs/papers/bicompfl.md#s8-8) replaces Adaptive-KLMS's
+per-block partition by equal-sized blocks of one size :math:`b_t`: blocks
+:math:`I_m = [m b_t, \\min((m+1) b_t, d))`, :math:`m < M_t = \\lceil d / b_t \\rceil` (the last one shorter),
+one importance-sampling index of :math:`K^* = \\log_2 n_{IS}` bits per block. Only the size is ever
+communicated, in :math:`L = \\log_2 b_{max}` bits, instead of :math:`M \\log_2 b_{max}` bits of block lengths.
 
-**Protocol** (the spec's [A] resolution of the paper's prose). The server holds :math:`b_t`, a flag
-``update`` and a flag ``changed``; every receiver holds a copy, kept current by the downlink.
+**Protocol** (the [A] resolution of the paper's prose, docs/papers/bicompfl.md#s3-8). The server holds
+:math:`b_t`, a flag ``update`` and a flag ``changed``; every receiver holds a copy, kept current by the
+downlink.
 
 - Every round, client :math:`i` encodes one index per block of size :math:`b_t` and a 1-bit *request*: set
   when its mean KL per block :math:`\\bar D_i = D_{KL}(q_i \\| p) / M_t` (bits) is off the target by more
@@ -47,7 +48,7 @@ self-delimiting (:func:`klms_avg_frame`) and several can be relayed back to back
 (``changed``), the new size minus one (:math:`L` bits), whether or not it differs from the old one: the
 receivers know that it is there from the flag they received the round before. So an update costs
 :math:`L` bits uplink per participant and :math:`L` bits downlink per receiver, plus one flag bit per
-message every round (spec §3.8, all overhead charged).
+message every round (docs/papers/bicompfl.md#s3-8, all overhead charged).
 
 **Encoder memory.** The block size is dynamic (a traced int), so the number of blocks :math:`M_t` ranges over
 :math:`[\\lceil d / b_{max} \\rceil, d]`; a ``[blocks, K]`` log-weight accumulator sized to the static bound
@@ -149,12 +150,13 @@ class KLMSAvgConfig:
 
     Attributes:
       log2_num_candidates: :math:`K^* = \\log_2 n_{IS}`, the bits per block and the target KL per block
-        (spec [A]: 8, so 256 candidates).
-      block_size: the initial block size :math:`b_0` (spec [A]: 256), ``1 <= b_0 <= max_block_size``.
-      max_block_size: :math:`b_{max}`, a power of two ``>= 2`` (spec [A]: 2048); a size travels as
-        ``size - 1`` in ``log2(max_block_size)`` bits.
+        (docs/papers/bicompfl.md#s3-8 [A]: 8, so 256 candidates).
+      block_size: the initial block size :math:`b_0` (docs/papers/bicompfl.md#s3-8 [A]: 256),
+        ``1 <= b_0 <= max_block_size``.
+      max_block_size: :math:`b_{max}`, a power of two ``>= 2`` (docs/papers/bicompfl.md#s3-8 [A]: 2048); a
+        size travels as ``size - 1`` in ``log2(max_block_size)`` bits.
       trigger_factor: :math:`f > 1`: a client requests an update when its mean KL per block divided by
-        :math:`K^*` leaves :math:`[1/f, f]` (spec [A]: 3).
+        :math:`K^*` leaves :math:`[1/f, f]` (docs/papers/bicompfl.md#s3-8 [A]: 3).
       initial_update: the first round is an update round (default False: start with ``block_size``).
       memory_budget_bytes: the encoder's working-set budget (it sets the chunk of coordinates per scan step).
       chunk_size: coordinates per encoder step (an even int ``>= 2``), overriding the budget (tests).

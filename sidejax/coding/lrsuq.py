@@ -1,6 +1,6 @@
 r"""Subtractive dithered quantization (SDQ) and layered rejection-sampled universal quantization (LRSUQ).
 
-The quantizers of CEPAM (spec ``cepam.md`` §2.2-2.5). ``Λ`` is a :class:`~sidejax.lattices.Lattice` with
+The quantizers of CEPAM (docs/papers/cepam.md#s2-2). ``Λ`` is a :class:`~sidejax.lattices.Lattice` with
 nearest-point map ``Q`` (:meth:`~sidejax.lattices.Lattice.nearest`), Voronoi cell ``𝒫``, volume ``μ(𝒫)`` and
 packing radius ``ρ`` (the inradius of ``𝒫``).
 
@@ -15,7 +15,7 @@ measure-preserving bijection up to a null set); hence ``V`` is uniform on the Vo
 **LRSUQ** (Definition 4, Proposition 5): shared randomness ``S = (U, (V_i)_{i≥1})``, a latent ``U`` drawn from
 ``layer_key`` and iid dithers ``V_i`` drawn from ``draw_key(dither_key, i)``. Given ``U`` the superlevel set
 of the noise pdf ``f`` is a ball of radius ``r(U)`` and ``β = r / ρ`` is the smallest scale with
-``L_U^+(f) ⊆ β𝒫``. In scaled coordinates (spec §2.5 [REC]) trial ``i`` computes
+``L_U^+(f) ⊆ β𝒫``. In scaled coordinates (docs/papers/cepam.md#s2-5 [REC]) trial ``i`` computes
 
 .. math::
 
@@ -26,7 +26,7 @@ decoder regenerates ``U`` and ``V_h`` and outputs ``x̂ = β (M_h + V_h)`` (eq. 
 error ``x̂ − x = β e_h`` is uniform on the ball ``L_U^+(f)``, and mixing over ``U`` gives ``x̂ − x ~ f``,
 independent of ``x``. Each trial accepts independently with probability ``p = μ(ρB^n)/μ(𝒫)`` (the packing
 density of ``Λ``, whatever ``x`` and ``U``), so ``h ~ Geom(p)`` and ``E[h] = 1/p``. The trial loop is a
-``lax.while_loop`` without a cap. The two noises (spec §2.5, Lemmas 17/18):
+``lax.while_loop`` without a cap. The two noises (docs/papers/cepam.md#s2-5, Lemmas 17/18):
 
 * :class:`GaussianNoise` ``N(0, σ² I_n)``, any ``n``: ``U ~ χ²_{n+2}`` (a sum of ``n + 2`` squared standard
   normals), ``r = σ√U``, ``β = σ√U / ρ`` (``2σ√U`` on ``Z^n``). Acceptance ``p = V_n ρ^n / μ(𝒫)``: 1 on

@@ -1,4 +1,5 @@
-"""The pseudocoreset coder: BPC-FL's one-shot uplink (spec ``bpcfl.md`` A1, A8) as a real stream.
+"""The pseudocoreset coder: BPC-FL's one-shot uplink (docs/papers/bpcfl.md#a1, docs/papers/bpcfl.md#a8) as a
+real stream.
 
 A client sends its pseudocoreset ``C_m = (Z_m, ŷ_m)`` and its example count ``n_m`` once. ``q`` is a
 :class:`sidejax.distributions.PointMass` on the flat vector ``[Z_m.ravel(), ŷ_m, n_m]`` (``K·D + K + 1``
@@ -9,9 +10,9 @@ stream is
 [n_m: 32-bit unsigned integer]``
 
 so the message is ``32 K D + K ceil(log2 C) + 32`` bits (classification) or ``32 (K D + K + 1)``
-(regression). The paper counts "floats" as ``K·D + K·d_ŷ (+1 for n_m)`` (A8); that convention is reported
-beside the measured length, labelled as such, never instead of it. ``p`` is not used by the decoder beyond
-its dimension (the receiver knows the shapes): a ``PointMass`` of the right length.
+(regression). The paper counts "floats" as ``K·D + K·d_ŷ (+1 for n_m)`` (docs/papers/bpcfl.md#a8); that
+convention is reported beside the measured length, labelled as such, never instead of it. ``p`` is not used by
+the decoder beyond its dimension (the receiver knows the shapes): a ``PointMass`` of the right length.
 """
 
 from __future__ import annotations

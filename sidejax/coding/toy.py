@@ -1,10 +1,11 @@
-"""The toy distributed-mean experiment of the KLMS paper, App. F.1 (spec ``klms.md`` §4.8).
+"""The toy distributed-mean experiment of the KLMS paper, App. F.1 (docs/papers/klms.md#s4-8).
 
 Client ``n`` of ``N`` holds :math:`q^{(n)} = N(\\mu^{(n)}, 1)`; all share :math:`p = N(0, 1)`. Each client
 sends one importance-sampling index (a single block of one coordinate, ``K`` candidates drawn from ``p``
 with its own shared key) and the server estimates :math:`\\hat\\mu = \\frac1N \\sum_n x^{(n)}` from the
 regenerated candidates. The paper sets :math:`K = e^{KL + r}` with overhead ``r`` nats; K must be a power
-of two here (fixed-length indices), so :func:`log2_candidates_for_overhead` rounds up (spec §8 #21).
+of two here (fixed-length indices), so :func:`log2_candidates_for_overhead` rounds up
+(docs/papers/klms.md#s8-21).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def log2_candidates_for_overhead(kl_nats: float, overhead_nats: float) -> int:
 
 
 def theorem41_epsilon(tail_probs, overhead_nats: float) -> float:
-    """The :math:`\\epsilon` of the paper's Thm 4.1 (= Thm C.2; spec ``klms.md`` §3.1).
+    """The :math:`\\epsilon` of the paper's Thm 4.1 (= Thm C.2; docs/papers/klms.md#s3-1).
 
     .. math::
         \\epsilon = \\Big(e^{-N r / 4} + 2 \\sqrt{\\textstyle\\prod_n
@@ -45,12 +46,12 @@ def theorem41_epsilon(tail_probs, overhead_nats: float) -> float:
     :math:`2\\|f\\|_q \\epsilon / (1 - \\epsilon)` of :math:`E_q f` except with probability
     :math:`2\\epsilon`.
 
-    Caveat (spec §8 #20): the proof rests on an unproven assumption (the paper's eq. 15), and the factor
-    :math:`e^{-Nr/4}` shrinks exponentially in ``N``, faster than averaging independent clients can. Use the
-    bound as a heuristic. Measured on the Gaussian toy (:math:`\\mu = 0.8`, ``r = 6``, ``K = 1024``,
-    4000 runs, ``f(x) = x``): with ``N = 1`` no run exceeded the threshold (the bound allows 98%); with
-    ``N = 10``, :math:`\\epsilon = 5.5 \\times 10^{-4}` promises a deviation below 9.5e-4 except with
-    probability 1.1e-3, yet 96% of runs deviated more (the spread of :math:`\\bar J_K` is 0.018).
+    Caveat (docs/papers/klms.md#s8-20): the proof rests on an unproven assumption (the paper's eq. 15), and
+    the factor :math:`e^{-Nr/4}` shrinks exponentially in ``N``, faster than averaging independent clients
+    can. Use the bound as a heuristic. Measured on the Gaussian toy (:math:`\\mu = 0.8`, ``r = 6``,
+    ``K = 1024``, 4000 runs, ``f(x) = x``): with ``N = 1`` no run exceeded the threshold (the bound allows
+    98%); with ``N = 10``, :math:`\\epsilon = 5.5 \\times 10^{-4}` promises a deviation below 9.5e-4 except
+    with probability 1.1e-3, yet 96% of runs deviated more (the spread of :math:`\\bar J_K` is 0.018).
 
     Args:
       tail_probs: the ``N`` probabilities :math:`P(\\log\\rho_n > L^{(n)} + r/2)` under :math:`q^{(n)}`
@@ -77,7 +78,7 @@ def gaussian_log_ratio_tail(mu: float, overhead_nats: float) -> float:
     """:math:`P(\\log\\rho(X) > KL + r/2)` for :math:`q = N(\\mu, 1)`, :math:`p = N(0, 1)`, X ~ q.
 
     :math:`\\log\\rho(X) = \\mu X - \\mu^2/2 \\sim N(\\mu^2/2, \\mu^2)` and :math:`KL = \\mu^2/2`
-    nats, so the probability is :math:`1 - \\Phi(r / (2|\\mu|))` (spec §7 item 12).
+    nats, so the probability is :math:`1 - \\Phi(r / (2|\\mu|))` (docs/papers/klms.md#s7-12).
     """
     if mu == 0:
         return 0.0

@@ -106,7 +106,7 @@ def load_moons(split: str, num_samples: int, noise: float, seed: int) -> Dataset
     return Dataset(x.astype(np.float32), y.astype(np.int32), 2)
 
 
-#: BPC-FL's synthetic regression (spec ``bpcfl.md`` §5.1): the three input intervals.
+#: BPC-FL's synthetic regression (docs/papers/bpcfl.md#s5-1): the three input intervals.
 INTERVALS: tuple[tuple[float, float], ...] = ((-0.8, -0.6), (-0.2, 0.0), (0.5, 0.8))
 
 
@@ -146,10 +146,11 @@ def _draw_points(rng: np.random.Generator, probs: np.ndarray, num: int, noise: f
 
 
 def interval_regression(num_clients: int, per_client: int, *, noise: float = 0.3, seed: int = 0):
-    """BPC-FL's 1-D synthetic regression (spec ``bpcfl.md`` §5.1, §8.15): ``num_clients`` clients of
-    ``per_client`` points each. Client ``m`` draws its interval probabilities ``π_m ~ Dirichlet([1, 1, 1])``;
-    each point picks an interval of :data:`INTERVALS` from ``π_m``, ``x`` uniform inside it, and
-    ``y = f(x) + ε`` with ``f`` = :func:`interval_target` and ``ε ~ N(0, noise²)`` (``noise`` is the std).
+    """BPC-FL's 1-D synthetic regression (docs/papers/bpcfl.md#s5-1, docs/papers/bpcfl.md#s8-15):
+    ``num_clients`` clients of ``per_client`` points each. Client ``m`` draws its interval probabilities
+    ``π_m ~ Dirichlet([1, 1, 1])``; each point picks an interval of :data:`INTERVALS` from ``π_m``, ``x``
+    uniform inside it, and ``y = f(x) + ε`` with ``f`` = :func:`interval_target` and ``ε ~ N(0, noise²)``
+    (``noise`` is the std).
 
     Everything is a function of ``seed`` (numpy ``default_rng([seed, 0])``; the test set of
     :func:`interval_regression_test` uses another stream).

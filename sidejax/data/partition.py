@@ -382,7 +382,7 @@ def label_split_train_test(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """pFedMe's non-iid label split, with a train and a test set per client.
 
-    Meant for the pooled train+test examples of a dataset (spec ``coreset_pfedbayes.md`` §3.1). With
+    Meant for the pooled train+test examples of a dataset (docs/papers/coreset_pfedbayes.md#s3-1). With
     ``L = labels_per_client`` and the ``C`` classes present (sorted, ``k``-th class ``c_k``), client ``u``
     holds the labels ``{c_((L*u + j) mod C) : j = 0..L-1}`` (10 clients, 5 labels, 10 classes: client
     ``u`` has ``{(5u + j) mod 10}``). Each (client, label) pair gets ``examples_per_label`` distinct

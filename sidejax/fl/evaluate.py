@@ -9,7 +9,7 @@ are integers) and memory holds one batch of activations at a time.
 - :func:`build_evaluator`: one model ``params``.
 - :func:`build_ensemble_evaluator`: params with a leading **sample** axis (posterior samples, an ensemble);
   the prediction is the predictive average ``p̄ = (1/S) Σ_s softmax(f(x, θ_s))``
-  (:func:`sidejax.metrics.predictive_average`), and the metrics are those of ``p̄`` (spec ``bpcfl.md`` §A5).
+  (:func:`sidejax.metrics.predictive_average`), and the metrics are those of ``p̄`` (docs/papers/bpcfl.md#a5).
 - :func:`build_personal_evaluator`: params with a leading **client** axis, each evaluated on its own padded
   test set ``x [clients, n, ...]``; per-client results, reduced by :func:`client_mean`.
 
@@ -56,7 +56,7 @@ class EvalResult(NamedTuple):
       accuracy: top-1 accuracy in [0, 1].
       loss: mean negative log-likelihood (cross-entropy) in nats, ``-(1/n) Σ_i log p(y_i|x_i)``.
       num_examples: int32, the number of (valid) examples ``n``.
-      ece: expected calibration error (spec ``bpcfl.md`` §A9, ``num_bins`` equal-width bins).
+      ece: expected calibration error (docs/papers/bpcfl.md#a9, ``num_bins`` equal-width bins).
 
     With ``n = 0`` the metrics are 0 (and weigh nothing in :func:`client_mean`).
     """
@@ -177,7 +177,8 @@ def build_ensemble_evaluator(
     ``params_stacked`` holds ``S`` models ``θ_1..θ_S`` along a leading axis of every leaf. The prediction is
     the predictive average ``log p̄(c|x) = log (1/S) Σ_s softmax(f(x, θ_s))_c``
     (:func:`sidejax.metrics.predictive_average`), and the metrics are those of ``p̄``: NLL
-    ``-mean_i log p̄(y_i|x_i)``, accuracy of ``argmax_c p̄``, ECE of ``max_c p̄`` (spec ``bpcfl.md`` §A5, §A9).
+    ``-mean_i log p̄(y_i|x_i)``, accuracy of ``argmax_c p̄``, ECE of ``max_c p̄`` (docs/papers/bpcfl.md#a5,
+    docs/papers/bpcfl.md#a9).
 
     Memory: one batch of inputs and the logits ``[S, batch, C]`` of all samples on it, plus the activations
     of ``samples_per_step`` models at a time. ``S = 1`` runs ``apply_fn`` on the one model exactly as

@@ -1,8 +1,11 @@
-"""BICompFL (sidejax.algorithms.bicompfl; spec bicompfl.md §2.3, §3.3-3.6, §7 items 9-16, 21).
+"""BICompFL (sidejax.algorithms.bicompfl; docs/papers/bicompfl.md#s2-3, docs/papers/bicompfl.md#s3-3 to
+docs/papers/bicompfl.md#s3-6, docs/papers/bicompfl.md#s7-9 to docs/papers/bicompfl.md#s7-16,
+docs/papers/bicompfl.md#s7-21).
 
 The protocol invariants are checked after every round of short runs on digits (a 2,778-parameter MLP, 10
-clients, Fixed blocks of 128 with 16 candidates: the spec's CPU profile, 1/32 bit per parameter per sample).
-Each algorithm runs one round per call of one compiled program, so its states can be compared round by round.
+clients, Fixed blocks of 128 with 16 candidates: the CPU profile of docs/papers/bicompfl.md#s2-3, 1/32 bit per
+parameter per sample). Each algorithm runs one round per call of one compiled program, so its states can be
+compared round by round.
 """
 
 from __future__ import annotations
@@ -92,14 +95,15 @@ def _on_grid(values, num_samples):
 
 
 # ----------------------------------------------------------------------------------------------------
-# protocol invariants (spec §7 items 9-13)
+# protocol invariants (docs/papers/bicompfl.md#s7-9 to docs/papers/bicompfl.md#s7-13)
 
 
 @pytest.mark.parametrize("name", ["gr", "gr_adaptive"])
 def test_gr_every_client_rebuilds_the_federators_model_bit_for_bit(runs, name):
-    """§7 #9: after every round every client's model (rebuilt from the relayed streams and its own, decoded
-    against its own copy of the prior) equals the federator's, bit for bit, and so does every client's copy of
-    the coder's protocol state (the adaptive partition is parsed from the relayed update-round streams)."""
+    """docs/papers/bicompfl.md#s7-9: after every round every client's model (rebuilt from the relayed streams
+    and its own, decoded against its own copy of the prior) equals the federator's, bit for bit, and so does
+    every client's copy of the coder's protocol state (the adaptive partition is parsed from the relayed
+    update-round streams)."""
     _, states, infos = runs(name)
     _clean(infos)
     for t in range(1, ROUNDS + 1):
@@ -109,13 +113,15 @@ def test_gr_every_client_rebuilds_the_federators_model_bit_for_bit(runs, name):
             assert tree_equal(jax.tree.map(lambda a, j=j: a[j], clients.coder), server_before.coder), (t, j)
     assert not np.array_equal(np.asarray(states[2].server.theta), np.asarray(states[1].server.theta))
     for s in states[1:]:
-        assert _on_grid(s.server.theta, N)  # c(k / n): every average lies on the clip grid (§7 #13)
+        # c(k / n): every average lies on the clip grid (docs/papers/bicompfl.md#s7-13)
+        assert _on_grid(s.server.theta, N)
     if name == "gr_adaptive":  # round 0 was an update round: each client sent its own partition
         assert int(states[1].server.coder.blocks.num_blocks) != int(states[0].server.coder.blocks.num_blocks)
 
 
 def test_gr_reconst_clients_share_one_estimate_that_is_not_the_aggregate(runs):
-    """§7 #11: all clients hold the same estimate, equal to the federator's; it differs from theta_{t+1}."""
+    """docs/papers/bicompfl.md#s7-11: all clients hold the same estimate, equal to the federator's; it differs
+    from theta_{t+1}."""
     _, states, infos = runs("gr_reconst")
     _clean(infos)
     for t in range(2, ROUNDS + 1):
@@ -128,9 +134,9 @@ def test_gr_reconst_clients_share_one_estimate_that_is_not_the_aggregate(runs):
 
 @pytest.mark.parametrize("name", ["pr_partial", "pr_split"])
 def test_pr_the_federators_copies_equal_the_clients_estimates(runs, name):
-    """§7 #10: the federator's copy of every client's estimate equals the client's own bit for bit after
-    every round, for participants and for clients that sat the round out (partial participation: theirs is
-    unchanged on both sides); the estimates differ across clients (zeta > 0)."""
+    """docs/papers/bicompfl.md#s7-10: the federator's copy of every client's estimate equals the client's own
+    bit for bit after every round, for participants and for clients that sat the round out (partial
+    participation: theirs is unchanged on both sides); the estimates differ across clients (zeta > 0)."""
     _, states, infos = runs(name)
     _clean(infos)
     for t in range(1, ROUNDS + 1):
@@ -148,9 +154,9 @@ def test_pr_the_federators_copies_equal_the_clients_estimates(runs, name):
 
 
 def test_splitdl_refreshes_exactly_its_rotating_group(runs, small_model):
-    """§7 #12: in round t client j's estimate changes only on the coordinates of group (j + t) mod n; the
-    groups are block aligned, disjoint and cover every block, so every coordinate is refreshed within n
-    rounds."""
+    """docs/papers/bicompfl.md#s7-12: in round t client j's estimate changes only on the coordinates of group
+    (j + t) mod n; the groups are block aligned, disjoint and cover every block, so every coordinate is
+    refreshed within n rounds."""
     _, states, _ = runs("pr_split")
     d = states[0].server.theta.shape[0]
     b = FIXED.block_size
@@ -175,13 +181,14 @@ def test_splitdl_refreshes_exactly_its_rotating_group(runs, small_model):
 
 
 # ----------------------------------------------------------------------------------------------------
-# bits: measured from the messages, equal to the Fixed formulas (§2.3, §7 items 15-16)
+# bits: measured from the messages, equal to the Fixed formulas (docs/papers/bicompfl.md#s2-3,
+# docs/papers/bicompfl.md#s7-15, docs/papers/bicompfl.md#s7-16)
 
 
 def test_measured_rates_are_the_fixed_formulas(runs):
-    """Uplink and downlink lengths read from the messages equal spec §2.3's formulas at this d exactly (the
-    first downlink, before any aggregate exists, is empty); GR's relay is (n - 1) uplinks, SplitDL's mean
-    downlink is 1/n of PR's."""
+    """Uplink and downlink lengths read from the messages equal the formulas of docs/papers/bicompfl.md#s2-3
+    at this d exactly (the first downlink, before any aggregate exists, is empty); GR's relay is (n - 1)
+    uplinks, SplitDL's mean downlink is 1/n of PR's."""
     _, states, _ = runs("gr")
     d = states[0].server.theta.shape[0]
     want = fixed_rates(d, num_clients=N, block_size=128, log2_num_candidates=4)
@@ -211,9 +218,9 @@ def test_measured_rates_are_the_fixed_formulas(runs):
     [(61_706, 0.031375, 0.031310), (1_933_258, 0.031251, None), (2_262_602, 0.031253, None)],
 )
 def test_fixed_formulas_give_the_spec_values(d, ul_256, ul_128):
-    """§7 #15 and §2.3: the exact uplink rates with ceil(d/b) blocks, and every variant within 2% of the
-    table's 1/32-per-sample values (GR 0.3125, PR 0.34375, Reconst 0.34375 with BC 0.0625, SplitDL
-    0.0625, GR BC 0.059375)."""
+    """docs/papers/bicompfl.md#s7-15 and docs/papers/bicompfl.md#s2-3: the exact uplink rates with ceil(d/b)
+    blocks, and every variant within 2% of the table's 1/32-per-sample values (GR 0.3125, PR 0.34375, Reconst
+    0.34375 with BC 0.0625, SplitDL 0.0625, GR BC 0.059375)."""
     r = fixed_rates(d, num_clients=10, block_size=256, log2_num_candidates=8)
     assert r["gr"]["uplink"] == pytest.approx(ul_256, abs=5e-7)
     if ul_128:
@@ -231,7 +238,7 @@ def test_fixed_formulas_give_the_spec_values(d, ul_256, ul_128):
 
 
 def test_a_run_is_deterministic_including_the_bit_log(runs, digits_fed):
-    """§7 #21: the same seeds give the same states and the same bit log."""
+    """docs/papers/bicompfl.md#s7-21: the same seeds give the same states and the same bit log."""
     algo, states, infos = runs("gr_adaptive")
     again, info = run_rounds(algo, jax.random.key(1), states[0], digits_fed, 1, client_map="map")
     assert tree_equal(again, states[1])

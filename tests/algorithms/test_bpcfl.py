@@ -1,4 +1,5 @@
-"""BPC-FL on the round engine (spec bpcfl.md A1, A4, A8; T8, T13 at the algorithm level; bad input).
+"""BPC-FL on the round engine (docs/papers/bpcfl.md#a1, docs/papers/bpcfl.md#a4, docs/papers/bpcfl.md#a8;
+docs/papers/bpcfl.md#t8, docs/papers/bpcfl.md#t13 at the algorithm level; bad input).
 
 One tiny federation (3 moons clients of 12, 12 and 16 points, the paper's moons MLP with GroupNorm) runs
 the one round twice with the same keys (one compilation); everything else reads those two runs.
@@ -99,9 +100,11 @@ def test_server_aggregates_with_the_decoded_counts_and_cycled_labels(one_round, 
     _, _, [(state, _), _] = one_round
     server = state.server
     m, n = len(SIZES), np.asarray(SIZES, np.float64)
-    # A4: w_m = M n_m / N, repeated over each client's K points (from the counts in the streams)
+    # docs/papers/bpcfl.md#a4: w_m = M n_m / N, repeated over each client's K points (from the counts in
+    # the streams)
     np.testing.assert_allclose(np.asarray(server.weights), np.repeat(m * n / n.sum(), K), rtol=1e-6)
-    # A3: each client's labels are its present labels by descending frequency, cycled to K
+    # docs/papers/bpcfl.md#a3: each client's labels are its present labels by descending frequency, cycled
+    # to K
     bounds = np.cumsum((0, *SIZES))
     for c in range(m):
         y = jnp.asarray(train.y[bounds[c] : bounds[c + 1]])
@@ -138,7 +141,8 @@ def test_eval_params_are_the_posterior_samples(one_round):
 
 
 def test_uplink_floats_match_the_spec_counts():
-    # spec A8 / T13: EMNIST Z alone M K D = 4,860,800; with int labels M K (D + 1) = 4,867,000 (+ M for n_m)
+    # docs/papers/bpcfl.md#a8 / docs/papers/bpcfl.md#t13: EMNIST Z alone M K D = 4,860,800; with int labels
+    # M K (D + 1) = 4,867,000 (+ M for n_m)
     emnist = _settings(num_points=62, num_classes=62)
     assert 100 * (uplink_floats(emnist, 784) - 1) == 4_867_000
     assert 100 * 62 * 784 == 4_860_800

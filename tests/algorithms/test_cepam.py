@@ -97,8 +97,8 @@ def test_uncompressed_round_is_the_plain_mean(small_model, digits_fed):
 
 
 def test_aggregate_error_with_unequal_levels():
-    """Theorem 12 with per-client levels (spec §2.12 extension): the mean of K decoded updates minus the mean
-    of the updates is N(0, Σ_k σ_k² ||X^k||² / (K² γ²)) per coordinate."""
+    """Theorem 12 with per-client levels (extension, docs/papers/cepam.md#s2-12): the mean of K decoded
+    updates minus the mean of the updates is N(0, Σ_k σ_k² ||X^k||² / (K² γ²)) per coordinate."""
     k, d, gamma = 10, 3000, 1.0
     coder = clip_update(lrsuq_coder(integer_lattice(1), GaussianNoise(0.1)), gamma=gamma)
     rng = np.random.default_rng(0)

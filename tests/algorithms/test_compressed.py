@@ -1,6 +1,6 @@
 """The error-feedback baselines (sidejax.algorithms.compressed): bits read from the messages, exact error
 feedback, bit-identical model copies on both ends of a compressed downlink, determinism, learning, the
-paper's bit rates (spec §7 item 15) and argument checks."""
+paper's bit rates (docs/papers/bicompfl.md#s7-15) and argument checks."""
 
 from __future__ import annotations
 
@@ -231,10 +231,10 @@ def test_loss_decreases(runs, small_model, federation, name):
 
 
 def test_paper_bit_rates():
-    """Spec §7 item 15 for the baselines: (bpp, bpp with a broadcast downlink = UL + DL/10) at LeNet5's d,
-    from messages actually encoded at that size, round to the tables: 2/1.1 (DoubleSqueeze), 33/4.2
-    (Mem-SGD), 4/2.2 (Neolithic). CSER (period 50) gives UL 1 + 1/50, DL 32: 33/4.2, where the tables print
-    34/4.3 (DL 33: a second float32 downlink in reset rounds that this protocol does not need)."""
+    """docs/papers/bicompfl.md#s7-15 for the baselines: (bpp, bpp with a broadcast downlink = UL + DL/10) at
+    LeNet5's d, from messages actually encoded at that size, round to the tables: 2/1.1 (DoubleSqueeze),
+    33/4.2 (Mem-SGD), 4/2.2 (Neolithic). CSER (period 50) gives UL 1 + 1/50, DL 32: 33/4.2, where the tables
+    print 34/4.3 (DL 33: a second float32 downlink in reset rounds that this protocol does not need)."""
     d, n = 61706, 10
     v = jnp.asarray(np.random.default_rng(0).standard_normal(d), jnp.float32)
     keys = client_keys(round_key(BASE, 0), 0)

@@ -1,4 +1,5 @@
-"""FedPM and FedPM-KLMS (sidejax.algorithms.fedpm; spec klms.md §4.1-4.2, §7 items 14, 19)."""
+"""FedPM and FedPM-KLMS (sidejax.algorithms.fedpm; docs/papers/klms.md#s4-1, docs/papers/klms.md#s7-14,
+docs/papers/klms.md#s7-19)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_signed_constant_init_uses_fan_in():
 
 
 def test_mask_gradient_wrt_scores_is_the_fedpm_rule():
-    """Spec bicompfl.md §7 item 18: through m = bernoulli_mask(sigmoid(s), u), d loss / d s equals
+    """docs/papers/bicompfl.md#s7-18: through m = bernoulli_mask(sigmoid(s), u), d loss / d s equals
     dL/dm * theta^2 * (1 - theta) with FedPM's estimator (dL/dtheta = theta dL/dm, times the sigmoid's
     theta (1 - theta)), and dL/dm * theta (1 - theta) with the identity straight-through estimator; shown on
     a tiny linear softmax model whose frozen weights w are masked (the FedPM client's construction)."""

@@ -1,4 +1,4 @@
-"""QLSD and SGLD-KLMS (sidejax.algorithms.langevin; spec klms.md §4.6-4.7, §7 item 17)."""
+"""QLSD and SGLD-KLMS (sidejax.algorithms.langevin; docs/papers/klms.md#s4-6, docs/papers/klms.md#s7-17)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from sidejax.coding import float32_coder
 
 
 def test_sgld_klms_noise_calibration():
-    """With exact samples from q, the aggregate step noise has variance 2*gamma (spec §7 item 17)."""
+    """With exact samples from q, the aggregate step noise has variance 2*gamma
+    (docs/papers/klms.md#s7-17)."""
     gamma, N, C = 1e-4, 50, 10
     sigma = sgld_klms_sigma(gamma, N, C)
     a = N / C

@@ -1,7 +1,7 @@
-"""Mirror descent with the negative binary entropy (sidejax.algorithms.mirror; spec bicompfl.md §3.2 and
-§7 item 19): the Bregman divergence is the Bernoulli KL, grad F = logit and its inverse the sigmoid, the
-logit-space step solves the KL-proximal problem (checked by numerical minimisation in float64), and the
-Optax transformation on scores reproduces that step through ``optax.apply_updates``."""
+"""Mirror descent with the negative binary entropy (sidejax.algorithms.mirror; docs/papers/bicompfl.md#s3-2
+and docs/papers/bicompfl.md#s7-19): the Bregman divergence is the Bernoulli KL, grad F = logit and its inverse
+the sigmoid, the logit-space step solves the KL-proximal problem (checked by numerical minimisation in
+float64), and the Optax transformation on scores reproduces that step through ``optax.apply_updates``."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def kl64(p, q):
 
 
 def test_bregman_divergence_is_the_bernoulli_kl():
-    # spec §7 item 19: p = 0.3, q = 0.6 -> 0.18378689738681 nats (float32: a few ulp)
+    # docs/papers/bicompfl.md#s7-19: p = 0.3, q = 0.6 -> 0.18378689738681 nats (float32: a few ulp)
     assert float(bregman_divergence(jnp.float32(0.3), jnp.float32(0.6))) == pytest.approx(
         0.18378689738681, rel=1e-6
     )

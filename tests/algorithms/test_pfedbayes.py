@@ -1,10 +1,13 @@
-"""pFedBayes, RandomSubset and CoreSet-PFedBayes (sidejax.algorithms.pfedbayes; spec coreset_pfedbayes.md).
+"""pFedBayes, RandomSubset and CoreSet-PFedBayes (sidejax.algorithms.pfedbayes;
+docs/papers/coreset_pfedbayes.md).
 
 Properties: one client with a frozen global posterior is mean-field variational inference on its data (a
-conjugate Gaussian model, against the closed-form mean-field optimum, T3/T4 in practice); the server's
-aggregation (T5); the localized global's gradient vanishes at ``z = q`` (T4); the minibatch slots are uniform
-over the support (the unbiasedness of Eq. 9's ``m/b`` scale); CoreSet-PFedBayes' coresets stay k-sparse and
-non-negative, the uplink is ``2P`` float32 words, runs are deterministic; bad input."""
+conjugate Gaussian model, against the closed-form mean-field optimum, docs/papers/coreset_pfedbayes.md#t3 and
+docs/papers/coreset_pfedbayes.md#t4 in practice); the server's aggregation
+(docs/papers/coreset_pfedbayes.md#t5); the localized global's gradient vanishes at ``z = q``
+(docs/papers/coreset_pfedbayes.md#t4); the minibatch slots are uniform over the support (the unbiasedness of
+Eq. 9's ``m/b`` scale); CoreSet-PFedBayes' coresets stay k-sparse and non-negative, the uplink is ``2P``
+float32 words, runs are deterministic; bad input."""
 
 from __future__ import annotations
 
@@ -108,7 +111,8 @@ def test_one_client_pfedbayes_is_mean_field_variational_inference_on_its_data():
 
 @pytest.mark.parametrize("beta", [1.0, 0.5])
 def test_server_mixes_the_mean_of_the_decoded_mu_and_rho(small_model, beta):
-    """T5: ``v ← (1 − β) v + β · mean_i v_i`` on (μ, ρ) (not σ), from the decoded uplink streams."""
+    """T5 (docs/papers/coreset_pfedbayes.md#t5): ``v ← (1 − β) v + β · mean_i v_i`` on (μ, ρ) (not σ), from
+    the decoded uplink streams."""
     _, params, loss = small_model
     algo = pfedbayes(loss, clients_per_round=3, settings=SMALL._replace(beta=beta))
     server = algo.init(jax.random.key(0), params, 3).server
@@ -124,7 +128,8 @@ def test_server_mixes_the_mean_of_the_decoded_mu_and_rho(small_model, beta):
 
 
 def test_localized_global_gradient_vanishes_at_the_personal_posterior():
-    """T4: ``∇_{v_z} KL(q ‖ z)`` at ``z = q`` is exactly zero, and gradient steps on it alone reach ``q``."""
+    """T4 (docs/papers/coreset_pfedbayes.md#t4): ``∇_{v_z} KL(q ‖ z)`` at ``z = q`` is exactly zero, and
+    gradient steps on it alone reach ``q``."""
     q = MeanField({"a": jnp.array([0.3, -1.0, 2.0])}, {"a": jnp.array([-1.0, 0.5, -3.0])})
     grad = jax.grad(lambda z: mean_field_kl(q, z))
     g = grad(q)

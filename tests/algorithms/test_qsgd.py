@@ -1,4 +1,4 @@
-"""QSGD and QSGD-KLMS (sidejax.algorithms.qsgd; spec klms.md §4.3-4.4, §7 item 13)."""
+"""QSGD and QSGD-KLMS (sidejax.algorithms.qsgd; docs/papers/klms.md#s4-3, docs/papers/klms.md#s7-13)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def test_qsgd_is_unbiased_and_symbol_law_sums_to_one():
 
 
 def test_qsgd_elias_bound_reproduces_the_papers_bug():
-    """spec §4.3: per-tensor CONV6 accounting gives 0.0722 / 0.1399 bpp with the reference code's precedence
-    bug (Table 8's QSGD numbers) and 0.029 / 0.053 bpp with the correct bound."""
+    """docs/papers/klms.md#s4-3: per-tensor CONV6 accounting gives 0.0722 / 0.1399 bpp with the reference
+    code's precedence bug (Table 8's QSGD numbers) and 0.029 / 0.053 bpp with the correct bound."""
     from sidejax.models import get_model, init_params
 
     spec = get_model("conv6", num_classes=10, input_shape=(32, 32, 3))

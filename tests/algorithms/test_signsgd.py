@@ -1,5 +1,5 @@
-"""SignSGD, stochastic SignSGD and SignSGD-KLMS (sidejax.algorithms.signsgd; spec klms.md §4.5,
-§7 item 15)."""
+"""SignSGD, stochastic SignSGD and SignSGD-KLMS (sidejax.algorithms.signsgd;
+docs/papers/klms.md#s4-5, docs/papers/klms.md#s7-15)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A-IHT (sidejax/bayes/coresets.py): the spec's properties T6-T10 (coreset_pfedbayes.md §5.3)."""
+"""A-IHT (sidejax/bayes/coresets.py): the properties T6-T10 (docs/papers/coreset_pfedbayes.md#s5-3)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def _planted(seed, j=200, n=500, k=10):
 
 
 def test_planted_sparse_nonnegative_solution_is_recovered():
-    """T9 in float64 (the spec's numpy check: relative error < 1e-6 at tol 1e-8), exact and reference steps;
-    A-IHT II as well."""
+    """T9 (docs/papers/coreset_pfedbayes.md#t9) in float64 (the numpy check there: relative error < 1e-6 at
+    tol 1e-8), exact and reference steps; A-IHT II as well."""
     with enable_x64():
         for seed in range(3):
             phi, w_star, y = _planted(seed)
@@ -35,8 +35,9 @@ def test_planted_sparse_nonnegative_solution_is_recovered():
 
 
 def test_invariants_and_objective_below_zero_weights():
-    """T6 (float32): w >= 0 and at most k nonzeros; f(w) <= f(0) = ||y||^2 without the sum constraint (w = 0
-    is not feasible with one); with sum_to = L the weights sum to L."""
+    """T6 (docs/papers/coreset_pfedbayes.md#t6; float32): w >= 0 and at most k nonzeros;
+    f(w) <= f(0) = ||y||^2 without the sum constraint (w = 0 is not feasible with one); with sum_to = L the
+    weights sum to L."""
     rng = np.random.default_rng(5)
     phi = jnp.asarray(rng.normal(size=(60, 40)), jnp.float32)
     y = jnp.asarray(rng.normal(size=60), jnp.float32)
@@ -55,11 +56,12 @@ def test_invariants_and_objective_below_zero_weights():
 
 
 def test_every_iterate_is_sparse_nonnegative_and_the_exact_line_searches_never_increase_f():
-    """T6/T8 per iteration (the trace): every ``w_t`` is k-sparse and non-negative; the gradient step with the
-    exact line search never increases ``f`` from ``z_t``, and the momentum step never from ``w_{t+1}`` (step
-    0 is a candidate of each exact line search: this is where the theory says ``f`` does not increase; the
-    projection in between may increase it, so ``f(w_t)`` is not asserted monotone). A noisy problem that
-    runs all ``max_iter`` iterations (float64, so the inequalities are not blurred by rounding)."""
+    """T6/T8 per iteration (docs/papers/coreset_pfedbayes.md#t6, docs/papers/coreset_pfedbayes.md#t8; the
+    trace): every ``w_t`` is k-sparse and non-negative; the gradient step with the exact line search never
+    increases ``f`` from ``z_t``, and the momentum step never from ``w_{t+1}`` (step 0 is a candidate of each
+    exact line search: this is where the theory says ``f`` does not increase; the projection in between may
+    increase it, so ``f(w_t)`` is not asserted monotone). A noisy problem that runs all ``max_iter``
+    iterations (float64, so the inequalities are not blurred by rounding)."""
     rng = np.random.default_rng(9)
     with enable_x64():
         phi = jnp.asarray(rng.normal(size=(80, 60)))
@@ -81,7 +83,8 @@ def test_every_iterate_is_sparse_nonnegative_and_the_exact_line_searches_never_i
 
 
 def test_projection_is_optimal_by_brute_force():
-    """T7: for n <= 10 the signed top-k then clip equals the best of all supports of size <= k."""
+    """T7 (docs/papers/coreset_pfedbayes.md#t7): for n <= 10 the signed top-k then clip equals the best of all
+    supports of size <= k."""
     rng = np.random.default_rng(6)
     for _ in range(20):
         n, k = 8, 3
@@ -98,7 +101,8 @@ def test_projection_is_optimal_by_brute_force():
 
 
 def test_coreset_potentials_full_size_fits():
-    """T10: centred potentials, y = Phi 1: f(1) = 0, and with k = n A-IHT drives f / ||y||^2 below 1e-5."""
+    """T10 (docs/papers/coreset_pfedbayes.md#t10): centred potentials, y = Phi 1: f(1) = 0, and with k = n
+    A-IHT drives f / ||y||^2 below 1e-5."""
     rng = np.random.default_rng(7)
     with enable_x64():
         phi = rng.normal(size=(50, 20))
@@ -156,8 +160,9 @@ def _gauss_kl(m0, c0, m1, c1):
 
 
 def test_bayesian_linear_regression_coreset_beats_random_subsets():
-    """T15 (the paper's §7.1 experiment on synthetic data): KL(pi_w || pi) of the A-IHT coreset posterior does
-    not grow with k and is below the KL of uniform random subsets (weights n/k) on average over seeds."""
+    """T15 (docs/papers/coreset_pfedbayes.md#t15; the paper's §7.1 experiment on synthetic data):
+    KL(pi_w || pi) of the A-IHT coreset posterior does not grow with k and is below the KL of uniform random
+    subsets (weights n/k) on average over seeds."""
     n, dim, prior_var, noise_var = 300, 5, 4.0, 0.5
     aiht_kl, random_kl = {}, {}
     with enable_x64():

@@ -1,7 +1,7 @@
-"""HMC and SGLD through blackjax (sidejax/bayes/inference.py): spec bpcfl.md T11 (HMC recovers a Gaussian
-posterior's mean and variance within Monte-Carlo error; acceptance and the energy error; divergences are
-reported), SGLD's stationary law, bad input. Standard errors by batch means over 40 batches (the chains are
-autocorrelated); fixed keys."""
+"""HMC and SGLD through blackjax (sidejax/bayes/inference.py): docs/papers/bpcfl.md#t11 (HMC recovers a
+Gaussian posterior's mean and variance within Monte-Carlo error; acceptance and the energy error; divergences
+are reported), SGLD's stationary law, bad input. Standard errors by batch means over 40 batches (the chains
+are autocorrelated); fixed keys."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _batch_se(values, batches=40):
 
 
 def test_hmc_recovers_a_gaussian_posterior_mean_and_variance():
-    """T11: N(μ, diag(s²)) with M⁻¹ = diag(s²) (ε = 0.2, L = 7, a trajectory that is not a resonant
-    half-period): sample mean and variance within 4 batch-means standard errors."""
+    """T11 (docs/papers/bpcfl.md#t11): N(μ, diag(s²)) with M⁻¹ = diag(s²) (ε = 0.2, L = 7, a trajectory that
+    is not a resonant half-period): sample mean and variance within 4 batch-means standard errors."""
     out = hmc(
         jax.random.key(0),
         _logdensity,
@@ -52,10 +52,10 @@ def test_hmc_recovers_a_gaussian_posterior_mean_and_variance():
 
 
 def test_energy_error_is_second_order_and_acceptance_tends_to_one():
-    """T11: halving ε along the same trajectory length (L doubled) divides the mean |ΔH| by about 4
-    (leapfrog's global error is O(ε²); with L fixed the shorter trajectory would shrink it faster), and
-    acceptance → 1 as ε → 0; independent chains (mode "chains") from the same start give the posterior
-    mean."""
+    """T11 (docs/papers/bpcfl.md#t11): halving ε along the same trajectory length (L doubled) divides the mean
+    |ΔH| by about 4 (leapfrog's global error is O(ε²); with L fixed the shorter trajectory would shrink it
+    faster), and acceptance → 1 as ε → 0; independent chains (mode "chains") from the same start give the
+    posterior mean."""
     errs = []
     for eps, steps in ((0.04, 10), (0.02, 20), (0.01, 40)):
         out = hmc(

@@ -1,6 +1,6 @@
-"""The BPC-fKL gradient estimator (sidejax/bayes/pseudocoresets.py): spec bpcfl.md T3 (sign and magnitude
-against the closed-form forward-KL gradient of a linear-Gaussian model, with exact samples) and T4 (no
-gradient through the inner chain). float64 closed forms in numpy; fixed keys."""
+"""The BPC-fKL gradient estimator (sidejax/bayes/pseudocoresets.py): docs/papers/bpcfl.md#t3 (sign and
+magnitude against the closed-form forward-KL gradient of a linear-Gaussian model, with exact samples) and
+docs/papers/bpcfl.md#t4 (no gradient through the inner chain). float64 closed forms in numpy; fixed keys."""
 
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def _loss(phi_z):
 
 
 def test_fkl_gradient_matches_the_closed_form_forward_kl_gradient():
-    """T3: ∇_ŷ KL(π_D‖π_C) = Φ_Z(μ_C − μ_D)/σ² (also checked against the gradient of the closed-form KL by
-    finite differences); the estimator with exact Gaussian samples (S = 10⁴ pairs) is within 4 Monte-Carlo
-    standard errors of it in every coordinate. A sign flip fails by hundreds of standard errors."""
+    """T3 (docs/papers/bpcfl.md#t3): ∇_ŷ KL(π_D‖π_C) = Φ_Z(μ_C − μ_D)/σ² (also checked against the gradient of
+    the closed-form KL by finite differences); the estimator with exact Gaussian samples (S = 10⁴ pairs) is
+    within 4 Monte-Carlo standard errors of it in every coordinate. A sign flip fails by hundreds of standard
+    errors."""
     phi_z, yhat, lam0, mu0, mu_d, cov_d = _problem()
     mu_c, cov_c = _coreset_posterior(phi_z, yhat, lam0, mu0)
     closed = phi_z @ (mu_c - mu_d) / SIGMA**2
@@ -100,10 +101,10 @@ def test_fkl_gradient_matches_the_closed_form_forward_kl_gradient():
 
 
 def test_no_gradient_flows_through_the_inner_chain():
-    """T4: the gradient equals the surrogate's gradient at explicitly fixed end points of the chain (computed
-    separately and passed as constants), and the chain's end points do not depend on the coreset's
-    perturbation through the gradient (a different coreset gives different end points, yet the returned
-    gradient is the fixed-θ formula)."""
+    """T4 (docs/papers/bpcfl.md#t4): the gradient equals the surrogate's gradient at explicitly fixed end
+    points of the chain (computed separately and passed as constants), and the chain's end points do not
+    depend on the coreset's perturbation through the gradient (a different coreset gives different end points,
+    yet the returned gradient is the fixed-θ formula)."""
     phi_z, yhat, *_ = _problem()
     loss_fn = _loss(phi_z)
     coreset = {"yhat": jnp.asarray(yhat, jnp.float32)}
@@ -180,13 +181,14 @@ def test_bad_input():
 
 
 # --------------------------------------------------------------------------------------------------------
-# initialisation (A3, T9) and aggregation (A4, T8)
+# initialisation (docs/papers/bpcfl.md#a3, docs/papers/bpcfl.md#t9) and aggregation
+# (docs/papers/bpcfl.md#a4, docs/papers/bpcfl.md#t8)
 # --------------------------------------------------------------------------------------------------------
 
 
 def test_labels_cycle_by_descending_frequency_with_ties_by_id():
-    """T9: counts {3: 10, 1: 5, 7: 2}, K = 7 -> [3, 1, 7, 3, 1, 7, 3]; ties by ascending id; padding
-    entries (valid = 0) do not count."""
+    """T9 (docs/papers/bpcfl.md#t9): counts {3: 10, 1: 5, 7: 2}, K = 7 -> [3, 1, 7, 3, 1, 7, 3]; ties by
+    ascending id; padding entries (valid = 0) do not count."""
     y = np.array([3] * 10 + [1] * 5 + [7] * 2 + [9] * 4)
     valid = np.array([1] * 17 + [0] * 4)
     got = cycled_labels(jnp.asarray(y), jnp.asarray(valid), 10, 7)
@@ -196,8 +198,8 @@ def test_labels_cycle_by_descending_frequency_with_ties_by_id():
 
 
 def test_pseudo_inputs_start_around_the_client_mean():
-    """T9 (statistical): 20,000 pseudo-inputs have mean X̄ and std σ_z within 5 standard errors; regression
-    labels start at mean(y)."""
+    """T9 (docs/papers/bpcfl.md#t9; statistical): 20,000 pseudo-inputs have mean X̄ and std σ_z within 5
+    standard errors; regression labels start at mean(y)."""
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(2.0, 3.0, size=(50, 3)), jnp.float32)
     y = jnp.asarray(rng.normal(size=50), jnp.float32)
@@ -224,8 +226,9 @@ def _gaussian_ll(theta, inputs, labels):  # a linear model with unit noise on th
 
 
 def test_aggregation_weights_concatenation_and_symmetry():
-    """T8: equal n_m gives weight 1 (plain concatenation); M = 1 is the client's own coreset posterior;
-    integer weights equal replicating the points; the log posterior does not depend on the clients' order."""
+    """T8 (docs/papers/bpcfl.md#t8): equal n_m gives weight 1 (plain concatenation); M = 1 is the client's own
+    coreset posterior; integer weights equal replicating the points; the log posterior does not depend on the
+    clients' order."""
     cs = _coresets()
     flat, w = aggregate_pseudocoresets(cs, jnp.asarray([10, 10, 10]))
     np.testing.assert_array_equal(w, 1.0)
@@ -264,15 +267,16 @@ def test_aggregation_weights_concatenation_and_symmetry():
 
 
 # --------------------------------------------------------------------------------------------------------
-# the learner (A2): convergence with exact samplers (T3), trajectory pairs (T10)
+# the learner (docs/papers/bpcfl.md#a2): convergence with exact samplers (docs/papers/bpcfl.md#t3), trajectory
+# pairs (docs/papers/bpcfl.md#t10)
 # --------------------------------------------------------------------------------------------------------
 
 
 def test_learning_the_labels_with_exact_samplers_matches_the_data_posterior_mean():
-    """T3 (second part): SGD on ŷ along the fKL gradient, with exact samples of π_D and of the current π_C,
-    converges to Φ_Zᵀŷ* = σ²(Σ_C⁻¹μ_D − Λ0μ0), i.e. μ_C = μ_D (K = 4 > P = 3 points: the covariance is fixed
-    by Z, the mean is learnable). The remaining error is Monte-Carlo noise of the last steps (annealed step
-    size; measured 2.5%): asserted below 5% of the posterior standard deviations."""
+    """T3 (docs/papers/bpcfl.md#t3, second part): SGD on ŷ along the fKL gradient, with exact samples of π_D
+    and of the current π_C, converges to Φ_Zᵀŷ* = σ²(Σ_C⁻¹μ_D − Λ0μ0), i.e. μ_C = μ_D (K = 4 > P = 3 points:
+    the covariance is fixed by Z, the mean is learnable). The remaining error is Monte-Carlo noise of the last
+    steps (annealed step size; measured 2.5%): asserted below 5% of the posterior standard deviations."""
     phi_z, yhat, lam0, mu0, mu_d, cov_d = _problem()
     _, cov_c = _coreset_posterior(phi_z, yhat, lam0, mu0)
     chol_d = jnp.asarray(np.linalg.cholesky(cov_d), jnp.float32)
@@ -306,8 +310,8 @@ def test_learning_the_labels_with_exact_samplers_matches_the_data_posterior_mean
 
 
 def test_trajectory_pairs_take_the_data_checkpoint_l_d_steps_ahead():
-    """T10: with checkpoints every 5 steps, θ_D is the checkpoint (r + L_D)/5 of the same trajectory as
-    θ_start = checkpoint r/5; L_D must be a multiple of 5 and fit in the trajectory."""
+    """T10 (docs/papers/bpcfl.md#t10): with checkpoints every 5 steps, θ_D is the checkpoint (r + L_D)/5 of
+    the same trajectory as θ_start = checkpoint r/5; L_D must be a multiple of 5 and fit in the trajectory."""
     traj = {"w": jnp.arange(4 * 7, dtype=jnp.float32).reshape(4, 7, 1) * jnp.ones((1, 1, 2))}  # J=4, 7 ckpts
     sample = trajectory_pairs(traj, data_offset=10, save_interval=5, num_pairs=500)
     data, start = sample(jax.random.key(0), None)
@@ -321,9 +325,10 @@ def test_trajectory_pairs_take_the_data_checkpoint_l_d_steps_ahead():
 
 
 def test_expert_trajectories_share_their_starts_across_clients_and_save_every_interval():
-    """T10: T_pre / 5 + 1 checkpoints, the first the shared initialisation, bit-identical on two clients with
-    different data and keys; the clients' minibatch orders (and so their trajectories) differ; the
-    chunked (lax.map) computation equals the vmapped one; the loss falls along a trajectory."""
+    """T10 (docs/papers/bpcfl.md#t10): T_pre / 5 + 1 checkpoints, the first the shared initialisation,
+    bit-identical on two clients with different data and keys; the clients' minibatch orders (and so their
+    trajectories) differ; the chunked (lax.map) computation equals the vmapped one; the loss falls along a
+    trajectory."""
 
     def init_fn(key):
         return {"w": 0.5 * jax.random.normal(key, (2,))}
@@ -357,8 +362,9 @@ def test_expert_trajectories_share_their_starts_across_clients_and_save_every_in
 
 
 def test_exact_pseudocoreset_has_zero_forward_kl_and_a_mean_zero_gradient():
-    """T2: linear-Gaussian, K = P, Φ_Z = Lᵀ with LLᵀ = Φ_XᵀΦ_X and ŷ = L⁻¹Φ_Xᵀy: π_C = π_D exactly, and the
-    estimator with exact samples has mean 0 within 4 Monte-Carlo standard errors."""
+    """T2 (docs/papers/bpcfl.md#t2): linear-Gaussian, K = P, Φ_Z = Lᵀ with LLᵀ = Φ_XᵀΦ_X and ŷ = L⁻¹Φ_Xᵀy:
+    π_C = π_D exactly, and the estimator with exact samples has mean 0 within 4 Monte-Carlo standard
+    errors."""
     rng = np.random.default_rng(8)
     p, n = 3, 25
     phi_x = rng.normal(size=(n, p))
@@ -389,9 +395,10 @@ def test_exact_pseudocoreset_has_zero_forward_kl_and_a_mean_zero_gradient():
 
 
 def test_a_coreset_equal_to_the_data_has_a_zero_gradient():
-    """T5 (float64, deterministic): C = D_m with the same loss, full-batch SGD pretraining, an inner chain of
-    L_C = L_D steps of the same SGD from θ_start = τ[r]: θ_C = θ_D = τ[r + L_D], so g = 0 up to round-off,
-    through expert_trajectories, trajectory_pairs and fkl_gradient together."""
+    """T5 (docs/papers/bpcfl.md#t5; float64, deterministic): C = D_m with the same loss, full-batch SGD
+    pretraining, an inner chain of L_C = L_D steps of the same SGD from θ_start = τ[r]:
+    θ_C = θ_D = τ[r + L_D], so g = 0 up to round-off, through expert_trajectories, trajectory_pairs and
+    fkl_gradient together."""
     from sidejax.utils import enable_x64
 
     with enable_x64():
@@ -434,9 +441,9 @@ def test_a_coreset_equal_to_the_data_has_a_zero_gradient():
 
 
 def test_map_on_the_aggregated_coreset_posterior_is_the_closed_form_mean():
-    """A4-A5: MAP (Adam, full batch) on coreset_logdensity of a linear-Gaussian coreset (prior precision λ,
-    unit-noise labels, weights w) reaches the closed-form posterior mean (Λ = λI + Σ w_i z_i z_iᵀ,
-    Λμ = Σ w_i ŷ_i z_i) to float32 precision."""
+    """docs/papers/bpcfl.md#a4 and docs/papers/bpcfl.md#a5: MAP (Adam, full batch) on coreset_logdensity of a
+    linear-Gaussian coreset (prior precision λ, unit-noise labels, weights w) reaches the closed-form
+    posterior mean (Λ = λI + Σ w_i z_i z_iᵀ, Λμ = Σ w_i ŷ_i z_i) to float32 precision."""
     cs = _coresets()
     flat, w = aggregate_pseudocoresets(cs, jnp.asarray([10, 20, 30]))
     logd = coreset_logdensity(_gaussian_ll, flat, w, prior_precision=2.0)
@@ -452,11 +459,11 @@ def test_map_on_the_aggregated_coreset_posterior_is_the_closed_form_mean():
 
 
 def test_hidden_unit_permutations_leave_the_function_and_the_coreset_gradient_unchanged():
-    """T6 (the function-space motivation) on BPC-FL's moons MLP with GroupNorm: permuting the first hidden
-    layer's units within each GroupNorm group (and the GN scale/bias and the next layer's rows with them)
-    leaves f(X, θ), the coreset loss ℓ(C, θ) and ∇_C ℓ unchanged; the naive weight-space average of the two
-    equivalent parameter vectors (the mean of a product of two equal-variance Gaussians centred on them) is a
-    different function."""
+    """T6 (docs/papers/bpcfl.md#t6; the function-space motivation) on BPC-FL's moons MLP with GroupNorm:
+    permuting the first hidden layer's units within each GroupNorm group (and the GN scale/bias and the next
+    layer's rows with them) leaves f(X, θ), the coreset loss ℓ(C, θ) and ∇_C ℓ unchanged; the naive
+    weight-space average of the two equivalent parameter vectors (the mean of a product of two equal-variance
+    Gaussians centred on them) is a different function."""
     from sidejax.models import get_model, init_params
 
     spec = get_model("moons_mlp", num_classes=2, input_shape=(2,))
@@ -499,11 +506,11 @@ def _gaussian_kl(mu1, cov1, mu2, cov2) -> float:
 
 
 def test_product_of_client_posteriors_is_the_full_posterior_and_exact_pseudocoresets_recover_it():
-    """T1 (eq. 2, float64): Bayesian linear regression over M = 4 clients. The global posterior
-    (Λ = Λ0 + Σ_m Φ_mᵀΦ_m/σ², Λμ = Λ0μ0 + Σ_m Φ_mᵀy_m/σ²) equals p0^{1−M} Π_m p(θ|D_m) in natural parameters
-    to 1e-10. Then each client's exact pseudocoreset (K = P, Φ_Z = Lᵀ, ŷ = L⁻¹Φ_Xᵀy, as in T2), sent
-    through the library's aggregation (equal n_m: weights 1) and coreset_logdensity, gives exactly the
-    full-data posterior: its Hessian is −Λ and its mode is μ."""
+    """T1 (docs/papers/bpcfl.md#t1; eq. 2, float64): Bayesian linear regression over M = 4 clients. The global
+    posterior (Λ = Λ0 + Σ_m Φ_mᵀΦ_m/σ², Λμ = Λ0μ0 + Σ_m Φ_mᵀy_m/σ²) equals p0^{1−M} Π_m p(θ|D_m) in natural
+    parameters to 1e-10. Then each client's exact pseudocoreset (K = P, Φ_Z = Lᵀ, ŷ = L⁻¹Φ_Xᵀy, as in
+    docs/papers/bpcfl.md#t2), sent through the library's aggregation (equal n_m: weights 1) and
+    coreset_logdensity, gives exactly the full-data posterior: its Hessian is −Λ and its mode is μ."""
     from sidejax.utils import enable_x64
 
     rng = np.random.default_rng(11)
@@ -543,9 +550,9 @@ def test_product_of_client_posteriors_is_the_full_posterior_and_exact_pseudocore
 
 
 def test_a_linear_map_never_increases_the_kl_between_gaussians():
-    """T7 (eq. 5, the data-processing inequality behind function space): for Gaussians and a linear map A,
-    KL(N(Aμ1, AΣ1Aᵀ) || N(Aμ2, AΣ2Aᵀ)) <= KL(N(μ1, Σ1) || N(μ2, Σ2)), over 200 random instances (maps to
-    fewer dimensions, square and well conditioned; equality for an invertible A)."""
+    """T7 (docs/papers/bpcfl.md#t7; eq. 5, the data-processing inequality behind function space): for
+    Gaussians and a linear map A, KL(N(Aμ1, AΣ1Aᵀ) || N(Aμ2, AΣ2Aᵀ)) <= KL(N(μ1, Σ1) || N(μ2, Σ2)), over 200
+    random instances (maps to fewer dimensions, square and well conditioned; equality for an invertible A)."""
     rng = np.random.default_rng(5)
     gaps = []
     for trial in range(200):

@@ -1,5 +1,6 @@
-"""Mean-field Gaussian posteriors (sidejax/bayes/variational.py): spec T1 (closed-form KL vs Monte Carlo,
-KL(q||q) = 0, KL >= 0, gradient) and T2 (reparameterised moments)."""
+"""Mean-field Gaussian posteriors (sidejax/bayes/variational.py): T1 (closed-form KL vs Monte Carlo,
+KL(q||q) = 0, KL >= 0, gradient; docs/papers/coreset_pfedbayes.md#t1) and T2 (reparameterised moments;
+docs/papers/coreset_pfedbayes.md#t2)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The importance-sampling coder (sidejax.coding.importance): exactness, bits, and its statistics.
 
 Statistical tests use fixed keys and n independent blocks of size 1 per encoder call, so tolerances are a
-few standard errors of n draws; closed forms or float64 numpy are the references (spec klms.md §7 items 1-5,
-9, 10, 19).
+few standard errors of n draws; closed forms or float64 numpy are the references (docs/papers/klms.md#s7-1 to
+docs/papers/klms.md#s7-5, docs/papers/klms.md#s7-9, docs/papers/klms.md#s7-10, docs/papers/klms.md#s7-19).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ N_STAT = 40000
 
 
 def bernoulli_is_law(phi, theta, K):
-    """Closed form P(Y = 1) of the single-coordinate coder (spec §7 item 9), in float64."""
+    """Closed form P(Y = 1) of the single-coordinate coder (docs/papers/klms.md#s7-9), in float64."""
     j = np.arange(K + 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         a = j * phi / theta
@@ -198,7 +198,8 @@ def test_zero_probability_candidates_are_never_chosen_and_fallback_is_counted():
 
 
 def test_gaussian_bias_shrinks_with_k():
-    """q = N(0.8, 1), p = N(0, 1): self-normalised IS is biased towards p for small K (spec item 10)."""
+    """q = N(0.8, 1), p = N(0, 1): self-normalised IS is biased towards p for small K
+    (docs/papers/klms.md#s7-10)."""
     q, p = (
         DiagGaussian(jnp.full(N_STAT, 0.8), jnp.ones(N_STAT)),
         DiagGaussian(jnp.zeros(N_STAT), jnp.ones(N_STAT)),

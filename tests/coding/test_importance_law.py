@@ -1,10 +1,11 @@
 """The exact law of the importance-sampled Bernoulli and the paper's bounds (sidejax.coding.importance_law).
 
-Spec ``bicompfl.md`` §6 and §7 items 4-6. The float64 law is checked against the spec's reference table,
+docs/papers/bicompfl.md#s6 and docs/papers/bicompfl.md#s7-4 to docs/papers/bicompfl.md#s7-6. The float64 law
+is checked against the reference table of docs/papers/bicompfl.md#s6,
 against the *definition* (enumerating every candidate set, no binomial algebra) and against scipy's
 binomial pmf; the float32 law against the float64 one in ulps. Then Prop. 1, Lemma 1 with C = 1,
-betweenness, monotonicity and the 1/n asymptotics on the spec's grids, and the real coder
-(:func:`importance_encode` / :func:`importance_decode` with keys from :mod:`sidejax.keys`) against the
+betweenness, monotonicity and the 1/n asymptotics on the grids of docs/papers/bicompfl.md#s6, and the real
+coder (:func:`importance_encode` / :func:`importance_decode` with keys from :mod:`sidejax.keys`) against the
 exact law (4e5 trials per case, |z| < 4, fixed keys). Finally blocks: padding with q = p changes nothing,
 and at fixed n_IS the marginal bias grows with the block KL.
 """
@@ -34,7 +35,7 @@ from sidejax.coding.importance_law import (
 from sidejax.distributions import Bernoulli
 from sidejax.keys import client_keys, client_streams, round_key, run_keys
 
-#: spec §6, [D]: (q, p, n_IS) -> Pr(X_I = 1), six decimals
+#: docs/papers/bicompfl.md#s6, [D]: (q, p, n_IS) -> Pr(X_I = 1), six decimals
 TABLE = {
     (0.7, 0.3, 4): 0.568254,
     (0.7, 0.3, 16): 0.672463,
@@ -46,8 +47,8 @@ TABLE = {
     (0.99, 0.01, 256): 0.912149,
 }
 
-#: spec §6: p, q in [0.02, 0.98] and these n_IS (Prop. 1 adds n = 1). The grid values are float32 numbers,
-#: so the float64 law and the float32 closed forms of the bounds see exactly the same inputs.
+#: docs/papers/bicompfl.md#s6: p, q in [0.02, 0.98] and these n_IS (Prop. 1 adds n = 1). The grid values are
+#: float32 numbers, so the float64 law and the float32 closed forms of the bounds see exactly the same inputs.
 GRID = np.linspace(0.02, 0.98, 49).astype(np.float32).astype(np.float64)
 GRID_N = (2, 4, 8, 16, 64, 256, 1024, 4096)
 
@@ -197,7 +198,8 @@ def test_lemma1_with_constant_one_on_the_grid():
 
 
 def test_law_lies_between_prior_and_target_and_bias_is_monotone_in_n():
-    """Spec §6 [D]: on a 60 x 60 grid, n = 1..200, p <= Pr <= q or q <= Pr <= p, and |bias| never grows."""
+    """docs/papers/bicompfl.md#s6 [D]: on a 60 x 60 grid, n = 1..200, p <= Pr <= q or q <= Pr <= p, and |bias|
+    never grows."""
     g = (np.arange(60) + 0.5) / 60
     q, p = np.meshgrid(g, g, indexing="ij")
     lo, hi = np.minimum(p, q), np.maximum(p, q)
@@ -261,7 +263,8 @@ def _coder_ones(q, p, case, *, log2k):
 
 
 def test_real_coder_matches_the_exact_law():
-    """Spec §7 item 4: the coder's frequency of X = 1 (block size 1) against the exact law, |z| < 4."""
+    """docs/papers/bicompfl.md#s7-4: the coder's frequency of X = 1 (block size 1) against the exact law,
+    |z| < 4."""
     for case, (q, p, log2k) in enumerate(MC_CASES):
         ones, fallback = _coder_ones(q, p, case, log2k=log2k)
         expected = float(bernoulli_selection_prob_np(q, p, 2**log2k))
@@ -288,8 +291,9 @@ def _padding_case(shared, private, q, p, partitions):
 
 
 def test_padding_with_q_equal_p_leaves_log_weights_and_the_choice_unchanged():
-    """Spec §2.1 / §7 item 6: pad the last block with q = p; the pads add exactly 0 to every candidate's
-    log-weight, so the encoder picks the same candidates and the real coordinates decode identically.
+    """docs/papers/bicompfl.md#s2-1 / docs/papers/bicompfl.md#s7-6: pad the last block with q = p; the pads
+    add exactly 0 to every candidate's log-weight, so the encoder picks the same candidates and the real
+    coordinates decode identically.
 
     100 real coordinates in blocks of 16 (the last has 4) and 12 pads with q = p. Unpadded: the pads form a
     block of their own (block 7), so block 6 holds only the 4 real coordinates; padded: block 6 is
@@ -347,15 +351,16 @@ def _marginal_bias(block_size, log2k, num_keys):
 
 
 def test_marginal_bias_grows_with_block_kl_and_shrinks_with_candidates():
-    """Spec §6 / §7 item 6 (Chatterjee-Diaconis for blocks): q = 0.6, p = 0.4 is 0.081 nats per coordinate.
-    At n_IS = 64 the bias is the exact law's -0.0031 for b = 1 and about -0.07 for b = 64 (block KL 5.2
-    nats, e^5.2 = 180 > 64 candidates); with n_IS = 512 > e^5.2 it shrinks."""
+    """docs/papers/bicompfl.md#s6 / docs/papers/bicompfl.md#s7-6 (Chatterjee-Diaconis for blocks): q = 0.6,
+    p = 0.4 is 0.081 nats per coordinate. At n_IS = 64 the bias is the exact law's -0.0031 for b = 1 and about
+    -0.07 for b = 64 (block KL 5.2 nats, e^5.2 = 180 > 64 candidates); with n_IS = 512 > e^5.2 it shrinks."""
     b1, se1 = _marginal_bias(1, 6, 8)
     b16, se16 = _marginal_bias(16, 6, 8)
     b64, se64 = _marginal_bias(64, 6, 8)
     exact1 = float(bernoulli_selection_prob_np(0.6, 0.4, 64)) - 0.6
     assert abs(b1 - exact1) < 4 * se1  # block size 1 is the exact law
     assert b1 > b16 + 4 * math.hypot(se1, se16) and b16 > b64 + 4 * math.hypot(se16, se64)  # towards p
-    assert abs(b64 + 0.07) < 0.01 and se64 < 0.003  # the spec's "about 0.07", several se resolved
+    # the "about 0.07" of docs/papers/bicompfl.md#s6, several se resolved
+    assert abs(b64 + 0.07) < 0.01 and se64 < 0.003
     b64_512, se_512 = _marginal_bias(64, 9, 2)
     assert b64 + 4 * math.hypot(se64, se_512) < b64_512 < 0

@@ -1,5 +1,5 @@
-"""The KLMS coder and its block-update protocol (sidejax.coding.klms; spec klms.md §3.6-§3.7, §7 items 1, 2,
-18).
+"""The KLMS coder and its block-update protocol (sidejax.coding.klms; docs/papers/klms.md#s3-6,
+docs/papers/klms.md#s7-1, docs/papers/klms.md#s7-2, docs/papers/klms.md#s7-18).
 """
 
 from __future__ import annotations
@@ -382,7 +382,8 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
 
 
 def test_adaptive_blocks_track_kl():
-    """In an update round the blocks' KL is near the target except where the cap binds (spec §7 item 18)."""
+    """In an update round the blocks' KL is near the target except where the cap binds
+    (docs/papers/klms.md#s7-18)."""
     state = klms_init(D, CFG)
     dec = _roundtrip(state).dec
     blocks = blocks_from_starts(dec.starts, dec.num_blocks, D, D)
@@ -416,8 +417,8 @@ def _protocol_run(cfg, rounds=10, dim=1000):
 
 
 def test_adaptive_bits_track_a_falling_kl_while_fixed_bits_stay_flat():
-    """Fig. 3 (bottom) analogue through the whole protocol (spec §7 item 18): the KL falls by 0.64x a
-    round; Fixed-KLMS pays the same bits every round, so bits/KL climbs; Adaptive-KLMS re-partitions
+    """Fig. 3 (bottom) analogue through the whole protocol (docs/papers/klms.md#s7-18): the KL falls by 0.64x
+    a round; Fixed-KLMS pays the same bits every round, so bits/KL climbs; Adaptive-KLMS re-partitions
     whenever the mean block KL leaves [D/3, 2D], so its index bits stay within a bounded factor of the KL."""
     cfg = KLMSConfig(log2_num_candidates=2, max_block_size=256)
     bits, kl, blocks, update = _protocol_run(cfg)

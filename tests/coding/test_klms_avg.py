@@ -1,4 +1,5 @@
-"""The Adaptive-Avg KLMS coder (sidejax.coding.klms_avg; spec bicompfl.md §3.8 "Adaptive-Avg", §8 item 8)."""
+"""The Adaptive-Avg KLMS coder (sidejax.coding.klms_avg; docs/papers/bicompfl.md#s3-8 "Adaptive-Avg",
+docs/papers/bicompfl.md#s8-8)."""
 
 from __future__ import annotations
 

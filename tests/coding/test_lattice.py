@@ -2,7 +2,8 @@
 
 - the decoded error passes KS tests against N(0, σ²) (Z^1, Z^2, Z^3, E8) and Lap(0, b) (Z^1) for inputs far
   from the origin, on lattice points and random, and is uncorrelated with the input;
-- the trial indices are geometric with the spec's acceptance probabilities (χ² goodness of fit);
+- the trial indices are geometric with the acceptance probabilities of docs/papers/cepam.md#s2-5 (χ² goodness
+  of fit);
 - the decoder reproduces the encoder's reconstruction bit for bit (one program), a wrong key does not;
 - the two-phase vector quantizer returns the per-block reference loop's (h, coords) bit for bit;
 - the stream parses back exactly, corrupted or truncated streams are flagged, overflow is reported;

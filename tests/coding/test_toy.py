@@ -1,5 +1,5 @@
-"""The App. F toy distributed-mean experiment and the Thm 4.1 calculator (sidejax.coding.toy; spec klms.md
-§4.8, §7 items 10-12).
+"""The App. F toy distributed-mean experiment and the Thm 4.1 calculator (sidejax.coding.toy;
+docs/papers/klms.md#s4-8, docs/papers/klms.md#s7-10 to docs/papers/klms.md#s7-12).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ def test_toy_error_shrinks_with_clients_and_overhead():
         err[n] = est - mu
     # the std of the estimate falls roughly like 1/sqrt(N): 1/4 from N=1 to N=16 (allow 0.4)
     assert err[16].std() < 0.4 * err[1].std()
-    # with overhead r = 6 nats the bias is small (spec §7 item 10: < 0.03 at r >= 4)
+    # with overhead r = 6 nats the bias is small (docs/papers/klms.md#s7-10: < 0.03 at r >= 4)
     est = np.asarray(mean_estimates(jax.random.key(1), jnp.full((16,), mu), b, runs), np.float64)
     assert abs(est.mean() - mu) < 0.03 + 4 * est.std() / math.sqrt(runs)
 
 
 def test_theorem41_epsilon_calculator_and_single_client_bound():
-    # spec §7 item 12: Gaussian toy, mu = 0.8, r = 6 nats
+    # docs/papers/klms.md#s7-12: Gaussian toy, mu = 0.8, r = 6 nats
     mu, r = 0.8, 6.0
     tail = gaussian_log_ratio_tail(mu, r)
     assert tail == pytest.approx(0.5 * math.erfc(3.75 / math.sqrt(2)), rel=1e-12)

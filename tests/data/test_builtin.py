@@ -60,7 +60,7 @@ def test_synthetic_linear_train_test_share_weights():
     np.testing.assert_allclose(test.x @ w, test.y, atol=1e-4)
 
 
-# --- BPC-FL's three-interval regression (spec bpcfl.md §5.1, §8.15) ---------------------------------
+# --- BPC-FL's three-interval regression (docs/papers/bpcfl.md#s5-1, docs/papers/bpcfl.md#s8-15) ---
 
 
 def _in_intervals(x):
