@@ -1,4 +1,5 @@
-"""The README's Python examples run as written; its commands use the project's environment and valid flags."""
+"""The Python examples of the README and the docs run as written; their commands use the project's
+environment and valid flags."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+ROOT = Path(__file__).parent.parent
+#: the README and the user docs it sends a reader to: their examples run and their commands parse
+#: (docs/architecture.md's snippets are fragments of the code it describes, not examples)
+PAGES = [
+    ROOT / "README.md",
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "architecture.md"),
+    *sorted((ROOT / "docs" / "papers").glob("*.md")),
+]
+README = "\n".join(p.read_text() for p in PAGES)
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 BASH = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
 
@@ -21,7 +30,7 @@ def test_readme_has_python_examples():
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index, capsys):
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
+    exec(compile(BLOCKS[index], f"README+docs[python block {index}]", "exec"), {"__name__": "__readme__"})
     assert capsys.readouterr().out.strip()  # each example prints its result
 
 

@@ -53,7 +53,8 @@ changes with every single changed value; BICompFL's parties must hold bit-identi
 any other corruption with probability :math:`1 - 2^{-32}`. It is an error check, not an authenticator (a CRC
 is linear; use a MAC against an adversary). Cost: 32 bits per message, counted in ``num_bits``: at the
 ``klms_fmnist`` preset size (LeNet5, ``dim`` = 61,706) that is 32 / 61,706 = 0.00052 bpp per client per
-round, 1.7% of the FedPM-KLMS uplink measured there (0.0301 bpp, README). Off by default, as in the paper.
+round, 1.7% of the FedPM-KLMS uplink measured there (0.0301 bpp, docs/papers/klms.md#walkthrough). Off by
+default, as in the paper.
 """
 
 from __future__ import annotations
