@@ -626,9 +626,16 @@ def check_resumable_folder(output_dir: str | Path) -> None:
     raise FileNotFoundError(f"--resume: no run to resume in {out} ({hint})")
 
 
-def _check_resumable(out: Path, config: ExperimentConfig) -> ExperimentConfig:
-    """Checks, before any work, that ``out`` holds a run of ``config`` (``run.rounds`` aside) with a
-    checkpoint. Returns the saved config."""
+def same_run_config(output_dir: str | Path, config: ExperimentConfig) -> ExperimentConfig:
+    """Checks, before any work, that ``output_dir`` holds a run of ``config`` (every field but
+    ``run.rounds`` and the launch settings) with a checkpoint; used by ``--resume`` and by the suites.
+    Returns the saved config (with ``config``'s rounds and launch settings).
+
+    Raises:
+      ValueError: naming the fields that differ (or the topology to resume on).
+      FileNotFoundError: no run with a checkpoint there.
+    """
+    out = Path(output_dir)
     check_resumable_folder(out)
     saved = run_config(json.loads((out / "config.json").read_text()), source=str(out / "config.json"))
     launch = {k: config.flat()[k] for k in distributed.LAUNCH_FIELDS}
@@ -647,13 +654,6 @@ def _check_resumable(out: Path, config: ExperimentConfig) -> ExperimentConfig:
             )
         raise ValueError(f"--resume: config differs from the checkpointed run in {out} (now, saved): {diff}")
     return saved.override({"run.rounds": config.run.rounds, **launch})
-
-
-def same_run_config(output_dir: str | Path, config: ExperimentConfig) -> ExperimentConfig:
-    """The configuration saved in ``output_dir`` if ``config`` asks for the same run (every field but
-    ``run.rounds`` and the launch settings); raises ``ValueError`` naming the fields that differ, or
-    ``FileNotFoundError`` without a run there to continue."""
-    return _check_resumable(Path(output_dir), config)
 
 
 def run_experiment(
@@ -705,7 +705,7 @@ def run_experiment(
             "overwrite replaces it"
         )
     if resume:
-        _check_resumable(out, config)
+        same_run_config(out, config)
     else:
         check_new_output(out, overwrite=overwrite)
     # several processes: the same configuration everywhere, and a barrier (every process has checked the
@@ -733,9 +733,8 @@ def run_experiment(
     # Trace one round (shapes only, nothing compiled or run) before anything is written: a configuration the
     # algorithm refuses at trace time (e.g. a coreset larger than a client's data) fails here, not after the
     # run folder exists.
-    jax.eval_shape(
-        build_round_step(algorithm, client_map=client_map(config)), round_key(rounds_key, 0), state, fed
-    )
+    cmap = client_map(config)
+    jax.eval_shape(build_round_step(algorithm, client_map=cmap), round_key(rounds_key, 0), state, fed)
 
     if resume:
         state, meta = load_checkpoint(ckpt_dir, state)
@@ -772,7 +771,6 @@ def run_experiment(
         with (out / "metrics.jsonl").open("w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    cmap = client_map(config)
     # a mesh: the examples and the client state go to the devices that hold them (each process places its
     # own devices' shares); host_view(state) gives the whole state back for evaluation and checkpoints
     state, fed = place_federation(cmap, state, fed)

@@ -207,11 +207,13 @@ def _planned(out: Path, config, force: bool) -> tuple[str, str]:
     except ValueError as e:
         return "refuse", f"{e}; use --force to replace it, or another directory"
     summary = out / "summary.json"
-    if summary.is_file():
-        target = json.loads(summary.read_text()).get("rounds_target")
-    else:
-        target = read_checkpoint_meta(out / "checkpoint").get("rounds_target")
-    done = read_checkpoint_meta(out / "checkpoint")["round_index"]
+    meta = read_checkpoint_meta(out / "checkpoint")
+    done = meta["round_index"]
+    target = (
+        json.loads(summary.read_text()).get("rounds_target")
+        if summary.is_file()
+        else meta.get("rounds_target")
+    )
     asked = config.run.rounds
     if done > asked or (target is not None and target > asked):
         held = max(done, target or 0)

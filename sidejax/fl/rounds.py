@@ -290,21 +290,22 @@ def _host(leaf) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
 
 
+def _on_key_data(fn, leaf):
+    """``fn(leaf)``, or for a typed PRNG key array ``fn`` of its key data, wrapped again as keys."""
+    if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(fn(jax.random.key_data(leaf)), impl=jax.random.key_impl(leaf))
+    return fn(leaf)
+
+
 def gather_to_host(tree: PyTree) -> PyTree:
     """Every leaf of ``tree`` as a NumPy array holding its whole value, in every process (what a checkpoint
     or an evaluation needs). A leaf split over devices of other processes is all-gathered (a collective:
     every process must call this together); typed PRNG keys are kept as key data and wrapped again."""
-
-    def one(leaf):
-        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(_host(jax.random.key_data(leaf)), impl=jax.random.key_impl(leaf))
-        return _host(leaf)
-
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda leaf: _on_key_data(_host, leaf), tree)
 
 
 def _place(value, sharding) -> jax.Array:
-    host = value if isinstance(value, np.ndarray) else _host(value)
+    host = _host(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
@@ -346,10 +347,7 @@ def place_federation(
         return _place(a, split)
 
     def leaf(a, sharding):
-        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
-            impl = jax.random.key_impl(a)
-            return jax.random.wrap_key_data(_place(_host(jax.random.key_data(a)), sharding), impl=impl)
-        return _place(np.asarray(_host(a)), sharding)
+        return _on_key_data(lambda v: _place(v, sharding), a)
 
     clients = split if client_state_split(cmap, num_clients) else whole
     placed_state = RoundState(
@@ -423,27 +421,27 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         keys = jax.vmap(client_keys, (None, 0))(rkey, pids)
         cstates = _take(state.clients, pids)
         counts = data.num_examples[pids]
-        message = None
-        if per_client:
+        message = downlink if per_client else None
+        if per_client and extra:
             message = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], extra, 0)]), downlink)
+        # A client reads ClientData(x, y, indices): each of the three is either its own (mapped over the
+        # participants) or shared by all, the other slot None.
+        idx = data.client_indices[pids]
         if cmap.mesh is None:
             # one device: the federation's examples are shared, each client reads its rows through its indices
-            own = (data.client_indices[pids], None, None)
-            whole = (data.x, data.y)
+            own, whole = (None, None, idx), (data.x, data.y, None)
         else:
             # a mesh: each participant's rows are gathered to the device that runs it (the examples are split
             # over the devices, place_federation); it reads them through local indices 0..max_examples-1
-            idx = data.client_indices[pids]
-            own = (None, data.x[idx], data.y[idx])
-            whole = (jnp.arange(idx.shape[1], dtype=idx.dtype), None)
+            own = (data.x[idx], data.y[idx], None)
+            whole = (None, None, jnp.arange(idx.shape[1], dtype=idx.dtype))
 
         def one_client(args, shared):
-            k, cs, n, msg, (idx, x, y) = args
-            dk, server, broadcast, (x_all, y_all) = shared
-            if idx is None:  # the participant's own rows, local indices
-                idx, x_all, y_all = x_all, x, y
+            k, cs, n, msg, mine = args
+            dk, server, broadcast, common = shared
+            x, y, indices = (a if a is not None else b for a, b in zip(mine, common, strict=True))
             received = algorithm.receive(dk, k, server, cs, broadcast if msg is None else msg)
-            return algorithm.client_update(k, received, cs, ClientData(x_all, y_all, idx, n))
+            return algorithm.client_update(k, received, cs, ClientData(x, y, indices, n))
 
         args = _constrain(cmap, (keys, cstates, counts, message, own), True)
         shared = (dkey, state.server, downlink, whole)
