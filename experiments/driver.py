@@ -281,18 +281,19 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     )
 
 
-def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
-    """Stops the run at the first round in which a stream was invalid (like NaN): a client's coder reported
-    an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), or the server's
-    decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's reasons), or a
-    client could not decode its downlink (``ClientInfo.downlink_errors``)."""
+def stream_problems(infos) -> tuple[int, str] | None:
+    """The first round of a chunk in which a stream was invalid, and what was wrong, or ``None``: a client's
+    coder reported an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), the
+    server's decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's
+    reasons), or a client could not decode its downlink (``ClientInfo.downlink_errors``). Returns
+    ``(round_index, "client 3: ...; client 7: ...")``."""
     shape = np.shape(infos.client_ids)
     client_ok = np.asarray(infos.clients.valid).reshape(shape)
     errors = np.asarray(infos.uplink_errors).reshape(shape)
     down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
     bad = ~client_ok | (errors != 0) | (down != 0)
     if not bad.any():
-        return
+        return None
     r = int(np.flatnonzero(bad.any(axis=1))[0])
     ids = np.asarray(infos.client_ids)[r]
     details = []
@@ -301,9 +302,18 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
         reasons += stream_errors(errors[r, i])
         reasons += [f"its downlink: {e}" for e in stream_errors(down[r, i])]
         details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
-    round_index = int(np.asarray(infos.round_index)[r])
+    return int(np.asarray(infos.round_index)[r]), "; ".join(details)
+
+
+def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
+    """Stops the run at the first round in which a stream was invalid (like NaN; see
+    :func:`stream_problems`)."""
+    problem = stream_problems(infos)
+    if problem is None:
+        return
+    round_index, details = problem
     raise InvalidStreamError(
-        f"an invalid stream in round {round_index} ({'; '.join(details)}). Nothing from that round was kept: "
+        f"an invalid stream in round {round_index} ({details}). Nothing from that round was kept: "
         f"the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
         f"corrupted input, not a tuning problem: please report it."
     )
