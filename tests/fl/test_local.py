@@ -80,8 +80,12 @@ def test_schedule_is_exactly_the_documented_one(schedule):
     steps = schedule.get("num_steps", STEPS_PER_EPOCH * schedule.get("num_epochs", 0))
     w, updates, loss = recorder_oracle(key, data, steps)
     assert np.abs(w).max() > 0  # the recorder recorded something
-    np.testing.assert_array_equal(params["w"], w)
-    assert int(info.num_steps) == updates and float(info.loss) == loss and bool(info.finite)
+    np.testing.assert_array_equal(params["w"], w)  # dyadic values: exact on every backend
+    assert int(info.num_steps) == updates and bool(info.finite)
+    # The mean loss divides by the number of updates, a traced count: a GPU's float32 division is not always
+    # correctly rounded (XLA may multiply by the reciprocal), so within 2 ulp there (on the H200, 2 + 2·7
+    # steps failed bit equality); any schedule error moves the loss by whole units of the dyadic weights.
+    np.testing.assert_array_max_ulp(np.float32(info.loss), np.float32(loss), maxulp=2)
 
 
 @pytest.mark.parametrize("average", [False, True])
