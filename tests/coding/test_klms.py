@@ -502,3 +502,43 @@ def test_frame_reads_each_length_and_a_relay_splits_back_into_the_messages(cfg, 
         np.testing.assert_array_equal(np.asarray(y), np.asarray(y0))
     short = Message(relay.payload, relay.num_bits - 1)
     assert not bool(split(short)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.accelerator
+def test_conv6_sized_update_round_decodes_for_every_client():
+    """An update round at the size of the KLMS paper's CONV6 (2,262,602 mask probabilities), 10 clients
+    vmapped in one jitted program, as FedPM-KLMS runs on an accelerator: every client's own partition
+    (blocks of 1 to 256 coordinates: runs of coordinates far from the prior between runs close to it) is
+    read back from its stream exactly, and the stream is as long as its fields. The GPU check's CIFAR-10
+    CONV6 preset found round 0's streams invalid on an H200 (the block lengths read back did not sum to the
+    dimension); this pins the coder alone at that size, on whatever backend runs it."""
+    dim, clients = 2_262_602, 10
+    cfg = KLMSConfig(log2_num_candidates=2, block_size=8, max_block_size=256)
+    state = klms_init(dim, cfg)
+    p = Bernoulli(jnp.full((dim,), 0.5))
+    k2, k3 = jax.random.split(jax.random.key(7))
+    # runs of 4,096 coordinates, a third of them far (with a per-client offset): cap-sized blocks between
+    far = (((jnp.arange(dim)[None, :] + 977 * jnp.arange(clients)[:, None]) // 4096) % 3) == 0
+    theta = jnp.where(
+        far,
+        jax.random.uniform(k2, (clients, dim), minval=0.02, maxval=0.98),
+        0.5 + 0.01 * jax.random.normal(k3, (clients, dim)),
+    )
+    rkey = jax.random.key(5)
+
+    def one(cid, th):
+        keys = client_keys(rkey, cid)
+        msg, info = klms_encode(keys, Bernoulli(th), p, state, cfg)
+        _, dec = klms_decode(keys.shared, p, state, msg, cfg)
+        return msg.num_bits, info.num_blocks, dec.num_blocks, dec.starts, dec.errors, info.valid
+
+    bits, m_enc, m_dec, starts, errors, valid = jax.jit(jax.vmap(one))(jnp.arange(clients), theta)
+    assert np.all(np.asarray(valid))
+    assert [stream_errors(e) for e in np.asarray(errors)] == [[]] * clients
+    np.testing.assert_array_equal(np.asarray(m_dec), np.asarray(m_enc))
+    np.testing.assert_array_equal(np.asarray(bits), 10.0 * np.asarray(m_enc) + 32)  # lengths, indices, stat
+    m, s = np.asarray(m_enc), np.asarray(starts)
+    sizes = [np.diff(np.append(s[c, : m[c]], dim)) for c in range(clients)]
+    assert all(z.min() >= 1 and z.max() <= 256 for z in sizes)
+    assert all(z.min() <= 4 and z.max() == 256 for z in sizes)  # both regimes in every client's partition
