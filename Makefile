@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
-.PHONY: demo test test-all test-floor lint bench gpu-check notebooks clean
+.PHONY: demo test test-all test-floor lint bench gpu-check notebooks docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(PIP) install -q -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+$(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e ".[docs]"
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -52,6 +56,13 @@ test-floor: $(FLOOR)/.installed
 	  --ignore=tests/test_notebooks.py --ignore=tests/test_readme.py
 
 # Re-execute the notebooks in place so their committed outputs (plots, tables) match the code.
+# The documentation site (mkdocs.yml, docs/hooks.py) into site/: the README, the guide, the papers' pages,
+# the notebooks with their stored outputs, the architecture, the API reference from the docstrings. Every
+# warning (a broken link, anchor or cross-reference, a documented parameter that is not in the signature)
+# fails the build; CI runs it.
+docs: $(VENV)/.installed-docs
+	$(BIN)/mkdocs build --strict
+
 notebooks: $(VENV)/.installed-dev
 	$(BIN)/python -m experiments.refresh_notebooks
 
@@ -69,4 +80,4 @@ gpu-check: $(VENV)/.installed-dev
 	$(BIN)/python -m experiments.gpu_check $(GPU_CHECK_FLAGS)
 
 clean:
-	rm -rf $(VENV) $(FLOOR) results .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR) results site .pytest_cache .ruff_cache

@@ -923,7 +923,10 @@ def bicompfl_gr_reconst(
     downlink adds sampling noise. Requires full participation [P].
 
     Args:
-      loss_fn, local, estimator, eval_mask: as :func:`bicompfl_gr`.
+      loss_fn: as :func:`bicompfl_gr`.
+      local: as :func:`bicompfl_gr`.
+      estimator: as :func:`bicompfl_gr`.
+      eval_mask: as :func:`bicompfl_gr`.
       num_clients: ``n``.
       coder: the uplink coder (any coder that uses ``p``; ``klms_coder(KLMSConfig(adaptive=False, ...))``).
       downlink: the downlink's Fixed-KLMS settings (``KLMSConfig(adaptive=False, block_size=b,
@@ -985,7 +988,10 @@ def bicompfl_pr(
     the downlink costs ``1/n`` of PR's (docs/papers/bicompfl.md#s3-6 [A]: the paper does not give the rule).
 
     Args:
-      loss_fn, local, estimator, eval_mask: as :func:`bicompfl_gr`.
+      loss_fn: as :func:`bicompfl_gr`.
+      local: as :func:`bicompfl_gr`.
+      estimator: as :func:`bicompfl_gr`.
+      eval_mask: as :func:`bicompfl_gr`.
       num_clients: ``n``.
       coder: the uplink coder (``klms_coder(KLMSConfig(adaptive=False, ...))`` [P]).
       downlink: the downlink's Fixed-KLMS settings.

@@ -180,7 +180,10 @@ def sgld(
     ``coder=float32_coder()``. The server steps :math:`\\theta \\leftarrow \\theta - \\gamma a \\sum_c y_c`.
 
     Args:
-      loss_fn, num_clients, clients_per_round, settings: as :func:`qlsd`.
+      loss_fn: as :func:`qlsd`.
+      num_clients: as :func:`qlsd`.
+      clients_per_round: as :func:`qlsd`.
+      settings: as :func:`qlsd`.
       coder: the coder of the Gaussian samples.
     """
     settings = _check(settings, num_clients, clients_per_round)

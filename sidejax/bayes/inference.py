@@ -206,7 +206,9 @@ def sgld(
         estimate of ``log p̃(θ)`` from a minibatch (``log p0(θ) + (N/b) Σ_batch log p(x | θ)``).
       init_position: the start.
       step_size: ``ε > 0``.
-      num_burnin, num_samples, thinning: the schedule.
+      num_burnin: the schedule's burn-in steps.
+      num_samples: the number of samples kept.
+      thinning: steps between two kept samples.
       temperature: ``T > 0`` (1: the posterior).
       data: optional pytree of arrays with a leading examples axis, sampled ``batch_size`` at a time
         (uniformly without replacement within a step).

@@ -337,8 +337,12 @@ def learn_pseudocoreset(
       key: the learner's key.
       sample_pairs: ``(key, coreset) -> (theta_data [B], theta_start [B])``, e.g. :func:`trajectory_pairs`.
       num_updates: ``K_upd``.
-      optimizer, chain_length, noise_std, num_noise: the inner chain and the noise (:func:`fkl_gradient`).
-      step_size_inputs, step_size_labels: ``ψ_x >= 0``, ``ψ_y >= 0`` (0: that part stays fixed).
+      optimizer: the inner chain's optimizer (:func:`fkl_gradient`).
+      chain_length: the inner chain's length (:func:`fkl_gradient`).
+      noise_std: the noise's standard deviation (:func:`fkl_gradient`).
+      num_noise: the number of noise draws (:func:`fkl_gradient`).
+      step_size_inputs: ``ψ_x >= 0`` (0: the inputs stay fixed).
+      step_size_labels: ``ψ_y >= 0`` (0: the labels stay fixed).
 
     Returns:
       ``(coreset, LearnInfo [num_updates])``.
@@ -406,9 +410,13 @@ def expert_trajectories(
       loss_fn: ``loss_fn(params, x [b, ...], y [b]) -> scalar`` (mean NLL plus the prior's ``λ/2‖θ‖²``).
       shared_key: the key every client shares (initialisations).
       client_key: this client's key (minibatch orders).
-      x, y, valid: the client's padded data and its validity mask.
-      num_trajectories, num_steps, save_interval, batch_size: ``J``, ``T_pre``, 5, ``b`` (``None``: full
-        batch over ``x, y``, which must then hold only valid examples).
+      x: the client's padded inputs.
+      y: the client's padded labels.
+      valid: the validity mask of the padded examples.
+      num_trajectories: ``J``.
+      num_steps: ``T_pre``.
+      save_interval: the steps between two saved checkpoints of a trajectory (5).
+      batch_size: ``b`` (``None``: full batch over ``x, y``, which must then hold only valid examples).
       optimizer: the pretraining optimizer.
       trajectories_per_step: trajectories computed at once.
 

@@ -188,7 +188,8 @@ def mesh_client_map(
     Args:
       devices: the devices (default: ``jax.devices()``, every device of every process), or their number
         (the first that many of ``jax.devices()``).
-      strategy, batch_size: how each device runs its share (:class:`ClientMap`).
+      strategy: how each device runs its share (:class:`ClientMap`).
+      batch_size: with ``"map"``, vmap this many clients per map step on each device (:class:`ClientMap`).
       axis: the mesh axis's name.
 
     Raises:
