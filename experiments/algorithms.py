@@ -73,7 +73,7 @@ def build_algorithm(
 ) -> Algorithm:
     """The algorithm of ``config``'s method, sending its messages with ``config``'s coder; a method with
     ``needs_model`` (BPC-FL) also gets ``model``."""
-    coder = config.coder.build(config.method, client_strategy=resolve_client_strategy(config))
+    coder = config.coder.checked(config.method, client_strategy=resolve_client_strategy(config))
     extra = {"model": model} if getattr(config.method, "needs_model", False) else {}
     return config.method.build(
         loss_fn,

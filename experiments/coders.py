@@ -44,6 +44,7 @@ from sidejax.coding import (
     pseudocoreset_coder,
     scaled_sign_coder,
     sdq_coder,
+    with_crc,
 )
 from sidejax.coding.klms import TRIGGERS
 from sidejax.lattices import d4, e8, hexagonal, integer_lattice
@@ -70,15 +71,35 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CoderConfig(Section):
-    """Base of the coder configs: :attr:`name` is the ``[coder]`` table's ``name``."""
+    """Base of the coder configs: :attr:`name` is the ``[coder]`` table's ``name``.
+
+    Attributes:
+      crc32: end every message with a CRC-32 of (the shared key, the prior when the coder uses one, the
+        stream), +32 bits counted: a flipped bit, a wrong key or a drifted prior is reported as an invalid
+        stream instead of decoding to a plausible wrong value (sidejax.coding.with_crc; KLMS and KLMS-Avg
+        put the same check inside their own streams).
+    """
 
     table: ClassVar[str] = "coder"
     name: ClassVar[str]
+    #: the coder computes the CRC-32 in its own stream (its library config has ``crc32``)
+    native_crc: ClassVar[bool] = False
+    crc32: bool = False
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         """The :class:`sidejax.coding.Coder` for ``method``'s messages; ``client_strategy`` (``map`` or
         ``vmap``, resolved) is how the engine runs the clients."""
         raise NotImplementedError
+
+    def checked(self, method: MethodConfig, *, client_strategy: str):
+        """:meth:`build`'s coder (or coder factory), with :func:`sidejax.coding.with_crc` when ``crc32`` is
+        set and the coder has no check of its own: what a method is given."""
+        built = self.build(method, client_strategy=client_strategy)
+        if not self.crc32 or self.native_crc:
+            return built
+        if isinstance(built, Coder):
+            return with_crc(built)
+        return lambda *args, **kwargs: with_crc(built(*args, **kwargs))  # a factory (pseudocoreset)
 
 
 @dataclass(frozen=True)
@@ -99,11 +120,10 @@ class KLMSCoderConfig(CoderConfig):
       dbar_max: re-partition when the mean block KL rises above this (unset: 2 * D_target).
       rho_threshold: rho trigger: re-partition when the mean rho exceeds this (unset: 3, as the reference
         code).
-      crc32: append a CRC-32 of (shared key data, stream) to every message (+32 bits), so that flipped
-        bits and a wrong shared key are detected.
     """
 
     name: ClassVar[str] = "klms"
+    native_crc: ClassVar[bool] = True
     log2_num_candidates: int = 2
     overhead_bits: float = 0.0
     adaptive: bool = True
@@ -113,7 +133,6 @@ class KLMSCoderConfig(CoderConfig):
     dbar_min: float | None = None
     dbar_max: float | None = None
     rho_threshold: float | None = None
-    crc32: bool = False
 
     conditional: ClassVar = {
         "dbar_min": ("trigger", ("thresholds",), False),
@@ -202,15 +221,14 @@ class KLMSAvgCoderConfig(CoderConfig):
       block_size: the initial block size b_0.
       max_block_size: b_max, a power of two (a size travels in log2 b_max bits).
       trigger_factor: f > 1: a client requests an update when its mean block KL / K* leaves [1/f, f].
-      crc32: append a CRC-32 of (shared key data, prior fingerprint, stream) to every message (+32 bits).
     """
 
     name: ClassVar[str] = "klms_avg"
+    native_crc: ClassVar[bool] = True
     log2_num_candidates: int = 8
     block_size: int = 256
     max_block_size: int = 2048
     trigger_factor: float = 3.0
-    crc32: bool = False
 
     def check(self) -> None:
         try:

@@ -877,7 +877,7 @@ def _write_preset(directory, name, text):
         (
             "[method]\nname = 'fedpm'\n[coder]\nname = 'mask'\nblock_size = 4\n",
             r"\[coder\] key 'block_size' is not a field of coder 'mask' \(coders with it: klms, klms_avg\); "
-            r"valid keys: name$",
+            r"valid keys: name, crc32$",
         ),
         (
             "[data]\nalpha = 0.5\n[method]\nname = 'fedavg'\n",
@@ -1337,3 +1337,21 @@ def test_a_suite_counts_a_run_only_for_the_configuration_it_was_asked_for(tmp_pa
     assert run_configs(tmp_path, changed, force=False, resume_command="") == 2
     assert "method.client_lr" in capsys.readouterr().err
     assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == before
+
+
+def test_crc32_checks_every_coders_messages_once():
+    """``coder.crc32 = true`` works for every coder: the coders with a check of their own (KLMS, KLMS-Avg) put
+    it in their streams, every other coder is wrapped in sidejax.coding.with_crc (a pseudocoreset's coder
+    factory included); off, the coder is the plain one."""
+    from sidejax.coding import Coder
+
+    for algorithm in sorted(ALGORITHMS):
+        for crc in (False, True):
+            config = default_config(algorithm, **{"coder.crc32": crc})
+            built = config.coder.checked(config.method, client_strategy="map")
+            coder = built if isinstance(built, Coder) else built(10)
+            native = type(config.coder).native_crc
+            assert coder.name.endswith("+crc") == (crc and not native), (algorithm, crc, coder.name)
+            if native:
+                settings = config.coder.klms_config() if config.coder.name == "klms" else config.coder.config()
+                assert settings.crc32 == crc, algorithm

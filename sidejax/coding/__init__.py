@@ -21,6 +21,7 @@ from sidejax.coding.base import (
     ERR_PARTITION,
     ERR_PRIOR,
     Coder,
+    CRCDecoded,
     EmptyState,
     Message,
     StreamCheck,
@@ -30,10 +31,13 @@ from sidejax.coding.base import (
     empty_message,
     encode_float32,
     float32_coder,
+    prior_fingerprint,
     split_message,
     split_stacked,
     stateless_coder,
+    stream_crc,
     stream_errors,
+    with_crc,
     with_side_info,
 )
 from sidejax.coding.bitstream import (
@@ -86,7 +90,6 @@ from sidejax.coding.klms import (
     klms_init,
     klms_receive,
     klms_server_update,
-    prior_fingerprint,
 )
 from sidejax.coding.klms_avg import (
     KLMSAvgClientInfo,
@@ -168,6 +171,9 @@ __all__ = [
     "stateless_coder",
     "stream_errors",
     "with_side_info",
+    "with_crc",
+    "CRCDecoded",
+    "stream_crc",
     "elias_gamma_codeword",
     "elias_gamma_length",
     "golomb_codeword",

@@ -46,8 +46,8 @@ does not match the fields (truncated, padded, or block lengths not summing to ``
 *well-formed* but corrupted stream is not detectable: a flipped index bit selects another candidate, and
 a wrong shared key regenerates other candidates, and both decode silently to a wrong sample (valid). With
 ``KLMSConfig(crc32=True)`` the stream ends in a CRC-32 (zlib's polynomial) of the client's shared key data,
-a 32-bit fingerprint of the prior ``p`` (:func:`prior_fingerprint`) and every earlier bit of the stream
-(:func:`sidejax.coding.crc32_words`): any error burst of up to 32 bits (every single flipped bit) is
+a 32-bit fingerprint of the prior ``p`` (:func:`sidejax.coding.prior_fingerprint`) and every earlier bit of
+the stream (:func:`sidejax.coding.crc32_words`): any error burst of up to 32 bits (every single flipped bit) is
 detected, and so is a receiver whose prior differs from the sender's in any coordinate (the fingerprint
 changes with every single changed value; BICompFL's parties must hold bit-identical priors), a wrong key or
 any other corruption with probability :math:`1 - 2^{-32}`. It is an error check, not an authenticator (a CRC
@@ -83,10 +83,10 @@ from sidejax.coding.base import (
     ERR_PRIOR,
     Coder,
     Message,
+    stream_crc,
     stream_errors,
 )
 from sidejax.coding.bitstream import (
-    crc32_words,
     mask_to_length,
     pack_fixed,
     received_words,
@@ -112,7 +112,6 @@ __all__ = [
     "klms_downlink",
     "klms_receive",
     "klms_frame",
-    "prior_fingerprint",
     "klms_coder",
     "stream_errors",
 ]
@@ -421,7 +420,7 @@ def klms_encode(
         words = pack_fixed(word[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     if config.crc32:
-        crc = _stream_crc(keys.shared, p, words, offset)
+        crc = stream_crc(keys.shared, p, words, offset)
         words = pack_fixed(crc[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     cinfo = KLMSClientInfo(
@@ -446,30 +445,6 @@ def _check_dims(dim: int, **dists) -> None:
         "distributions of the vector the state was built for",
         **dists,
     )
-
-
-def prior_fingerprint(p) -> jax.Array:
-    """A 32-bit fingerprint of a distribution's parameters (every leaf's float32 bits):
-    :math:`\\sum_k \\mathrm{bits}(v_k) \\cdot m_k \\bmod 2^{32}` with odd multipliers
-    :math:`m_k = (2654435761 (k + 1)) \\,|\\, 1`. Vectorised (one multiply-add per value); two priors that
-    differ in any single value always differ (an odd multiplier is invertible mod :math:`2^{32}`)."""
-    total = jnp.uint32(0)
-    for i, leaf in enumerate(jax.tree.leaves(p)):
-        v = jax.lax.bitcast_convert_type(jnp.asarray(leaf, jnp.float32).reshape(-1), jnp.uint32)
-        k = jnp.arange(v.shape[0], dtype=jnp.uint32) + jnp.uint32(1 + (i << 24))
-        mult = (k * jnp.uint32(2654435761)) | jnp.uint32(1)
-        total = total + jnp.sum(v * mult, dtype=jnp.uint32)
-    return total
-
-
-def _stream_crc(shared_key, p, words: jax.Array, num_bits) -> jax.Array:
-    """CRC-32 of the shared key's data words, the prior's fingerprint, then the first ``num_bits`` bits of
-    ``words`` (later bits zeroed), over ``ceil(num_bits / 32)`` stream words."""
-    key_words = jax.random.key_data(shared_key).reshape(-1).astype(jnp.uint32)
-    key_words = jnp.concatenate([key_words, prior_fingerprint(p)[None]])
-    masked, _ = mask_to_length(words, num_bits)
-    used = (jnp.asarray(num_bits, jnp.int32) + 31) // 32
-    return crc32_words(jnp.concatenate([key_words, masked]), key_words.shape[0] + used)
 
 
 def _blocks_from_lengths(words, bit_offset: int, dim: int, mb: int, L: int):
@@ -538,7 +513,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     ok_crc = jnp.asarray(True)
     if config.crc32:
         sent = unpack_fixed(words, 1, 32, bit_offset=offset)[0]
-        ok_crc = sent == _stream_crc(shared_key, p, words, offset)
+        ok_crc = sent == stream_crc(shared_key, p, words, offset)
         offset = offset + 32
     ok_parse = offset.astype(jnp.float32) == message.num_bits
     errors = (

@@ -93,7 +93,16 @@ import jax
 import jax.numpy as jnp
 
 from sidejax.blocks import Blocks
-from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PARSE, ERR_PRIOR, Coder, Message, stream_errors
+from sidejax.coding.base import (
+    ERR_CRC,
+    ERR_LENGTH,
+    ERR_PARSE,
+    ERR_PRIOR,
+    Coder,
+    Message,
+    stream_crc,
+    stream_errors,
+)
 from sidejax.coding.bitstream import (
     mask_to_length,
     num_words,
@@ -112,7 +121,6 @@ from sidejax.coding.importance import (
     choose_chunk_size,
     importance_decode,
 )
-from sidejax.coding.klms import _stream_crc
 from sidejax.distributions import check_dims, dist_dim, is_valid
 from sidejax.keys import ClientKeys
 from sidejax.utils import is_concrete
@@ -536,7 +544,7 @@ def klms_avg_encode(
     words = pack_fixed(jnp.where(update, proposal - 1, 0)[None], L, bit_offset=offset, out=words)
     offset = offset + jnp.where(update, L, 0)
     if config.crc32:
-        words = pack_fixed(_stream_crc(keys.shared, p, words, offset)[None], 32, bit_offset=offset, out=words)
+        words = pack_fixed(stream_crc(keys.shared, p, words, offset)[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     num_bits = offset.astype(jnp.float32)
     if is_concrete(num_bits):  # outside jit: exactly the words that are sent
@@ -582,7 +590,7 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     offset = offset + jnp.where(update, L, 0)
     ok_crc = jnp.asarray(True)
     if config.crc32:
-        ok_crc = unpack_fixed(words, 1, 32, bit_offset=offset)[0] == _stream_crc(shared_key, p, words, offset)
+        ok_crc = unpack_fixed(words, 1, 32, bit_offset=offset)[0] == stream_crc(shared_key, p, words, offset)
         offset = offset + 32
     # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state is the
     # one built for this vector, which the frame of a relayed stream relies on)

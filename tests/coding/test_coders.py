@@ -38,8 +38,10 @@ from sidejax.coding import (
     pseudocoreset_coder,
     scaled_sign_coder,
     sent_words,
+    with_crc,
     with_side_info,
 )
+from sidejax.coding.base import ERR_CRC
 from sidejax.coding.importance import candidate_uniforms, candidates, encode_bounded, importance_decode
 from sidejax.coding.lattice import (
     additive_noise_coder,
@@ -265,6 +267,16 @@ CASES = [
         _with_side(_ternary_levels),
         _side_oracle(_klms_oracle(_ADAPTIVE)),
     ),
+    # with_crc on a stateless coder without a prior, on CEPAM's Z^1 stream, and on a stateful coder that
+    # uses its prior and frames its streams
+    ("pseudocoreset+crc", with_crc(pseudocoreset_coder(2, 10)), _pseudocoreset, _sample_oracle),
+    (
+        "cepam-gauss-Z1+crc",
+        with_crc(clip_update(lrsuq_coder(integer_lattice(1), GaussianNoise(0.05)))),
+        _point,
+        _lrsuq_oracle(integer_lattice(1), GaussianNoise(0.05), 1.0),
+    ),
+    ("klms-adaptive+crc", with_crc(klms_coder(_ADAPTIVE)), _bernoulli, _klms_oracle(_ADAPTIVE)),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -380,3 +392,49 @@ def test_klms_downlink_length_matches_the_protocol():
     assert bool(new_state.changed)
     assert float(down.num_bits) == 1 + m * config.length_bits
     assert np.asarray(block_sizes(new_state.blocks))[:m].sum() == DIM
+
+
+def _flip_each_bit(message):
+    """Every single-bit corruption of ``message`` (payload ``[num_bits, words]``, same lengths)."""
+    nb = int(message.num_bits)
+    words = jnp.asarray(message.payload)
+    pos = jnp.arange(nb)
+    bits = jnp.uint32(1) << (pos % 32).astype(jnp.uint32)
+    flips = jnp.zeros((nb, words.shape[0]), jnp.uint32).at[pos, pos // 32].set(bits)
+    return message._replace(payload=words[None] ^ flips, num_bits=jnp.full(nb, message.num_bits))
+
+
+@pytest.mark.parametrize(
+    "coder, make",
+    [
+        (pseudocoreset_coder(2, 10), _pseudocoreset),
+        (clip_update(lrsuq_coder(integer_lattice(1), GaussianNoise(0.05))), _point),
+        (klms_coder(_ADAPTIVE), _bernoulli),
+    ],
+    ids=["pseudocoreset", "cepam-gauss-Z1", "klms-adaptive"],
+)
+def test_crc_detects_every_flipped_bit_a_wrong_key_and_a_drifted_prior(coder, make):
+    """with_crc: each of the stream's bits flipped alone is reported (ERR_CRC or another error), where the
+    unchecked coder decodes most of the same flips as clean messages; a stream decoded with another
+    client's shared key, and (for a coder that uses its prior) against a prior off in one value, are
+    reported too, at a cost of exactly 32 bits."""
+    checked = with_crc(coder)
+    state = coder.init(DIM)
+    q, p = make(7)
+    keys = _keys(7)
+    plain, _ = coder.encode(keys, q, p, state)
+    message, _ = checked.encode(keys, q, p, state)
+    assert float(message.num_bits) == float(plain.num_bits) + 32
+    decode_all = jax.jit(jax.vmap(checked.decode, (None, None, None, 0)))
+    _, decoded = decode_all(keys.shared, p, state, _flip_each_bit(message))
+    assert not np.any(np.asarray(decoded.valid))
+    _, unchecked = jax.jit(jax.vmap(coder.decode, (None, None, None, 0)))(
+        keys.shared, p, state, _flip_each_bit(plain)
+    )
+    assert np.mean(np.asarray(unchecked.valid)) > 0.5  # what the check is for
+    _, other_key = checked.decode(_keys(7, client=4).shared, p, state, message)
+    assert int(other_key.errors) & ERR_CRC
+    if coder.uses_prior:
+        drifted = jax.tree.map(lambda a: a.at[17].add(0.01), p)
+        _, other_prior = checked.decode(keys.shared, drifted, state, message)
+        assert int(other_prior.errors) & ERR_CRC
