@@ -18,14 +18,34 @@ from sidejax.types import Bits, PyTree
 
 __all__ = [
     "LN2",
+    "BITS_DTYPE",
+    "MAX_MESSAGE_BITS",
+    "as_bits",
     "payload_bits",
     "bits_to_nats",
     "nats_to_bits",
     "binary_entropy_bits",
     "enumerative_mask_bits",
+    "check_capacity_bits",
 ]
 
 LN2 = math.log(2.0)
+#: the dtype of every message length (``Message.num_bits``): an exact integer count. float32, the dtype
+#: used before, counts exactly only up to 2**24 bits (2 MiB): the float32 downlink of a 2.26 M-parameter
+#: model (72 M bits) lost its last bit, so the protocol bit after it read as 0 (found by make gpu-check)
+BITS_DTYPE = jnp.int32
+#: the longest message a length can describe (256 MiB); longer capacities are refused where they are built
+MAX_MESSAGE_BITS = 2**31 - 1
+
+
+def as_bits(num_bits) -> jax.Array:
+    """``num_bits`` as a message length (:data:`BITS_DTYPE`). A float is taken as the whole number it holds
+    (a non-whole or negative value is not a length: receivers flag it, see
+    :func:`sidejax.coding.mask_to_length`, which checks before converting)."""
+    x = jnp.asarray(num_bits)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = jnp.clip(x, 0, MAX_MESSAGE_BITS)
+    return x.astype(BITS_DTYPE)
 
 
 def payload_bits(payload: PyTree) -> Bits:
@@ -38,12 +58,25 @@ def payload_bits(payload: PyTree) -> Bits:
       payload: a pytree of arrays (the words on the wire).
 
     Returns:
-      float32 scalar: the number of bits.
+      int32 scalar (:data:`BITS_DTYPE`): the number of bits.
+
+    Raises:
+      ValueError: if the payload is longer than :data:`MAX_MESSAGE_BITS`.
     """
     total = 0
     for leaf in jax.tree.leaves(payload):
         total += int(leaf.size) * 8 * jnp.dtype(leaf.dtype).itemsize
-    return jnp.asarray(total, jnp.float32)
+    check_capacity_bits(total, "payload")
+    return jnp.asarray(total, BITS_DTYPE)
+
+
+def check_capacity_bits(bits: int, what: str) -> None:
+    """Refuses a static capacity of more than :data:`MAX_MESSAGE_BITS` bits (``what`` names it)."""
+    if bits > MAX_MESSAGE_BITS:
+        raise ValueError(
+            f"{what} of {bits:,} bits is longer than a message can be ({MAX_MESSAGE_BITS:,} bits, 256 MiB): "
+            "split the vector into several messages"
+        )
 
 
 def bits_to_nats(bits):

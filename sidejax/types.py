@@ -12,4 +12,4 @@ Array = jax.Array
 PRNGKey = jax.Array  # always a typed key from jax.random.key
 Params = Any  # a pytree of arrays
 PyTree = Any
-Bits = jax.Array  # float32 scalar (or per-client vector) of bits, computed inside jit
+Bits = jax.Array  # int32 scalar (or per-client vector) of bits, exact, computed inside jit (sidejax.bits)

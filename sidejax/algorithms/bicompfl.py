@@ -72,6 +72,7 @@ from sidejax.algorithms.fedpm import (
     mask_model_init,
     train_mask,
 )
+from sidejax.bits import BITS_DTYPE, as_bits
 from sidejax.blocks import blocks_from_starts
 from sidejax.coding.base import (
     ERR_LENGTH,
@@ -430,7 +431,7 @@ def _gr_init(coder, num_samples, want_clients, key, params, num_clients):
     p = Bernoulli(theta)
     shape = jax.eval_shape(lambda: encode_samples(coder, ClientKeys(key, key), p, p, cstate, num_samples)[0])
     empty = Message(
-        jnp.zeros((num_clients, shape.payload.shape[-1]), jnp.uint32), jnp.zeros(num_clients, jnp.float32)
+        jnp.zeros((num_clients, shape.payload.shape[-1]), jnp.uint32), jnp.zeros(num_clients, BITS_DTYPE)
     )
     key_data = jnp.zeros((num_clients, *jax.random.key_data(key).shape), jnp.uint32)
     server = GRServer(weights, theta, u, cstate, empty, key_data, jnp.asarray(False))
@@ -446,7 +447,7 @@ def _gr_broadcast(dkey, server: GRServer, client_ids):
 
     def one(j):
         msg = concat_stacked(server.relay, jnp.arange(n) != j)
-        return Message(msg.payload, jnp.where(server.has_relay, msg.num_bits, 0.0))
+        return Message(msg.payload, jnp.where(server.has_relay, msg.num_bits, 0))
 
     return server, jax.vmap(one)(client_ids)
 
@@ -713,7 +714,7 @@ def _reconst_broadcast(coder, config, num_dl, num_clients, dkey, server: Reconst
     keys = downlink_keys(dkey)
     msg, theta_hat, _ = _downlink_encode(config, num_dl, keys, server.theta, server.theta_hat, g, dim)
     live = server.fresh
-    msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0.0))
+    msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
     message = concat_messages(msg, coder.downlink(server.coder))
     kl = jnp.where(live, _kl_bits(server.theta, server.theta_hat), 0.0)
     new = server._replace(theta_hat=jnp.where(live, theta_hat, server.theta_hat), downlink_kl_bits=kl)
@@ -747,7 +748,7 @@ def _cut(message: Message, head_bits, head_words: int) -> tuple[Message, Message
     head = unpack_fixed(padded, head_words, 32)
     head, _ = mask_to_length(head, jnp.minimum(head_bits, 32.0 * head_words))
     rest = unpack_fixed(padded, n, 32, bit_offset=jnp.asarray(head_bits, jnp.int32))
-    return Message(head, jnp.asarray(head_bits, jnp.float32)), Message(rest, message.num_bits - head_bits)
+    return Message(head, as_bits(head_bits)), Message(rest, as_bits(message.num_bits) - head_bits)
 
 
 def _is_bits(config: KLMSConfig, num_samples: int, g: _Group, live) -> jax.Array:
@@ -821,7 +822,7 @@ def _pr_broadcast(coder, config, num_dl, num_groups, dkey, server: PRServer, cli
         msg, new_hat, _ = _downlink_encode(
             config, num_dl, downlink_keys(dkey, i), server.theta, hat, g, width
         )
-        msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0.0))
+        msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
         coords = jnp.arange(dim)
         inside = (coords >= g.start) & (coords < g.start + g.length)
         kl = jnp.sum(jnp.where(inside, Bernoulli(server.theta).kl_bits(Bernoulli(hat)), 0.0))

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from sidejax.bits import BITS_DTYPE, as_bits
 from sidejax.coding.base import (
     ERR_LENGTH,
     ERR_PARSE,
@@ -299,7 +300,7 @@ def _encode_parts(coder: Coder, keys: ClientKeys, v: jax.Array, rounds: int):
 
     def step(c, _):
         message, info = coder.encode(keys, PointMass(v - c), p, state)
-        message = Message(_fit(message.payload, sent_words(bits)), jnp.asarray(message.num_bits, jnp.float32))
+        message = Message(_fit(message.payload, sent_words(bits)), as_bits(message.num_bits))
         part, check = coder.decode(keys.shared, p, state, message)
         valid = jnp.asarray(info.valid) & (message.num_bits == bits) & (check.errors == 0)
         return c + part, (message, valid)
@@ -326,12 +327,12 @@ def _split(message: Message, rounds: int, bits: int) -> tuple[Message, jax.Array
     sent = words.shape[0]
     words, ok = mask_to_length(_fit(words, sent_words(rounds * bits)), message.num_bits, num_sent_words=sent)
     if rounds == 1:
-        return Message(words[None], jnp.full((1,), bits, jnp.float32)), ok
+        return Message(words[None], jnp.full((1,), bits, BITS_DTYPE)), ok
     padded = jnp.pad(words, (0, part_words + 1))
     offsets = jnp.arange(rounds, dtype=jnp.int32) * bits
     payload = jax.vmap(lambda off: unpack_fixed(padded, part_words, 32, bit_offset=off))(offsets)
-    payload = jax.vmap(lambda w: mask_to_length(w, jnp.float32(bits))[0])(payload)
-    return Message(payload, jnp.full((rounds,), bits, jnp.float32)), ok
+    payload = jax.vmap(lambda w: mask_to_length(w, bits)[0])(payload)
+    return Message(payload, jnp.full((rounds,), bits, BITS_DTYPE)), ok
 
 
 def _decode_parts(coder: Coder, shared_key, message: Message, dim: int, rounds: int, expected_bits):
@@ -342,7 +343,7 @@ def _decode_parts(coder: Coder, shared_key, message: Message, dim: int, rounds: 
     state = coder.init(dim)
     parts, ok_length = _split(message, rounds, bits)
     decoded, checks = jax.vmap(lambda m: coder.decode(shared_key, p, state, m))(parts)
-    ok_parse = jnp.asarray(message.num_bits, jnp.float32) == expected_bits
+    ok_parse = as_bits(message.num_bits) == expected_bits
     errors = (
         jnp.bitwise_or.reduce(jnp.asarray(checks.errors, jnp.int32))
         | jnp.where(ok_length, 0, ERR_LENGTH)
@@ -393,7 +394,7 @@ def _initial_downlink(coder: Coder, key, dim: int, rounds: int) -> tuple[Message
     words, bits, zero = _zero_message(coder, dim)
     if zero:
         payload = jnp.zeros(sent_words(rounds * bits), jnp.uint32)
-        return Message(payload, jnp.float32(rounds * bits)), jnp.zeros(dim, jnp.float32)
+        return Message(payload, as_bits(rounds * bits)), jnp.zeros(dim, jnp.float32)
     zeros = jnp.zeros(dim, jnp.float32)
     message, c, _ = jax.jit(compress, static_argnames=("coder", "rounds"))(
         coder, _server_keys(key), zeros, rounds
@@ -449,7 +450,7 @@ def compressed_receive(
         step, errors = decompress(method.coder, dkey, message, dim, method.downlink_rounds)
         return CompressedReceived(unravel(cstate.model + step), errors, reset)
     words = jnp.asarray(message.payload, jnp.uint32)
-    ok = (jnp.asarray(message.num_bits, jnp.float32) == 32.0 * dim) & (words.shape[0] == dim)
+    ok = (as_bits(message.num_bits) == 32 * dim) & (words.shape[0] == dim)
     errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
     model = decode_float32(Message(_fit(words, dim), message.num_bits))
     return CompressedReceived(unravel(model), errors, reset)
@@ -514,7 +515,7 @@ def compressed_server_update(
     coder = method.coder
     if method.reset_period:
         reset = (server.rounds + 1) % method.reset_period == 0
-        expected = message_bits(coder, dim) * (1.0 + reset.astype(jnp.float32))
+        expected = message_bits(coder, dim) * (1 + reset.astype(jnp.int32))
         parts, errors = jax.vmap(lambda k, m: _decode_parts(coder, k, m, dim, 2, expected))(
             shared_keys, messages
         )

@@ -61,6 +61,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms.dense import DenseMethod, dense_algorithm
+from sidejax.bits import as_bits
 from sidejax.coding.base import Coder, Message, with_side_info
 from sidejax.coding.bitstream import pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.sample import elias_coder
@@ -172,7 +173,7 @@ def qsgd_method(
 
     def prior_downlink(state: QSGDPrior) -> Message:
         words = pack_fixed(state.counts.reshape(-1).astype(jnp.uint32), width)
-        num_bits = jnp.float32(width * state.counts.size)
+        num_bits = as_bits(width * state.counts.size)
         return Message(words[: sent_words(num_bits)] if is_concrete(num_bits) else words, num_bits)
 
     def prior_receive(state: QSGDPrior, message: Message) -> QSGDPrior:

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sidejax.bits import payload_bits
+from sidejax.bits import as_bits, check_capacity_bits, payload_bits
 from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.distributions import dist_dim
 from sidejax.types import Bits, PyTree
@@ -77,7 +77,8 @@ class Message(NamedTuple):
       payload: ``uint32`` words (LSB first): exactly what is transmitted. Inside jit a coder may return a
         static-capacity buffer of which only the first ``ceil(num_bits / 32)`` words are sent (the rest are
         zero); outside jit it is those words.
-      num_bits: float32 scalar, the message's length in bits, computed from what was written.
+      num_bits: int32 scalar (:data:`sidejax.bits.BITS_DTYPE`), the message's length in bits, computed from
+        what was written: exact up to :data:`sidejax.bits.MAX_MESSAGE_BITS` (256 MiB).
     """
 
     payload: PyTree
@@ -152,7 +153,7 @@ class Coder(NamedTuple):
 
 def empty_message() -> Message:
     """A message of 0 bits (an empty word array)."""
-    return Message(jnp.zeros((0,), jnp.uint32), jnp.float32(0.0))
+    return Message(jnp.zeros((0,), jnp.uint32), as_bits(0))
 
 
 def _words(message: Message) -> jax.Array:
@@ -171,12 +172,13 @@ def concat_messages(*parts: Message) -> Message:
     if not parts:
         return empty_message()
     words = _words(parts[0])
-    offset = jnp.asarray(parts[0].num_bits, jnp.float32)
+    offset = as_bits(parts[0].num_bits)
     for part in parts[1:]:
         pw = _words(part)
         buf = jnp.concatenate([words, jnp.zeros(pw.shape[0] + 1, jnp.uint32)])
-        words = pack_fixed(pw, 32, bit_offset=offset.astype(jnp.int32), out=buf)
-        offset = offset + jnp.asarray(part.num_bits, jnp.float32)
+        check_capacity_bits(32 * buf.shape[0], "a concatenated message's buffer")
+        words = pack_fixed(pw, 32, bit_offset=offset, out=buf)
+        offset = offset + as_bits(part.num_bits)
     if is_concrete(offset):
         words = words[: sent_words(offset)]
     return Message(words, offset)
@@ -196,12 +198,12 @@ def split_message(message: Message, lengths: tuple[int, ...]):
     for length in lengths:
         cap = -(-length // 32)
         part = unpack_fixed(jnp.pad(words, (0, cap + 1)), cap, 32, bit_offset=offset)
-        part, _ = mask_to_length(part, jnp.float32(length))
-        parts.append(Message(part, jnp.float32(length)))
+        part, _ = mask_to_length(part, length)
+        parts.append(Message(part, as_bits(length)))
         offset += length
     rest_cap = max(0, n - offset // 32)
     rest = unpack_fixed(jnp.pad(words, (0, rest_cap + 1)), rest_cap, 32, bit_offset=offset)
-    parts.append(Message(rest, jnp.asarray(message.num_bits, jnp.float32) - jnp.float32(offset)))
+    parts.append(Message(rest, as_bits(message.num_bits) - offset))
     return parts
 
 
@@ -215,18 +217,19 @@ def concat_stacked(messages: Message, keep: jax.Array | None = None) -> Message:
     if words.ndim != 2:
         raise ValueError(f"messages.payload must be stacked as [parts, words], got shape {words.shape}")
     n, cap = words.shape
-    bits = jnp.broadcast_to(jnp.asarray(messages.num_bits, jnp.float32), (n,))
+    bits = jnp.broadcast_to(as_bits(messages.num_bits), (n,))
     keep = jnp.ones(n, bool) if keep is None else jnp.asarray(keep, bool)
 
     def step(carry, part):
         buf, offset = carry
         w, nb, k = part
         w, _ = mask_to_length(w, nb)
-        placed = pack_fixed(w, 32, bit_offset=offset.astype(jnp.int32), out=buf)
-        return (jnp.where(k, placed, buf), offset + jnp.where(k, nb, 0.0)), None
+        placed = pack_fixed(w, 32, bit_offset=offset, out=buf)
+        return (jnp.where(k, placed, buf), offset + jnp.where(k, nb, 0)), None
 
     buf = jnp.zeros(n * cap + 1, jnp.uint32)
-    (buf, total), _ = jax.lax.scan(step, (buf, jnp.float32(0.0)), (words, bits, keep))
+    check_capacity_bits(32 * buf.shape[0], "a relay's buffer")
+    (buf, total), _ = jax.lax.scan(step, (buf, as_bits(0)), (words, bits, keep))
     if is_concrete(total):
         buf = buf[: sent_words(total)]
     return Message(buf, total)
@@ -244,17 +247,13 @@ def split_stacked(message: Message, frame: Callable, state: Any, num_parts: int,
     words, ok_length = mask_to_length(words, message.num_bits)
 
     def step(offset, _):
-        nb = jnp.asarray(frame(state, words, offset.astype(jnp.int32)), jnp.float32)
-        part = unpack_fixed(words, capacity_words, 32, bit_offset=offset.astype(jnp.int32))
-        part, _ = mask_to_length(part, jnp.minimum(nb, 32.0 * capacity_words))
+        nb = as_bits(frame(state, words, offset))
+        part = unpack_fixed(words, capacity_words, 32, bit_offset=offset)
+        part, _ = mask_to_length(part, jnp.minimum(nb, 32 * capacity_words))
         return offset + nb, (part, nb)
 
-    total, (parts, bits) = jax.lax.scan(step, jnp.float32(0.0), None, length=num_parts)
-    ok = (
-        ok_length
-        & (total == jnp.asarray(message.num_bits, jnp.float32))
-        & jnp.all(bits <= 32.0 * capacity_words)
-    )
+    total, (parts, bits) = jax.lax.scan(step, as_bits(0), None, length=num_parts)
+    ok = ok_length & (total == as_bits(message.num_bits)) & jnp.all(bits <= 32 * capacity_words)
     return Message(parts, bits), ok
 
 
@@ -331,7 +330,7 @@ def float32_coder() -> Coder:
             words = words[:dim]
         else:
             ok_tail = jnp.asarray(True)
-        ok = ok_tail & (jnp.asarray(message.num_bits, jnp.float32) == 32.0 * words.shape[0])
+        ok = ok_tail & (jnp.asarray(message.num_bits) == 32 * words.shape[0])
         errors = jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
         return decode_float32(Message(words, message.num_bits)), StreamCheck(ok, errors)
 
@@ -447,23 +446,23 @@ def with_crc(coder: Coder) -> Coder:
         msg, info = coder.encode(keys, q, p, state)
         words = _words(msg)
         crc = stream_crc(keys.shared, prior(p), words, msg.num_bits)
-        return concat_messages(msg, Message(crc[None], jnp.float32(32.0))), info
+        return concat_messages(msg, Message(crc[None], as_bits(32))), info
 
     def decode(shared_key, p, state, message):
         words = _words(message)
-        nb = jnp.asarray(message.num_bits, jnp.float32)
-        inner_bits = jnp.maximum(nb - 32.0, 0.0)
+        nb = as_bits(message.num_bits)
+        inner_bits = jnp.maximum(nb - 32, 0)
         padded = jnp.pad(words, (0, 2))
-        sent = unpack_fixed(padded, 1, 32, bit_offset=inner_bits.astype(jnp.int32))[0]
+        sent = unpack_fixed(padded, 1, 32, bit_offset=inner_bits)[0]
         inner_words, _ = mask_to_length(words, inner_bits)
         if is_concrete(inner_bits):  # outside jit the inner decoder takes exactly the words sent
             inner_words = inner_words[: sent_words(inner_bits)]
         sample, inner = coder.decode(shared_key, p, state, Message(inner_words, inner_bits))
-        ok = (nb >= 32.0) & (sent == stream_crc(shared_key, prior(p), inner_words, inner_bits))
+        ok = (nb >= 32) & (sent == stream_crc(shared_key, prior(p), inner_words, inner_bits))
         errors = (
             jnp.asarray(inner.errors, jnp.int32)
-            | jnp.where(nb >= 32.0, 0, ERR_LENGTH)
-            | jnp.where(ok | (nb < 32.0), 0, ERR_CRC)
+            | jnp.where(nb >= 32, 0, ERR_LENGTH)
+            | jnp.where(ok | (nb < 32), 0, ERR_CRC)
         ).astype(jnp.int32)
         return sample, CRCDecoded(inner, errors == 0, errors)
 

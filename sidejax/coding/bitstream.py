@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidejax.bits import MAX_MESSAGE_BITS, as_bits
 from sidejax.utils import is_concrete
 
 __all__ = [
@@ -56,7 +57,7 @@ def num_words(num_fields: int, width: int) -> int:
 def sent_words(num_bits) -> int:
     """Host side: the number of words a stream of ``num_bits`` bits occupies on the wire,
     ``ceil(num_bits / 32)``. Raises ``ValueError`` if ``num_bits`` is not a whole number >= 0."""
-    nb = float(num_bits)
+    nb = float(num_bits)  # an int32 length, or a float holding one
     if not (nb >= 0 and nb == int(nb)):
         raise ValueError(f"num_bits must be a whole number of bits >= 0, got {nb}")
     return -(-int(nb) // 32)
@@ -121,9 +122,12 @@ def mask_to_length(words: jax.Array, num_bits, *, num_sent_words: int | None = N
     """
     n = words.shape[0]
     have = n if num_sent_words is None else num_sent_words
-    nb = jnp.asarray(num_bits, jnp.float32)
-    ok = (nb >= 0) & (nb == jnp.floor(nb)) & (nb <= 32.0 * have)
-    nbi = jnp.clip(nb, 0, 32.0 * n).astype(jnp.int32)
+    nb = jnp.asarray(num_bits)
+    if jnp.issubdtype(nb.dtype, jnp.floating):  # a float length: it must hold a whole number
+        ok = (nb >= 0) & (nb == jnp.floor(nb)) & (nb <= 32.0 * have)
+    else:
+        ok = (nb >= 0) & (nb <= min(32 * have, MAX_MESSAGE_BITS))
+    nbi = jnp.clip(as_bits(nb), 0, min(32 * n, MAX_MESSAGE_BITS))
     keep = jnp.clip(nbi - 32 * jnp.arange(n, dtype=jnp.int32), 0, 32)  # bits of each word inside the stream
     mask = jnp.where(
         keep >= 32,

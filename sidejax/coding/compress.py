@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sidejax.bits import as_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.distributions import dist_dim, is_valid
@@ -73,7 +74,7 @@ def scaled_sign_coder() -> Coder:
         scale, negative = scaled_sign(v)
         head = jax.lax.bitcast_convert_type(scale, jnp.uint32)[None]
         words = jnp.concatenate([head, pack_fixed(negative.astype(jnp.uint32), 1)])
-        num_bits = jnp.float32(scaled_sign_bits(v.shape[0]))
+        num_bits = as_bits(scaled_sign_bits(v.shape[0]))
         if is_concrete(num_bits):
             words = words[: sent_words(num_bits)]
         return Message(words, num_bits), ScaledSignInfo(
@@ -88,7 +89,7 @@ def scaled_sign_coder() -> Coder:
         sent = words.shape[0]
         words = jnp.pad(words, (0, max(0, cap - sent)))[:cap]
         words, ok_len = mask_to_length(words, message.num_bits, num_sent_words=sent)
-        ok_parse = jnp.asarray(message.num_bits, jnp.float32) == scaled_sign_bits(dim)
+        ok_parse = as_bits(message.num_bits) == scaled_sign_bits(dim)
         scale = jax.lax.bitcast_convert_type(words[0], jnp.float32)
         ok_scale = jnp.isfinite(scale) & (scale >= 0)
         negative = unpack_fixed(words[1:], dim, 1) == 1

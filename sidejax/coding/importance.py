@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 
+from sidejax.bits import as_bits
 from sidejax.blocks import Blocks
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import num_words, pack_fixed, unpack_fixed
@@ -280,9 +281,9 @@ def encode_indices(indices: jax.Array, num_blocks: jax.Array, log2_num_candidate
     """Packs the live indices into a bitstream of ``num_blocks * log2 K`` bits (the message length)."""
     _check_log2k(log2_num_candidates)
     if log2_num_candidates == 0:  # K = 1: nothing to send
-        return Message(payload=jnp.zeros((0,), jnp.uint32), num_bits=jnp.float32(0.0))
+        return Message(payload=jnp.zeros((0,), jnp.uint32), num_bits=as_bits(0))
     words = pack_fixed(indices, log2_num_candidates)
-    return Message(payload=words, num_bits=(num_blocks * log2_num_candidates).astype(jnp.float32))
+    return Message(payload=words, num_bits=as_bits(num_blocks * log2_num_candidates))
 
 
 def decode_indices(message: Message, max_blocks: int, log2_num_candidates: int) -> jax.Array:

@@ -45,16 +45,16 @@ does not match the fields (truncated, padded, or block lengths not summing to ``
 (:attr:`KLMSDecoded.valid`, :attr:`KLMSDecoded.errors`; the host API raises). Without a checksum a
 *well-formed* but corrupted stream is not detectable: a flipped index bit selects another candidate, and
 a wrong shared key regenerates other candidates, and both decode silently to a wrong sample (valid). With
-``KLMSConfig(crc32=True)`` the stream ends in a CRC-32 (zlib's polynomial) of the client's shared key data,
-a 32-bit fingerprint of the prior ``p`` (:func:`sidejax.coding.prior_fingerprint`) and every earlier bit of
-the stream (:func:`sidejax.coding.crc32_words`): any error burst of up to 32 bits (every single flipped bit) is
+``KLMSConfig(crc32=True)`` the stream ends in a CRC-32 (zlib's polynomial) of the client's shared key data, a
+32-bit fingerprint of the prior ``p`` (:func:`sidejax.coding.prior_fingerprint`) and every earlier bit of the
+stream (:func:`sidejax.coding.crc32_words`): any error burst of up to 32 bits (every single flipped bit) is
 detected, and so is a receiver whose prior differs from the sender's in any coordinate (the fingerprint
 changes with every single changed value; BICompFL's parties must hold bit-identical priors), a wrong key or
 any other corruption with probability :math:`1 - 2^{-32}`. It is an error check, not an authenticator (a CRC
 is linear; use a MAC against an adversary). Cost: 32 bits per message, counted in ``num_bits``: at the
-``klms_fmnist`` preset size (LeNet5, ``dim`` = 61,706) that is 32 / 61,706 = 0.00052 bpp per client per
-round, 1.7% of the FedPM-KLMS uplink measured there (0.0301 bpp, docs/papers/klms.md#walkthrough). Off by
-default, as in the paper.
+``klms_fmnist`` preset size (LeNet5, ``dim`` = 61,706) that is 32 / 61,706 = 0.00052 bpp per client per round,
+1.7% of the FedPM-KLMS uplink measured there (0.0301 bpp, docs/papers/klms.md#walkthrough). Off by default, as
+in the paper.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sidejax.bits import as_bits
 from sidejax.blocks import (
     Blocks,
     aggregate_block_locations,
@@ -431,7 +432,7 @@ def klms_encode(
         statistic=stat,
         valid=is_valid(q) & is_valid(p) & jnp.isfinite(info.kl_bits),
     )
-    num_bits = offset.astype(jnp.float32)
+    num_bits = as_bits(offset)
     if is_concrete(num_bits):  # outside jit: exactly the words that are sent
         words = words[: sent_words(num_bits)]
     return Message(payload=words, num_bits=num_bits), cinfo
@@ -515,7 +516,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
         sent = unpack_fixed(words, 1, 32, bit_offset=offset)[0]
         ok_crc = sent == stream_crc(shared_key, p, words, offset)
         offset = offset + 32
-    ok_parse = offset.astype(jnp.float32) == message.num_bits
+    ok_parse = offset == as_bits(message.num_bits)
     errors = (
         jnp.where(ok_length, 0, ERR_LENGTH)
         | jnp.where(ok_partition, 0, ERR_PARTITION)
@@ -584,7 +585,7 @@ def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
     blocks = state.blocks
     mb = blocks.max_blocks
     if not config.adaptive:
-        return Message(jnp.zeros((0,), jnp.uint32), jnp.float32(0.0))
+        return Message(jnp.zeros((0,), jnp.uint32), as_bits(0))
     L = config.length_bits
     M = blocks.num_blocks
     live = jnp.arange(mb) < M
@@ -592,7 +593,7 @@ def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
     words = pack_fixed(state.update.astype(jnp.uint32)[None], 1, out=words)
     lengths = jnp.where(live & state.changed, block_sizes(blocks) - 1, 0)
     words = pack_fixed(lengths, L, bit_offset=1, out=words)
-    num_bits = (1 + jnp.where(state.changed, M * L, 0)).astype(jnp.float32)
+    num_bits = as_bits(1 + jnp.where(state.changed, M * L, 0))
     if is_concrete(num_bits):
         words = words[: sent_words(num_bits)]
     return Message(words, num_bits)
@@ -632,14 +633,14 @@ def klms_frame(state: KLMSState, words: jax.Array, bit_offset, config: KLMSConfi
     tail = (32 if config.adaptive else 0) + (32 if config.crc32 else 0)
     words = jnp.asarray(words, jnp.uint32)
     if not config.adaptive:
-        return (blocks0.num_blocks * b + tail).astype(jnp.float32)
+        return as_bits(blocks0.num_blocks * b + tail)
 
     def parsed():
         blocks, _ = _blocks_from_lengths(words, bit_offset, dim, mb, L)
         return blocks.num_blocks * (L + b)
 
     head = jax.lax.cond(state.update, parsed, lambda: blocks0.num_blocks * b)
-    return (head + tail).astype(jnp.float32)
+    return as_bits(head + tail)
 
 
 def klms_coder(config: KLMSConfig) -> Coder:

@@ -92,6 +92,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sidejax.bits import as_bits
 from sidejax.blocks import Blocks
 from sidejax.coding.base import (
     ERR_CRC,
@@ -546,7 +547,7 @@ def klms_avg_encode(
     if config.crc32:
         words = pack_fixed(stream_crc(keys.shared, p, words, offset)[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
-    num_bits = offset.astype(jnp.float32)
+    num_bits = as_bits(offset)
     if is_concrete(num_bits):  # outside jit: exactly the words that are sent
         words = words[: sent_words(num_bits)]
     info = KLMSAvgClientInfo(
@@ -594,7 +595,7 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
         offset = offset + 32
     # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state is the
     # one built for this vector, which the frame of a relayed stream relies on)
-    ok_parse = (offset.astype(jnp.float32) == jnp.asarray(message.num_bits, jnp.float32)) & (state.dim == dim)
+    ok_parse = (offset == as_bits(message.num_bits)) & (state.dim == dim)
     errors = (
         jnp.where(ok_length, 0, ERR_LENGTH)
         | jnp.where(ok_parse, 0, ERR_PARSE)
@@ -655,7 +656,7 @@ def klms_avg_downlink(state: KLMSAvgState, config: KLMSAvgConfig) -> Message:
     words = pack_fixed(jnp.asarray(state.update, jnp.uint32)[None], 1, out=words)
     size = jnp.where(changed, state.block_size.astype(jnp.int32) - 1, 0)
     words = pack_fixed(size[None], L, bit_offset=1, out=words)
-    num_bits = (1 + jnp.where(changed, L, 0)).astype(jnp.float32)
+    num_bits = as_bits(1 + jnp.where(changed, L, 0))
     if is_concrete(num_bits):
         words = words[: sent_words(num_bits)]
     return Message(words, num_bits)
@@ -686,7 +687,7 @@ def klms_avg_frame(state: KLMSAvgState, words: jax.Array, bit_offset, config: KL
     del words, bit_offset
     M = _num_blocks(state.dim, state.block_size)
     extra = 1 + jnp.where(jnp.asarray(state.update, bool), config.length_bits, 0) + 32 * config.crc32
-    return (M * config.log2_num_candidates + extra).astype(jnp.float32)
+    return as_bits(M * config.log2_num_candidates + extra)
 
 
 def klms_avg_coder(config: KLMSAvgConfig) -> Coder:

@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 
 from sidejax import keys as keymod
+from sidejax.bits import as_bits
 from sidejax.coding.base import (
     ERR_INPUT,
     ERR_LENGTH,
@@ -403,8 +404,7 @@ def lattice_stream_capacity_words(
         such ``p``).
 
     Raises:
-      ValueError: on bad arguments, or beyond :data:`sidejax.coding.lossless.MAX_STREAM_BITS` (``num_bits``
-        is float32).
+      ValueError: on bad arguments, or beyond :data:`sidejax.coding.lossless.MAX_STREAM_BITS`.
     """
     cap = _check_capacity_per_coordinate(capacity_bits_per_coordinate)
     width = (blocks * n).bit_length()
@@ -413,7 +413,7 @@ def lattice_stream_capacity_words(
     if bits > MAX_STREAM_BITS:
         raise ValueError(
             f"a lattice stream of {blocks * n} coordinates needs a buffer of {bits} bits, more than the "
-            f"{MAX_STREAM_BITS} supported (num_bits is float32): lower capacity_bits_per_coordinate "
+            f"{MAX_STREAM_BITS} supported: lower capacity_bits_per_coordinate "
             f"(now {cap}) or send the model in several messages"
         )
     return -(-bits // 32) + 1
@@ -506,7 +506,7 @@ def encode_lattice_stream(h: jax.Array, coords: jax.Array, *, trial_m: int, capa
       capacity_words: static buffer size (:func:`lattice_stream_capacity_words`).
 
     Returns:
-      ``(words, num_bits, fits)``: uint32 ``[capacity_words]``, the float32 stream length and whether it
+      ``(words, num_bits, fits)``: uint32 ``[capacity_words]``, the stream length (int32) and whether it
       fits the buffer (when False the message is unusable and must be flagged invalid).
     """
     coords = jnp.asarray(coords, jnp.int32)
@@ -534,7 +534,7 @@ def encode_lattice_stream(h: jax.Array, coords: jax.Array, *, trial_m: int, capa
     lengths = jnp.concatenate([jnp.asarray(v, jnp.int32) for v in parts_l])
     words, end = write_codewords(values, lengths, capacity_words=capacity_words)
     fits = end <= 32 * (capacity_words - 1)
-    return words, end.astype(jnp.float32), fits
+    return words, as_bits(end), fits
 
 
 def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int, method: str | None = None):
@@ -622,7 +622,7 @@ def _received(message: Message, capacity: int):
     if words.ndim != 1:
         raise ValueError(f"a message payload must be a 1-D uint32 word array, got shape {words.shape}")
     words, ok = mask_to_length(words, message.num_bits)
-    ok = ok & (jnp.asarray(message.num_bits, jnp.float32) <= 32.0 * (capacity - 1))
+    ok = ok & (as_bits(message.num_bits) <= 32 * (capacity - 1))
     return jnp.pad(words[:capacity], (0, capacity - min(words.shape[0], capacity))), ok
 
 

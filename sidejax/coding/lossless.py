@@ -3,8 +3,8 @@
 Both formats are written with :func:`sidejax.coding.bitstream.write_codewords` (codewords most-significant
 bit first; stream bit ``p`` is bit ``p mod 32`` of word ``p // 32``, the layout of ``pack_fixed``) into a
 static-capacity uint32 buffer sized for the worst case, and ``num_bits`` is the exact length of the stream
-built (float32 as in :class:`sidejax.coding.Message`, exact while the capacity is at most
-:data:`MAX_STREAM_BITS` = :math:`2^{24}` bits, which the encoders check). Only the first
+built (an int32 count as in :class:`sidejax.coding.Message`; capacities are limited to
+:data:`MAX_STREAM_BITS` = :math:`2^{28}` bits, which the encoders check). Only the first
 ``ceil(num_bits / 32)`` words are sent (:func:`sidejax.coding.bitstream.trim_payload`).
 
 Decoding is parallel-friendly. The length of the symbol that would start at *every* bit position is
@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidejax.bits import as_bits
 from sidejax.coding.bitstream import (
     INVALID_LENGTH,
     codeword_starts,
@@ -82,8 +83,10 @@ __all__ = [
     "mask_decode",
 ]
 
-MAX_STREAM_BITS = 1 << 24
-"""Largest stream capacity (bits) the encoders accept: ``num_bits`` is float32, exact up to :math:`2^{24}`."""
+MAX_STREAM_BITS = 1 << 28
+"""Largest stream capacity (bits) the encoders accept: the decoders work on one int32 per stream bit (a
+symbol length at every position), 1 GiB at this size. (Until lengths became int32 the limit was
+:math:`2^{24}`, where float32 lengths stop being exact.)"""
 
 
 def _check_dim(dim, name: str = "dim") -> int:
@@ -116,8 +119,8 @@ def _check_words(words) -> jax.Array:
 def _check_capacity(bits: int, what: str) -> int:
     if bits > MAX_STREAM_BITS:
         raise ValueError(
-            f"{what}: worst-case stream of {bits} bits exceeds {MAX_STREAM_BITS} (num_bits is float32, "
-            "exact up to 2**24)"
+            f"{what}: worst-case stream of {bits} bits exceeds {MAX_STREAM_BITS} (the decoder's per-bit work "
+            "arrays would take over 1 GiB)"
         )
     return max(1, -(-bits // 32))
 
@@ -195,13 +198,13 @@ def _elias_symbols(levels: jax.Array):
 
 def elias_levels_length(levels: jax.Array) -> jax.Array:
     """Exact length of the QSGD Elias stream of ``levels[d]``, from the symbols:
-    :math:`\\sum_{i: \\ell_i \\ne 0} \\big(|\\gamma(g_i)| + 1 + |\\gamma(|\\ell_i|)|\\big)` (float32)."""
+    :math:`\\sum_{i: \\ell_i \\ne 0} \\big(|\\gamma(g_i)| + 1 + |\\gamma(|\\ell_i|)|\\big)` (int32)."""
     levels = jnp.asarray(levels)
     if levels.ndim != 1 or not jnp.issubdtype(levels.dtype, jnp.integer):
         raise ValueError(f"levels must be a 1-D integer array, got shape {levels.shape} dtype {levels.dtype}")
     nz, gap, _, mag = _elias_symbols(levels.astype(jnp.int32))
     per = elias_gamma_length(gap) + 1 + elias_gamma_length(mag)
-    return jnp.sum(jnp.where(nz, per, 0)).astype(jnp.float32)
+    return as_bits(jnp.sum(jnp.where(nz, per, 0)))
 
 
 def elias_levels_encode(levels: jax.Array, *, max_level: int):
@@ -216,7 +219,7 @@ def elias_levels_encode(levels: jax.Array, *, max_level: int):
 
     Returns:
       ``(words, num_bits)``: uint32 ``[elias_levels_capacity_words(d, s)]`` (zero past the stream) and the
-      float32 exact stream length.
+      exact stream length (int32).
     """
     max_level = _check_max_level(max_level)
     levels = _check_levels(levels, max_level)
@@ -228,7 +231,7 @@ def elias_levels_encode(levels: jax.Array, *, max_level: int):
     values = jnp.stack([first, mag.astype(jnp.uint32)], axis=1)
     lengths = jnp.stack([len1, len2], axis=1)
     words, end = write_codewords(values, lengths, capacity_words=cap)
-    return words, end.astype(jnp.float32)
+    return words, as_bits(end)
 
 
 def elias_levels_decode(words: jax.Array, num_bits, *, dim: int, max_level: int, method: str | None = None):
@@ -373,11 +376,11 @@ def _mask_symbols(mask: jax.Array):
 def mask_code_length(mask: jax.Array) -> jax.Array:
     """Exact length of the mask stream of ``mask[d]`` (0/1), from the symbols: the header plus
     :math:`\\sum_j (\\lfloor r_j/m\\rfloor + 1 + \\text{remainder length})` over the coded positions
-    (float32)."""
+    (int32)."""
     mask = _check_mask(mask)
     _, coded, m, run = _mask_symbols(mask)
     body = jnp.sum(jnp.where(coded, golomb_length(run, m), 0))
-    return (mask_header_bits(mask.shape[0]) + body).astype(jnp.float32)
+    return as_bits(mask_header_bits(mask.shape[0]) + body)
 
 
 def mask_encode(mask: jax.Array):
@@ -385,7 +388,7 @@ def mask_encode(mask: jax.Array):
     stream.
 
     Returns:
-      ``(words, num_bits)``: uint32 ``[mask_capacity_words(d)]`` and the float32 exact stream length.
+      ``(words, num_bits)``: uint32 ``[mask_capacity_words(d)]`` and the exact stream length (int32).
     """
     mask = _check_mask(mask)
     d = mask.shape[0]
@@ -397,7 +400,7 @@ def mask_encode(mask: jax.Array):
     values = jnp.concatenate([header[None], val])
     lengths = jnp.concatenate([jnp.array([1 + width], jnp.int32), jnp.where(coded, length, 0)])
     words, end = write_codewords(values, lengths, capacity_words=cap)
-    return words, end.astype(jnp.float32)
+    return words, as_bits(end)
 
 
 def mask_decode(words: jax.Array, num_bits, *, dim: int, method: str | None = None):
@@ -425,7 +428,7 @@ def mask_decode(words: jax.Array, num_bits, *, dim: int, method: str | None = No
     head = 1 + width
     flag = read_bits(words, 0, 1) == 1
     m = read_bits(words, 1, width).astype(jnp.int32)
-    nb = jnp.asarray(num_bits, jnp.float32)
+    nb = as_bits(num_bits)
     ok_head = (nb >= head) & (m >= 1) & (m <= dim)
     m = jnp.clip(m, 1, dim)
 

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sidejax.bits import as_bits
 from sidejax.coding.base import (
     ERR_INPUT,
     ERR_LENGTH,
@@ -115,8 +116,8 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
         else:
             ok_labels = jnp.all((labels >= 0) & (labels < num_classes) & (labels == jnp.round(labels)))
             index = jnp.clip(jnp.round(labels), 0, num_classes - 1).astype(jnp.uint32)
-            body = Message(pack_fixed(index, width), jnp.float32(width * k))
-        count = Message(jnp.clip(n, 0, MAX_EXAMPLES).astype(jnp.uint32)[None], jnp.float32(32))
+            body = Message(pack_fixed(index, width), as_bits(width * k))
+        count = Message(jnp.clip(n, 0, MAX_EXAMPLES).astype(jnp.uint32)[None], as_bits(32))
         valid = jnp.all(jnp.isfinite(z)) & ok_labels & ok_n
         return concat_messages(head, body, count), PseudocoresetInfo(valid, jnp.float32(jnp.nan))
 
@@ -130,9 +131,9 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
         n_inputs = dim - k - 1
         expected = 32 * n_inputs + width * k + 32
         words, ok_len = received_words(message, -(-expected // 32), "pseudocoreset")
-        ok_parse = jnp.asarray(message.num_bits, jnp.float32) == expected
+        ok_parse = as_bits(message.num_bits) == expected
         z_msg, label_msg, count_msg = split_message(
-            Message(words, jnp.float32(expected)), (32 * n_inputs, width * k)
+            Message(words, as_bits(expected)), (32 * n_inputs, width * k)
         )
         z = decode_float32(Message(z_msg.payload[:n_inputs], z_msg.num_bits))
         if num_classes is None:

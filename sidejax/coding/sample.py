@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidejax.bits import enumerative_mask_bits
+from sidejax.bits import as_bits, enumerative_mask_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.lossless import elias_levels_decode, elias_levels_encode, mask_decode, mask_encode
@@ -65,7 +65,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         index = jnp.clip(jnp.searchsorted(table, x), 0, len(symbols) - 1)
         ok = is_valid(q) & jnp.all(table[index] == x)
         words = pack_fixed(index.astype(jnp.uint32), width)
-        num_bits = jnp.float32(width * x.shape[0])
+        num_bits = as_bits(width * x.shape[0])
         return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
 
     def decode(shared_key, p, message):
@@ -75,7 +75,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         words, ok_len = mask_to_length(_padded(message, cap), message.num_bits, num_sent_words=_n(message))
         index = unpack_fixed(words, dim, width).astype(jnp.int32)
         ok_sym = jnp.all(index < len(symbols))
-        ok_parse = jnp.asarray(message.num_bits, jnp.float32) == width * dim
+        ok_parse = as_bits(message.num_bits) == width * dim
         errors = _errors(ok_len, ok_parse, ok_sym)
         x = jnp.asarray(symbols, jnp.float32)[jnp.minimum(index, len(symbols) - 1)]
         return x, StreamCheck(errors == 0, errors)

@@ -130,9 +130,9 @@ class RoundInfo(NamedTuple):
     Attributes:
       round_index: int32 scalar, the round these numbers belong to.
       client_ids: int32 ``[clients_per_round]``, the global ids of the participants, ascending.
-      uplink_bits: float32 ``[clients_per_round]``, length of each participant's uplink message.
-      downlink_bits: float32 ``[clients_per_round]``, length of the downlink message each participant
-        received.
+      uplink_bits: int32 ``[clients_per_round]``, length of each participant's uplink message (exact).
+      downlink_bits: int32 ``[clients_per_round]``, length of the downlink message each participant
+        received (exact).
       clients: :class:`ClientInfo` stacked over participants.
       server: algorithm-specific server diagnostics.
       server_finite: bool scalar, False if the new server state holds a NaN/inf.

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from sidejax.bits import as_bits
 from sidejax.fl.base import Algorithm, ClientData, ClientInfo, RoundInfo, RoundState
 from sidejax.keys import DOWNLINK, SAMPLING, client_keys, round_key, stream_key
 from sidejax.types import PRNGKey, PyTree
@@ -468,8 +469,8 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         info = RoundInfo(
             round_index=state.round_index,
             client_ids=ids,
-            uplink_bits=jnp.broadcast_to(messages.num_bits, ids.shape).astype(jnp.float32),
-            downlink_bits=jnp.broadcast_to(downlink.num_bits, ids.shape).astype(jnp.float32),
+            uplink_bits=jnp.broadcast_to(as_bits(messages.num_bits), ids.shape),
+            downlink_bits=jnp.broadcast_to(as_bits(downlink.num_bits), ids.shape),
             clients=phase.client_info,
             server=sinfo,
             server_finite=tree_all_finite(server),

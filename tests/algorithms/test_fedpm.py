@@ -114,3 +114,25 @@ def test_clients_decode_theta_and_the_protocol_state_from_the_downlink(algorithm
             theta=jnp.zeros_like(server.theta), coder=coder._replace(blocks=known, update=~coder.update)
         )
         assert tree_equal(receive(view, broadcast(sent)), sent)
+
+
+def test_the_update_flag_survives_a_downlink_past_two_to_the_24_bits():
+    """FedPM's downlink is the mask probabilities as float32, then the KLMS protocol stream (the update flag
+    first). At 600,000 coordinates the flag sits past bit 2**24: the clients must still read it (with float32
+    message lengths they read 0, then encoded a round the server decoded as an update round: every stream of
+    the CIFAR-10 CONV6 preset's first round was invalid)."""
+    from sidejax.algorithms.dense import receive_vector, vector_downlink
+    from sidejax.coding import klms_coder
+    from sidejax.coding.klms import KLMSConfig
+
+    dim = 600_000
+    coder = klms_coder(KLMSConfig(log2_num_candidates=2, block_size=8, max_block_size=256))
+    state = coder.init(dim)  # adaptive: round 0 is an update round
+    assert bool(state.update)
+    theta = jnp.full((dim,), 0.5, jnp.float32)
+    stale = state._replace(update=jnp.asarray(False))
+    message = vector_downlink(theta, coder, state)
+    assert int(message.num_bits) == 32 * dim + 1
+    received, _, cstate = jax.jit(lambda m: receive_vector(m, dim, coder, stale))(message)
+    assert bool(cstate.update)
+    np.testing.assert_array_equal(np.asarray(received), np.asarray(theta))

@@ -511,8 +511,9 @@ def test_conv6_sized_update_round_decodes_for_every_client():
     vmapped in one jitted program, as FedPM-KLMS runs on an accelerator: every client's own partition
     (blocks of 1 to 256 coordinates: runs of coordinates far from the prior between runs close to it) is
     read back from its stream exactly, and the stream is as long as its fields. The GPU check's CIFAR-10
-    CONV6 preset found round 0's streams invalid on an H200 (the block lengths read back did not sum to the
-    dimension); this pins the coder alone at that size, on whatever backend runs it."""
+    CONV6 preset found round 0's streams invalid on an H200; the cause was the downlink's float32 length
+    (tests/algorithms/test_fedpm.py), not the coder, which this pins at that size on whatever backend runs
+    it."""
     dim, clients = 2_262_602, 10
     cfg = KLMSConfig(log2_num_candidates=2, block_size=8, max_block_size=256)
     state = klms_init(dim, cfg)

@@ -421,4 +421,4 @@ def test_padding_nan_overflow_and_bad_arguments():
     with pytest.raises(ValueError, match="noise must be"):
         additive_noise_coder(0.1)
     with pytest.raises(ValueError, match="MAX_STREAM_BITS|supported"):
-        lattice_stream_capacity_words(2_000_000, 1, 0, 16)
+        lattice_stream_capacity_words(20_000_000, 1, 0, 16)
