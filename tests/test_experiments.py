@@ -1353,5 +1353,6 @@ def test_crc32_checks_every_coders_messages_once():
             native = type(config.coder).native_crc
             assert coder.name.endswith("+crc") == (crc and not native), (algorithm, crc, coder.name)
             if native:
-                settings = config.coder.klms_config() if config.coder.name == "klms" else config.coder.config()
+                coder = config.coder
+                settings = coder.klms_config() if coder.name == "klms" else coder.config()
                 assert settings.crc32 == crc, algorithm
