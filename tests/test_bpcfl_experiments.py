@@ -175,10 +175,10 @@ def test_the_emnist_preset_traces_one_round_of_the_convnet():
     posterior samples have the ConvNet's shapes (the upload's length at these sizes:
     tests/algorithms/test_bpcfl.py::test_emnist_stream_length_is_measured_from_the_message)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from experiments.algorithms import ModelContext, build_algorithm
+    from sidejax.bits import BITS_DTYPE
     from sidejax.data import make_federated_data
     from sidejax.fl import build_round_step, classification_loss
     from sidejax.keys import round_key, run_keys
@@ -203,7 +203,7 @@ def test_the_emnist_preset_traces_one_round_of_the_convnet():
         == 1_206_590
     )
     assert new_state.server.coreset.inputs.shape == (100 * 62, 28, 28, 1)
-    assert info.uplink_bits.shape == (100,) and info.uplink_bits.dtype == jnp.float32
+    assert info.uplink_bits.shape == (100,) and info.uplink_bits.dtype == BITS_DTYPE  # exact lengths
 
 
 def test_a_warm_start_from_another_model_or_a_damaged_file_is_refused(tmp_path):
