@@ -254,6 +254,7 @@ def test_ensemble_of_one_and_of_identical_samples_equals_the_single_evaluator(ml
     np.testing.assert_allclose(four.ece, single.ece, rtol=0, atol=4 * EPS32)
 
 
+@pytest.mark.slow  # 12.5 s from an empty compilation cache (a loop of single evaluations, each compiled)
 def test_personal_evaluator_equals_a_loop_of_single_evaluations(mlp_eval):
     apply_fn, params, x, y = mlp_eval
     sizes = np.array([37, 50, 0, 12])  # padded to 50; batch 16 divides none of them; one empty client

@@ -61,6 +61,7 @@ def test_qsgd_elias_bound_reproduces_the_papers_bug():
     assert got[(2, False)] == pytest.approx(0.053, abs=1e-3)
 
 
+@pytest.mark.slow  # 11 s from an empty compilation cache; the Elias stream's contract is in test_coders
 def test_qsgd_message_length_by_hand():
     """QSGD's message (the coder qsgd builds: ``with_side_info(elias_coder(s), num_tensors)``): the per-tensor
     norms as float32, then the Elias stream of the levels with gaps over the whole flat vector (gamma(gap),

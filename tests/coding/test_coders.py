@@ -270,9 +270,12 @@ CASES = [
     # with_crc on a stateless coder without a prior, and on a stateful coder that uses its prior and frames
     # its streams (CEPAM's Z^1 stream with the check: test_crc_detects_every_flipped_bit_..., slow)
     ("pseudocoreset+crc", with_crc(pseudocoreset_coder(2, 10)), _pseudocoreset, _sample_oracle),
-    ("klms-adaptive+crc", with_crc(klms_coder(_ADAPTIVE)), _bernoulli, _klms_oracle(_ADAPTIVE)),
+    pytest.param(
+        ("klms-adaptive+crc", with_crc(klms_coder(_ADAPTIVE)), _bernoulli, _klms_oracle(_ADAPTIVE)),
+        marks=pytest.mark.slow,  # 6 s from an empty compilation cache: make test-all
+    ),
 ]
-IDS = [c[0] for c in CASES]
+IDS = [(c.values[0] if hasattr(c, "values") else c)[0] for c in CASES]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=IDS)

@@ -164,10 +164,10 @@ def test_decoder_reproduces_the_encoder_bit_for_bit_and_a_wrong_key_does_not():
     "lattice",
     [
         L.integer_lattice(2),
-        # the same two-phase code at other block dimensions (5-10 s each to compile): slow
+        # the same two-phase code at other block dimensions (5-16 s each to compile): slow
         pytest.param(L.integer_lattice(3), marks=pytest.mark.slow),
         pytest.param(L.d4(), marks=pytest.mark.slow),
-        L.e8(),
+        pytest.param(L.e8(), marks=pytest.mark.slow),  # 16 s from an empty cache
     ],
     ids=lambda lat: lat.name,
 )
