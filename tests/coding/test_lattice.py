@@ -85,7 +85,12 @@ def _pipeline(lattice: L.Lattice, noise):
     return run
 
 
-GAUSS = [L.integer_lattice(1), L.integer_lattice(2), L.integer_lattice(3), L.e8()]
+GAUSS = [
+    L.integer_lattice(1),
+    L.integer_lattice(2),
+    L.integer_lattice(3),
+    pytest.param(L.e8(), marks=pytest.mark.slow),  # 10.5 s from an empty compilation cache
+]
 PACKING = {"Z^1": 1.0, "Z^2": math.pi / 4, "Z^3": math.pi / 6, "E8": math.pi**4 / 384}
 
 
@@ -305,6 +310,7 @@ def test_stream_round_trip_and_corruption():
     assert int(out[2]) != 0 or not np.array_equal(np.asarray(out[0]), np.asarray(h))
 
 
+@pytest.mark.slow  # 25 s from an empty compilation cache (six compiled coders): make test-all
 def test_normalise_clip_zero_update_and_noise_levels():
     lattice = L.integer_lattice(1)
     d = 4000
