@@ -39,12 +39,13 @@ MAX_MESSAGE_BITS = 2**31 - 1
 
 
 def as_bits(num_bits) -> jax.Array:
-    """``num_bits`` as a message length (:data:`BITS_DTYPE`). A float is taken as the whole number it holds
-    (a non-whole or negative value is not a length: receivers flag it, see
-    :func:`sidejax.coding.mask_to_length`, which checks before converting)."""
+    """``num_bits`` as a message length (:data:`BITS_DTYPE`). A float is taken as the whole number it holds;
+    a float that is not a whole number ``>= 0`` is not a length and becomes ``-1``, which no stream's length
+    equals, so every receiver's length check still rejects it (as it did while lengths were float32)."""
     x = jnp.asarray(num_bits)
     if jnp.issubdtype(x.dtype, jnp.floating):
-        x = jnp.clip(x, 0, MAX_MESSAGE_BITS)
+        whole = (x >= 0) & (x == jnp.floor(x))
+        x = jnp.where(whole, jnp.minimum(x, MAX_MESSAGE_BITS), -1)
     return x.astype(BITS_DTYPE)
 
 

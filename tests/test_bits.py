@@ -27,7 +27,7 @@ def test_message_lengths_are_exact_past_two_to_the_24_bits():
     import jax
     import numpy as np
 
-    from sidejax.bits import BITS_DTYPE, MAX_MESSAGE_BITS, payload_bits
+    from sidejax.bits import BITS_DTYPE, MAX_MESSAGE_BITS, as_bits, payload_bits
     from sidejax.coding import Message, concat_messages, encode_float32, split_message
 
     dim = 600_000
@@ -45,5 +45,13 @@ def test_message_lengths_are_exact_past_two_to_the_24_bits():
         assert int(bit_len) == 1 and int(bit) == 1
         np.testing.assert_array_equal(np.asarray(words)[:dim].view(np.float32), np.asarray(x))
     assert int(payload_bits(jnp.zeros(2**20, jnp.uint32))) == 2**25
+    # a float length counts as the whole number it holds; any other float is no length (-1)
+    assert [int(as_bits(v)) for v in (7, 7.0, jnp.float32(19_200_000), 10.5, -3.0)] == [
+        7,
+        7,
+        19_200_000,
+        -1,
+        -1,
+    ]
     with pytest.raises(ValueError, match="longer than a message can be"):
         payload_bits(jax.ShapeDtypeStruct((MAX_MESSAGE_BITS // 32 + 1,), jnp.uint32))

@@ -746,7 +746,7 @@ def _cut(message: Message, head_bits, head_words: int) -> tuple[Message, Message
     words, _ = mask_to_length(words, message.num_bits)
     padded = jnp.pad(words, (0, head_words + 1))
     head = unpack_fixed(padded, head_words, 32)
-    head, _ = mask_to_length(head, jnp.minimum(head_bits, 32.0 * head_words))
+    head, _ = mask_to_length(head, jnp.minimum(head_bits, 32 * head_words))
     rest = unpack_fixed(padded, n, 32, bit_offset=jnp.asarray(head_bits, jnp.int32))
     return Message(head, as_bits(head_bits)), Message(rest, as_bits(message.num_bits) - head_bits)
 

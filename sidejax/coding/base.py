@@ -410,7 +410,7 @@ def stream_crc(shared_key, p, words: jax.Array, num_bits) -> jax.Array:
     if p is not None:
         key_words = jnp.concatenate([key_words, prior_fingerprint(p)[None]])
     masked, _ = mask_to_length(words, num_bits)
-    used = (jnp.asarray(num_bits, jnp.int32) + 31) // 32
+    used = (as_bits(num_bits) + 31) // 32
     return crc32_words(jnp.concatenate([key_words, masked]), key_words.shape[0] + used)
 
 
@@ -452,8 +452,7 @@ def with_crc(coder: Coder) -> Coder:
         words = _words(message)
         nb = as_bits(message.num_bits)
         inner_bits = jnp.maximum(nb - 32, 0)
-        padded = jnp.pad(words, (0, 2))
-        sent = unpack_fixed(padded, 1, 32, bit_offset=inner_bits)[0]
+        sent = unpack_fixed(words, 1, 32, bit_offset=inner_bits)[0]  # bits past the buffer read as 0
         inner_words, _ = mask_to_length(words, inner_bits)
         if is_concrete(inner_bits):  # outside jit the inner decoder takes exactly the words sent
             inner_words = inner_words[: sent_words(inner_bits)]
