@@ -73,3 +73,62 @@ def test_fl_coding_imports_are_the_contract_only():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sidejax.coding"):
                 assert node.module == "sidejax.coding.base", f"{path.name} imports {node.module}"
+
+
+EXPERIMENTS = ROOT.parent / "experiments"
+
+
+def _experiment_imports(path: Path) -> set[str]:
+    """The ``experiments`` modules ``path`` imports, at module level or inside functions (a lazy import is
+    still a dependency), leaving out imports only for type checkers (``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    skip = {
+        id(node)
+        for top in ast.walk(tree)
+        if isinstance(top, ast.If) and ast.unparse(top.test).endswith("TYPE_CHECKING")
+        for node in ast.walk(top)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module == "experiments":
+            out.update(f"experiments.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments."):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("experiments."))
+    return out
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_experiments_import_graph_has_no_cycle():
+    """docs/architecture.md §1: the experiment layer imports downwards only (no two modules that need each
+    other), and the library never imports the experiments."""
+    graph = {_module_name(p): _experiment_imports(p) for p in sorted(EXPERIMENTS.rglob("*.py"))}
+    for name in graph:  # an import of a package's module also names the package: keep modules only
+        graph[name] = {m for m in graph[name] if m in graph and m != name}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = [*path[path.index(dep) :], dep] if dep in path else [name, dep]
+                raise AssertionError(f"import cycle in experiments/: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    for path in MODULES:
+        text = path.read_text()
+        assert "import experiments" not in text and "from experiments" not in text, (
+            f"{path.relative_to(ROOT.parent)} imports the experiments: the library must not depend on them"
+        )
