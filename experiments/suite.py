@@ -543,7 +543,7 @@ def _resume(s: Suite, directory: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "list"):
-        suite("table")
+        suite("klms")  # fills the registry
         print("python -m experiments.suite SUITE {run,resume,table,plot,presets} ...; suites:")
         for s in SUITES.values():
             print(f"  {s.name}: {s.title}" + (f" (settings: {', '.join(s.settings)})" if s.settings else ""))
