@@ -1,16 +1,13 @@
 """BICompFL experiments: the paper's settings as presets, and its table and plot from finished runs.
 
-Examples::
+Examples (``python -m experiments.suite`` documents every command; ``presets`` rewrites the preset files
+from the definitions below, which a test checks)::
 
     # the reduced CPU setting (Fashion-MNIST, LeNet5, 10 iid clients): run every method, then tabulate
     python -m experiments.suite bicompfl run results/bicompfl_fmnist --setting fmnist_lenet5_cpu
     # the same with fewer rounds (a quick look), or only some methods
     python -m experiments.suite bicompfl run results/quick --setting fmnist_lenet5_cpu --rounds 5 \
         --only gr_fixed fedavg
-    # just tabulate the run folders under a directory
-    python -m experiments.suite bicompfl table results/bicompfl_fmnist
-    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
-    python -m experiments.suite bicompfl presets
 
 A **setting** is a dataset, model and federation (:data:`SETTINGS`: the paper's MNIST LeNet5 i.i.d.,
 MNIST and Fashion-MNIST 4CNN i.i.d. and Dirichlet 0.1, CIFAR-10 6CNN, which run unchanged on a GPU, and the
@@ -36,11 +33,10 @@ per client (the sum over rounds of ``bpp``), log scale, one line per method.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, draw_figure, mean_of, single_figure
+from experiments.suite import Suite, alias, draw_figure, mean_of, single_figure
 
 __all__ = ["SETTINGS", "VARIANTS", "SUITE", "suite_config", "variant_label"]
 
@@ -232,19 +228,12 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
 SUITE = Suite(
     name="bicompfl",
     title=__doc__.split("\n")[0],
-    settings={name: v[0] for name, v in SETTINGS.items()},
-    variants={name: v[0] for name, v in VARIANTS.items()},
-    config=lambda setting, variant: suite_config(setting, variant),
+    settings=SETTINGS,
+    variants=VARIANTS,
+    config=suite_config,
     columns=(
-        ("method", None),
-        ("acc (%)", ".2f"),
-        ("last-5 acc (%)", ".2f"),
-        ("bpp", ".4g"),
-        ("bpp (BC)", ".4g"),
-        ("uplink", ".4g"),
-        ("downlink", ".4g"),
-        ("rounds", None),
-        ("run", None),
+        "method | acc (%):.2f | last-5 acc (%):.2f | bpp:.4g | bpp (BC):.4g | uplink:.4g | "
+        "downlink:.4g | rounds | run"
     ),
     label=variant_label,
     cells=_cells,
@@ -252,9 +241,5 @@ SUITE = Suite(
     preset_prefix="BICompFL ",
 )
 
-if (
-    __name__ == "__main__"
-):  # the old command: python -m experiments.bicompfl ... = experiments.suite bicompfl ...
-    from experiments.suite import main
-
-    sys.exit(main(["bicompfl", *sys.argv[1:]]))
+if __name__ == "__main__":  # the old command, an alias
+    alias("bicompfl")

@@ -1,7 +1,8 @@
 """BPC-FL experiments: the paper's classification settings as presets, and its NLL / accuracy / ECE /
 communication table (docs/papers/bpcfl.md#s5, docs/papers/bpcfl.md#table-1).
 
-Examples::
+Examples (``python -m experiments.suite`` documents every command; ``presets`` rewrites the preset files
+from the definitions below, which a test checks)::
 
     # 2-D moons (5 clients x 20 points, the MLP with GroupNorm): every method, three seeds
     python -m experiments.suite bpcfl run results/bpcfl_moons --setting moons --seeds 0 1 2
@@ -9,8 +10,6 @@ Examples::
     python -m experiments.suite bpcfl run results/bpcfl_fmnist --setting fmnist_cpu
     # EMNIST-62 (100 clients, the ConvNet): a GPU, and EMNIST's files or tensorflow-datasets
     python -m experiments.suite bpcfl run results/bpcfl_emnist --setting emnist
-    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
-    python -m experiments.suite bpcfl presets
 
 The 1-D regression experiment (paper Fig. 2) is the suite ``bpcfl_regression``
 (:mod:`experiments.bpcfl_regression`: its model is a regression network, which the classification driver
@@ -59,53 +58,49 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, by_label, draw_figure, single_figure
+from experiments.suite import Suite, alias, by_label, draw_figure, single_figure
 
 __all__ = ["SETTINGS", "METHODS", "SUITE", "suite_config"]
 
+_FED = {"data.participation": 1.0, "run.eval_batch_size": 2000, "run.client_strategy": "auto"}
 _MOONS_DATA = {
+    **_FED,
     "data.dataset": "moons",
     "data.model": "moons_mlp",
     "data.num_clients": 5,
-    "data.participation": 1.0,
     "data.partition": "iid",
     "data.train_subset": 100,
     "run.eval_batch_size": 1000,
-    "run.client_strategy": "auto",
 }
 # Table 2, EMNIST-62 column (batch 25, 500 updates, lambda 1e-2, sigma_z 1e-3, psi_x 1e2, B_w 5, T_pre 750,
-# SGD sampler 1e-2, L_D 200, L_C 250, S 10, sigma_eps 1e-4)
-_EMNIST_BPC = {
-    "method.prior_precision": 1e-2,
-    "method.init_std": 1e-3,
-    "method.num_updates": 500,
-    "method.step_size_inputs": 1e2,
-    "method.pairs_per_update": 5,
-    "method.num_noise": 10,
-    "method.noise_std": 1e-4,
-    "method.num_trajectories": 100,
-    "method.pretrain_steps": 750,
-    "method.pretrain_batch_size": 25,
-    "method.pretrain_lr": 1e-2,
-    "method.sampler": "sgd",
-    "method.sampler_lr": 1e-2,
-    "method.data_chain_length": 200,
-    "method.coreset_chain_length": 250,
-    # Table 7, EMNIST column
-    "method.map_lr": 1e-2,
-    "method.map_steps": 2000,
-    "method.hmc_step_size": 2e-4,
-    "method.hmc_inverse_mass": 10.0,
-    "method.hmc_integration_steps": 10,
-    "method.hmc_burnin": 150,
-    "method.hmc_samples": 10,
-    "method.hmc_start": "map",
-}
+# SGD sampler 1e-2, L_D 200, L_C 250, S 10, sigma_eps 1e-4), and Table 7's EMNIST column (map_*, hmc_*)
+# fmt: off
+_EMNIST_BPC = {f"method.{k}": v for k, v in dict(
+    prior_precision=0.01, init_std=0.001, num_updates=500, step_size_inputs=100.0, pairs_per_update=5,
+    num_noise=10, noise_std=0.0001, num_trajectories=100, pretrain_steps=750, pretrain_batch_size=25,
+    pretrain_lr=0.01, sampler="sgd", sampler_lr=0.01, data_chain_length=200, coreset_chain_length=250,
+    map_lr=0.01, map_steps=2000, hmc_step_size=0.0002, hmc_inverse_mass=10.0, hmc_integration_steps=10,
+    hmc_burnin=150, hmc_samples=10, hmc_start="map",
+).items()}
+# fmt: on
+
+
+def _dirichlet(dataset: str, model: str, clients: int, alpha: float, examples: int) -> dict[str, Any]:
+    """``examples`` training examples split over ``clients`` with a Dirichlet(``alpha``) label skew."""
+    return {
+        **_FED,
+        **{"data.dataset": dataset, "data.model": model, "data.num_clients": clients},
+        **{"data.partition": "dirichlet", "data.alpha": alpha, "data.train_subset": examples},
+    }
+
+
+# the baselines beyond moons: SGD clients (lr 0.1) and server (lr 1), batch 20
+_SGD = {"method.client_optimizer": "sgd", "method.client_lr": 0.1, "method.server_optimizer": "sgd"}
+_SGD |= {"method.server_lr": 1.0, "method.batch_size": 20}
 
 #: setting -> (description, overrides of [run]/[data], overrides of the BPC-FL methods, of the baselines)
 SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = {
@@ -135,51 +130,20 @@ SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] 
         "reduced CPU setting: Fashion-MNIST, 5,000 training examples over 10 clients (Dirichlet alpha = 1), "
         "MLP 784-100-10, K = 10 per client, Table 2's EMNIST column with 10 expert trajectories and 200 "
         "BPC-fKL updates",
-        {
-            "data.dataset": "fashion_mnist",
-            "data.model": "mlp_100",
-            "data.num_clients": 10,
-            "data.participation": 1.0,
-            "data.partition": "dirichlet",
-            "data.alpha": 1.0,
-            "data.train_subset": 5000,
-            "run.eval_batch_size": 2000,
-            "run.client_strategy": "auto",
-        },
+        _dirichlet("fashion_mnist", "mlp_100", 10, 1.0, 5000),
         {
             **_EMNIST_BPC,
             "method.num_points": 10,
             "method.num_trajectories": 10,
             "method.num_updates": 200,
         },
-        {
-            "method.client_optimizer": "sgd",
-            "method.client_lr": 0.1,
-            "method.server_optimizer": "sgd",
-            "method.server_lr": 1.0,
-            "method.batch_size": 20,
-            "rounds": 50,
-            "eval_every": 5,
-            "warm_rounds": 20,
-            "fedpa_burn_in": 25,
-        },
+        {**_SGD, "rounds": 50, "eval_every": 5, "warm_rounds": 20, "fedpa_burn_in": 25},
     ),
     "emnist": (
         "BPC-FL paper Table 1 (GPU): EMNIST-62 (byclass), 100 clients (25,000 examples, Dirichlet alpha = "
         "0.5 as a stand-in for the writer split), the ConvNet without dropout (P = 1,206,590), K = 62, "
         "Table 2's EMNIST column with 50 expert trajectories",
-        {
-            "data.dataset": "emnist",
-            "data.subset": "byclass",
-            "data.model": "bpcfl_convnet",
-            "data.num_clients": 100,
-            "data.participation": 1.0,
-            "data.partition": "dirichlet",
-            "data.alpha": 0.5,
-            "data.train_subset": 25000,
-            "run.eval_batch_size": 2000,
-            "run.client_strategy": "auto",
-        },
+        {**_dirichlet("emnist", "bpcfl_convnet", 100, 0.5, 25000), "data.subset": "byclass"},
         {
             **_EMNIST_BPC,
             "method.num_points": 62,
@@ -189,11 +153,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] 
             "run.client_strategy": "map",
         },
         {
-            "method.client_optimizer": "sgd",
-            "method.client_lr": 0.1,
-            "method.server_optimizer": "sgd",
-            "method.server_lr": 1.0,
-            "method.batch_size": 20,
+            **_SGD,
             "participation": 0.1,
             "rounds": 1500,
             "eval_every": 25,
@@ -360,20 +320,12 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
 SUITE = Suite(
     name="bpcfl",
     title=__doc__.split("\n")[0] + " " + __doc__.split("\n")[1],
-    settings={name: v[0] for name, v in SETTINGS.items()},
-    variants={name: v[0] for name, v in METHODS.items()},
-    config=lambda setting, method: suite_config(setting, method),
+    settings=SETTINGS,
+    variants=METHODS,
+    config=suite_config,
     columns=(
-        ("method", None),
-        ("NLL", ".3f"),
-        ("acc (%)", ".2f"),
-        ("ECE", ".3f"),
-        ("uplink floats", ".4g"),
-        ("total floats", ".4g"),
-        ("floats to NLL", ".3g"),
-        ("floats to acc", ".3g"),
-        ("seeds", None),
-        ("runs", None),
+        "method | NLL:.3f | acc (%):.2f | ECE:.3f | uplink floats:.4g | total floats:.4g | "
+        "floats to NLL:.3g | floats to acc:.3g | seeds | runs"
     ),
     label=_label,
     cells=_cells,
@@ -382,7 +334,5 @@ SUITE = Suite(
     noun="methods",
 )
 
-if __name__ == "__main__":  # the old command, an alias of: python -m experiments.suite bpcfl ...
-    from experiments.suite import main
-
-    sys.exit(main(["bpcfl", *sys.argv[1:]]))
+if __name__ == "__main__":  # the old command, an alias
+    alias("bpcfl")

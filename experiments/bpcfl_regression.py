@@ -66,35 +66,9 @@ folder) has one row per run and method: RMSE, NLL (at the model's σ and at the 
 inside the intervals and in the gaps, the uplink and total floats and the wall time; ``plot`` redraws each
 run's ``predictive.png`` from its files.
 
-Measured (seed 0, 5 x 100 points, the loaded 2-core CPU, wall times with compilation; figures in
-``docs/figures/bpcfl_regression*.png``; the HMC rows with HMC's key drawn outside the key schedule, before it
-moved to the engine server's inference key: the same law, other draws). RMSE / NLL on 1,000 fresh test
-points; NLL at the data's σ = 0.3:
-
-::
-
-    σ = 0.3 (docs/papers/bpcfl.md#s8-15; Tables 2 and 7)   RMSE    NLL     uplink floats (total)  wall
-      BPC-FL + Adam MAP                                     nan     nan     65                     523 s
-      BPC-FL + HMC (from init)                              1.476   11.82   65                     +4 s
-      FedAvg, 100 rounds                                    0.337   0.345   8,448,500 (+ same down) 5 s
-      one-shot FedAvg                                       0.939   4.61    84,485 (+ same down)   5 s
-    σ = 1.0 (extra variant; NLL at σ = 0.3 in brackets)
-      BPC-FL + Adam MAP                                     0.723   1.18 (2.62)                    565 s
-      BPC-FL + HMC from init                                0.990   1.41 (5.15)   acc 0.12, 106/240 divergent
-      BPC-FL + HMC from MAP (sigma1_hmc_map)               0.970   1.39 (4.65)   acc 0.15, 86/240 divergent
-      FedAvg, 100 rounds                                    0.362   0.98 (0.44)   reaches 0.723 at round 15
-      one-shot FedAvg                                       0.939   1.36 (4.61)
-
-With σ = 0.3 BPC-fKL diverges on 3 of 5 clients (pseudo-inputs at ~1e9 on one, NaN on another; the two
-others decrease the surrogate), so the server posterior is NaN: MAP is NaN and every HMC transition is
-divergent (the samples are the network initialisation). A likely cause: ``∂ℓ̄/∂ŷ = (ŷ − f)/(σ² K)``, so the
-label step ψ_y = 1 has gain ``ψ_y / (σ² K) = 1.85`` at σ = 0.3, K = 6 (close to the stability limit 2 of a
-gradient step when the inner chain fits the labels), against 0.17 at σ = 1: the paper's step sizes fit a
-unit-variance likelihood (or MSE). With σ = 1 every client converges (surrogate 0.11-5.0 → 0.04-0.07), the
-uplink is 13 floats per client (416 bits, the stream formula), but the MAP fit is still much worse than 100
-rounds of FedAvg (it misses the right interval), HMC with Table 7's step (1e-3, M⁻¹ = 50) hardly moves
-(acceptance 0.12-0.15; from init the 40 kept samples are identical), and its epistemic std is small:
-0.063 inside the intervals, 0.096 in the gaps (from MAP; T15's ordering holds but the bands are narrow).
+Measured (seed 0, 5 x 100 points, at σ = 0.3 as printed and at σ = 1) with what they show, and why
+BPC-fKL diverges at σ = 0.3: docs/papers/bpcfl.md#results-regression and
+docs/papers/bpcfl.md#dep-regression-sigma; figures in ``docs/figures/bpcfl_regression*.png``.
 """
 
 from __future__ import annotations
@@ -102,7 +76,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,7 +83,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.suite import Suite
+from experiments.suite import Suite, alias
 
 __all__ = ["PAPER", "QUICK", "RegressionConfig", "SUITE", "gaussian_nll_loss", "predictive_numbers", "run"]
 
@@ -139,21 +112,30 @@ QUICK = dict(
 
 @dataclasses.dataclass(frozen=True)
 class RegressionConfig:
-    """One run of the 1-D regression: the data (``clients`` x ``per_client`` points of noise std ``noise``,
-    ``test_points`` fresh test points, ``grid_points`` on [-1.2, 1.2]), the likelihood std ``sigma``, HMC's
-    start (``"init"`` or ``"map"``), FedAvg's rounds, the seed, and ``quick`` (the :data:`QUICK`
-    hyperparameters instead of :data:`PAPER`). Raises ``ValueError`` naming the first bad field."""
+    """One run of the 1-D regression (``--set FIELD=VALUE`` changes a field). Raises ``ValueError`` naming
+    the first bad field."""
 
     seed: int = 0
+    """The seed of the data, the keys and the network initialisation."""
     quick: bool = False
+    """The :data:`QUICK` hyperparameters (a smoke run of seconds) instead of :data:`PAPER`."""
     clients: int = 5
+    """The number of clients M."""
     per_client: int = 100
+    """Training points per client (100: Fig. 2; 20: Fig. 4); at least the pseudocoreset size K."""
     sigma: float = 0.3
+    """The likelihood std σ of the model (docs/papers/bpcfl.md#s8-15)."""
     noise: float = 0.3
+    """The data's noise std (the test NLL is also reported at this σ)."""
     fedavg_rounds: int = 100
+    """FedAvg's rounds (``--rounds``)."""
     test_points: int = 1000
+    """Fresh test points from the pooled mixture."""
     grid_points: int = 241
+    """Grid points on [-1.2, 1.2] for the predictive std and the figure."""
     hmc_start: str = "init"
+    """HMC's start: the network initialisation (``"init"``, docs/papers/bpcfl.md#s8-10) or the Adam MAP
+    estimate on the same coreset (``"map"``)."""
 
     def __post_init__(self):
         for name in ("clients", "per_client", "fedavg_rounds", "test_points"):
@@ -677,7 +659,7 @@ class RegressionRunner:
         try:
             value = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
         except ValueError:
-            raise ValueError(f"--set {key}={text}: not a {kind.__name__}") from None
+            raise ValueError(f"--set {key}={text}: expected a value of type {kind.__name__}") from None
         return dataclasses.replace(config, **{key: value})
 
     def resolve(self, config, directory, seed, source):
@@ -741,21 +723,13 @@ def _figures(runs, directory: Path) -> list[Path]:
 SUITE = Suite(
     name="bpcfl_regression",
     title="BPC-FL's 1-D synthetic regression (paper Fig. 2) against FedAvg and one-shot FedAvg",
-    settings={name: v[0] for name, v in SETTINGS.items()},
-    variants={name: v[0] for name, v in VARIANTS.items()},
-    config=lambda setting, variant: suite_config(setting, variant),
+    settings=SETTINGS,
+    variants=VARIANTS,
+    config=suite_config,
     columns=(
-        ("method", None),
-        ("sigma", ".3g"),
-        ("RMSE", ".4f"),
-        ("NLL", ".4g"),
-        ("NLL at data noise", ".4g"),
-        ("epistemic std inside", ".3g"),
-        ("epistemic std gaps", ".3g"),
-        ("uplink floats", ".6g"),
-        ("total floats", ".6g"),
-        ("wall (s)", ".1f"),
-        ("run", None),
+        "method | sigma:.3g | RMSE:.4f | NLL:.4g | NLL at data noise:.4g | "
+        "epistemic std inside:.3g | epistemic std gaps:.3g | uplink floats:.6g | total floats:.6g | "
+        "wall (s):.1f | run"
     ),
     label=_label,
     cells=_cells,
@@ -763,7 +737,5 @@ SUITE = Suite(
     runner=RegressionRunner(),
 )
 
-if __name__ == "__main__":  # the old command, an alias of: python -m experiments.suite bpcfl_regression ...
-    from experiments.suite import main
-
-    sys.exit(main(["bpcfl_regression", *sys.argv[1:]]))
+if __name__ == "__main__":  # the old command, an alias
+    alias("bpcfl_regression")

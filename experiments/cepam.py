@@ -1,14 +1,13 @@
 """CEPAM experiments: the paper's settings as presets, and its accuracy / privacy / rate table from runs.
 
-Examples::
+Examples (``python -m experiments.suite`` documents every command; ``presets`` rewrites the preset files
+from the definitions below, which a test checks)::
 
     # the reduced CPU setting (Fashion-MNIST, the small CNN, 30 clients x 1,666): run every scheme, tabulate
     python -m experiments.suite cepam run results/cepam_fmnist --setting fmnist_cnn_cpu
     # only some schemes, fewer rounds (a quick look)
     python -m experiments.suite cepam run results/quick --setting fmnist_cnn_cpu --rounds 5 \
         --only fl cepam_gauss_z1
-    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
-    python -m experiments.suite cepam presets
 
 A **setting** is a dataset, model and federation (:data:`SETTINGS`): the paper's MNIST MLP (784-32-16-10,
 25,818 parameters) and small CNN (6,422), 30 clients x 1,666 examples, tau = 15 single-sample steps, SGD with
@@ -33,12 +32,11 @@ The plot ``accuracy_vs_round.png`` shows test accuracy against the round, one li
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, draw_figure, mean_of, single_figure
+from experiments.suite import Suite, alias, draw_figure, mean_of, single_figure
 from sidejax import privacy
 
 __all__ = ["SETTINGS", "SCHEMES", "SUITE", "suite_config", "guarantee"]
@@ -176,20 +174,12 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
 SUITE = Suite(
     name="cepam",
     title=__doc__.split("\n")[0],
-    settings={name: v[0] for name, v in SETTINGS.items()},
-    variants={name: v[0] for name, v in SCHEMES.items()},
-    config=lambda setting, scheme: suite_config(setting, scheme),
+    settings=SETTINGS,
+    variants=SCHEMES,
+    config=suite_config,
     columns=(
-        ("scheme", None),
-        ("acc (%)", ".2f"),
-        ("final acc (%)", ".2f"),
-        ("epsilon", ".6g"),
-        ("delta", ".4g"),
-        ("vacuous", None),
-        ("uplink bpp", ".4g"),
-        ("ideal bpp", ".4g"),
-        ("rounds", None),
-        ("run", None),
+        "scheme | acc (%):.2f | final acc (%):.2f | epsilon:.6g | delta:.4g | vacuous | "
+        "uplink bpp:.4g | ideal bpp:.4g | rounds | run"
     ),
     label=_label,
     cells=_cells,
@@ -199,7 +189,5 @@ SUITE = Suite(
     annotate=lambda config: {"g": guarantee(config)},
 )
 
-if __name__ == "__main__":  # the old command: python -m experiments.cepam ... = experiments.suite cepam ...
-    from experiments.suite import main
-
-    sys.exit(main(["cepam", *sys.argv[1:]]))
+if __name__ == "__main__":  # the old command, an alias
+    alias("cepam")

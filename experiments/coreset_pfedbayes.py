@@ -1,6 +1,7 @@
 """CoreSet-PFedBayes experiments: the paper's settings as presets, and its personal / global accuracy table.
 
-Examples::
+Examples (``python -m experiments.suite`` documents every command; ``presets`` rewrites the preset files
+from the definitions below, which a test checks)::
 
     # the reduced CPU setting (Fashion-MNIST, MLP 784-100-10, 60 rounds): every method, three seeds
     python -m experiments.suite coreset_pfedbayes run results/coreset_fmnist --setting fmnist_mlp_cpu \\
@@ -8,8 +9,6 @@ Examples::
     # only the 50% comparison, a quick look
     python -m experiments.suite coreset_pfedbayes run results/quick --setting fmnist_mlp_cpu --rounds 5 \\
         --only coreset_50 random_50
-    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
-    python -m experiments.suite coreset_pfedbayes presets
 
 A **setting** (:data:`SETTINGS`) is the paper's federation (docs/papers/coreset_pfedbayes.md#s3-1): pFedMe's
 non-iid split (train and test pooled; 10 clients x 5 labels, client ``u`` holding labels
@@ -43,11 +42,10 @@ one colour per method, the mean over seeds.
 from __future__ import annotations
 
 import statistics
-import sys
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, by_label, draw_figure, evaluated, single_figure
+from experiments.suite import Suite, alias, by_label, draw_figure, evaluated, single_figure
 
 __all__ = ["SETTINGS", "METHODS", "SUITE", "suite_config", "rounds_to_fraction"]
 
@@ -199,19 +197,13 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
 SUITE = Suite(
     name="coreset_pfedbayes",
     title=__doc__.split("\n")[0],
-    settings={name: v[0] for name, v in SETTINGS.items()},
-    variants={name: v[0] for name, v in METHODS.items()},
-    config=lambda setting, method: suite_config(setting, method),
+    settings=SETTINGS,
+    variants=METHODS,
+    config=suite_config,
     columns=(
-        ("method", None),
-        ("personal acc (%)", ".2f"),
-        ("final personal (%)", ".2f"),
-        ("global acc (%)", ".2f"),
-        ("final global (%)", ".2f"),
-        ("rounds to 99%", ".0f"),
-        ("uplink floats / client / round", ".0f"),
-        ("seeds", None),
-        ("runs", None),
+        "method | personal acc (%):.2f | final personal (%):.2f | global acc (%):.2f | "
+        "final global (%):.2f | rounds to 99%:.0f | uplink floats / client / round:.0f | seeds | "
+        "runs"
     ),
     label=_label,
     cells=_cells,
@@ -221,7 +213,5 @@ SUITE = Suite(
 )
 
 
-if __name__ == "__main__":  # the old command, an alias of: python -m experiments.suite coreset_pfedbayes ...
-    from experiments.suite import main
-
-    sys.exit(main(["coreset_pfedbayes", *sys.argv[1:]]))
+if __name__ == "__main__":  # the old command, an alias
+    alias("coreset_pfedbayes")

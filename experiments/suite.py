@@ -42,26 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "Suite",
-    "DriverRunner",
-    "SUITES",
-    "suite",
-    "read_run_folders",
-    "collect",
-    "table_rows",
-    "write_table",
-    "markdown_table",
-    "mean_std",
-    "by_label",
-    "mean_of",
-    "evaluated",
-    "draw_figure",
-    "single_figure",
-    "run_configs",
-    "write_presets",
-    "main",
-]
+__all__ = ["Suite", "DriverRunner", "suite", "main", "alias", "run_configs", "write_presets", "table_rows"]
 
 # --------------------------------------------------------------------------------------------------
 # how runs are made and read: the driver's (every suite but the 1-D regression, which has its own runner)
@@ -171,16 +152,16 @@ class Suite:
     Attributes:
       name: the command's name for it and its presets' prefix (``<name>_<setting>_<variant>``).
       title: one line for ``--help`` and ``list``.
-      columns: ``(column, format)`` in order; ``format`` is a format spec for numbers (a cell over several
-        seeds is ``mean ± sample std``), ``None`` for text (joined with ", " over seeds). The first column is
-        the row label.
+      columns: ``(column, format)`` in order, or the header ``"column | column:format | ..."``; ``format`` is
+        a format spec for numbers (a cell over several seeds is ``mean ± sample std``), ``None`` (no
+        ``:format``) for text (joined with ", " over seeds). The first column is the row label.
       label: ``(folder name, config) -> row label`` of a run (a run whose label cannot be made is skipped
         with a warning).
       cells: ``(run, all runs) -> {column: value}`` for every column but the first; a run is
         ``{"name", "label", "config", "summary", "rows", "folder"}`` (plus ``annotate``'s keys).
       figure: ``(runs, directory) -> [paths written]``.
-      settings: setting -> its description (empty: the suite runs named presets only).
-      variants: variant -> its table label, in the table's row order.
+      settings: setting -> its description, or a tuple that starts with it (empty: named presets only).
+      variants: variant -> its table label, or a tuple that starts with it, in the table's row order.
       config: ``(setting, variant) -> config`` (what ``presets`` writes and ``--setting`` loads).
       per_label: one row per label, over seeds (``True``), or one row per run.
       noun: what a variant is called in ``--help`` (``schemes``, ``methods``).
@@ -203,6 +184,17 @@ class Suite:
     preset_prefix: str = ""
     annotate: Callable[[dict], dict] | None = None
     runner: Any = DRIVER
+
+    def __post_init__(self):
+        # the declarations' shorthands: columns as a header "name | name:spec | ...", and settings / variants
+        # whose values are tuples that start with the description / label
+        if isinstance(self.columns, str):
+            columns = [c.strip().rpartition(":") for c in self.columns.split("|")]
+            columns = tuple((name, spec) if sep else (spec, None) for name, sep, spec in columns)
+            object.__setattr__(self, "columns", columns)
+        for table in ("settings", "variants"):
+            values = {k: v[0] if isinstance(v, tuple) else v for k, v in getattr(self, table).items()}
+            object.__setattr__(self, table, values)
 
     def preset_name(self, setting: str, variant: str) -> str:
         return f"{self.name}_{setting}_{variant}"
@@ -568,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def alias(name: str) -> None:
+    """``python -m experiments.<paper> ARGS`` is ``python -m experiments.suite <paper> ARGS``."""
+    sys.exit(main([name, *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

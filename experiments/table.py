@@ -95,18 +95,9 @@ SUITE = Suite(
     name="klms",
     title="KLMS and its hosts: accuracy, bits per parameter and compression factors, one row per run",
     columns=(
-        ("run", None),
-        ("algorithm", None),
-        ("dataset", None),
-        ("model", None),
-        ("rounds", None),
-        ("final acc (%)", ".2f"),
-        ("best acc (%)", ".2f"),
-        ("last-5 mean acc (%)", ".2f"),
-        ("uplink bpp", ".4f"),
-        ("x vs 32-bit", ".0f"),
-        ("x vs host", ".1f"),
-        ("ideal bpp", ".4f"),
+        "run | algorithm | dataset | model | rounds | final acc (%):.2f | best acc (%):.2f | "
+        "last-5 mean acc (%):.2f | uplink bpp:.4f | x vs 32-bit:.0f | x vs host:.1f | "
+        "ideal bpp:.4f"
     ),
     label=lambda name, config: name,
     cells=_cells,

@@ -23,6 +23,7 @@ from experiments.bpcfl_regression import (
 from experiments.suite import main
 
 METHODS = ("bpcfl_map", "bpcfl_hmc", "fedavg", "fedavg_one_shot")
+_QUICK_RUN = "--setting quick --only sigma03 --seeds 1".split()
 
 
 # The quick run trains BPC-FL, HMC and FedAvg end to end (about 19 s from an empty compilation cache): the
@@ -33,22 +34,7 @@ _quick_run_is_slow = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     suite_dir = tmp_path_factory.mktemp("bpcfl_regression")
-    assert (
-        main(
-            [
-                "bpcfl_regression",
-                "run",
-                str(suite_dir),
-                "--setting",
-                "quick",
-                "--only",
-                "sigma03",
-                "--seeds",
-                "1",
-            ]
-        )
-        == 0
-    )
+    assert main(["bpcfl_regression", "run", str(suite_dir), *_QUICK_RUN]) == 0
     out = suite_dir / f"{SUITE.preset_name('quick', 'sigma03')}_s1"
     return out, json.loads((out / "results.json").read_text())
 
@@ -184,17 +170,7 @@ def test_the_suite_skips_the_finished_run_refuses_another_and_tabulates(quick_ru
     """Run again with the same configuration: skipped; with another (more FedAvg rounds): refused, untouched;
     the table has a row per method with the run's numbers, and ``plot`` redraws the run's figure."""
     out, report = quick_run
-    args = [
-        "bpcfl_regression",
-        "run",
-        str(out.parent),
-        "--setting",
-        "quick",
-        "--only",
-        "sigma03",
-        "--seeds",
-        "1",
-    ]
+    args = ["bpcfl_regression", "run", str(out.parent), *_QUICK_RUN]
     capsys.readouterr()
     assert main(args) == 0
     assert "finished run found" in capsys.readouterr().out

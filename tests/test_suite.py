@@ -196,3 +196,30 @@ def test_list_names_every_suite(capsys):
     out = capsys.readouterr().out
     for name in ("klms", "bicompfl", "cepam", "coreset_pfedbayes", "bpcfl", "bpcfl_regression"):
         assert f"  {name}: " in out
+
+
+def test_the_docs_suite_commands_parse():
+    """Every ``experiments.suite`` command in the README's and the docs' bash blocks names a suite, a command
+    and flags its parser takes (settings and variants included)."""
+    import re
+    import shlex
+
+    root = Path(__file__).parent.parent
+    pages = [
+        root / "README.md",
+        *sorted((root / "docs").glob("*.md")),
+        *sorted((root / "docs" / "papers").glob("*.md")),
+    ]
+    blocks = [b for p in pages for b in re.findall(r"```bash\n(.*?)```", p.read_text(), flags=re.S)]
+    commands = [
+        shlex.split(line, comments=True)
+        for block in blocks
+        for line in block.replace("\\\n", " ").splitlines()
+        if "-m experiments.suite" in line
+    ]
+    assert len(commands) >= 8
+    for argv in commands:
+        assert argv[:3] == [".venv/bin/python", "-m", "experiments.suite"], argv
+        suite = suites.suite(argv[3])
+        args = suites._parser(suite).parse_args(argv[4:])  # argparse exits on a bad flag, setting or variant
+        assert args.command != "run" or bool(args.setting) != bool(args.preset), argv
