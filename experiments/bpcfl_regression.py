@@ -691,7 +691,10 @@ class RegressionRunner:
         ]
 
     def preset_text(self, config, description: str) -> str:
-        raise ValueError("the 1-D regression has no preset files: its runs are SETTINGS x VARIANTS here")
+        raise ValueError(
+            "the 1-D regression has no preset files: its runs are made from SETTINGS x VARIANTS in "
+            "experiments/bpcfl_regression.py"
+        )
 
 
 def _label(name: str, config: dict[str, Any]) -> str:

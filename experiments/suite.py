@@ -380,27 +380,31 @@ def single_figure(file: str, plot):
 # running a plan
 
 
-def run_configs(directory: Path, runs, *, force: bool, resume_command: str, runner=DRIVER) -> int:
+def run_configs(directory: Path, runs, *, force: bool, resume_command: str, runner=DRIVER, start=None) -> int:
     """Runs each ``(name, config, label)`` into ``directory/name`` by the runner's plan (skip, resume,
-    extend, refuse: the module docstring). Returns 0, 2 (refused: nothing touched) or 130 (Ctrl-C:
-    ``resume_command`` printed)."""
-    for name, config, label in runs:
-        out = directory / name
-        action, why = runner.plan(out, config, force)
-        if action == "skip":
-            print(f"{name}: {why}")
-            continue
+    extend, refuse: the module docstring). Every run is planned first: a refused one stops the command with
+    status 2 before anything runs (or ``start()``, called once the plan stands, writes anything). Returns 0,
+    2, or 130 (Ctrl-C: ``resume_command`` printed)."""
+    plans = [
+        (name, config, label, *runner.plan(directory / name, config, force)) for name, config, label in runs
+    ]
+    for name, _, _, action, why in plans:
         if action == "refuse":
             print(f"{name}: {why}", file=sys.stderr)
             return 2
-        resume = action == "resume"
+    if start:
+        start()
+    for name, config, label, action, why in plans:
+        if action == "skip":
+            print(f"{name}: {why}")
+            continue
         print(f"\n=== {name}" + (f" {why}" if why else ""))
         try:
-            runner.execute(config, out, resume=resume, label=label)
+            runner.execute(config, directory / name, resume=action == "resume", label=label)
         except KeyboardInterrupt:
             print(
-                f"\ninterrupted in {out}; this resumes it from its last checkpoint (and skips finished "
-                f"runs):\n    {resume_command}",
+                f"\ninterrupted in {directory / name}; this resumes it from its last checkpoint (and skips "
+                f"finished runs):\n    {resume_command}",
                 file=sys.stderr,
             )
             return 130
@@ -461,11 +465,18 @@ def _run(s: Suite, args, argv: list[str]) -> int:
         raise ValueError("--seeds must be distinct integers >= 0")
     runs = _plan(s, args)  # every config is built (and checked) before anything is written
     _check_folder(s, args.directory, args.overwrite)
-    args.directory.mkdir(parents=True, exist_ok=True)
-    kept = [a for a in argv if a not in ("--force", "--overwrite")]
-    (args.directory / "suite.json").write_text(json.dumps({"suite": s.name, "argv": kept}, indent=1) + "\n")
+
+    def start():  # the plan stands: the folder and the arguments that `resume` replays
+        args.directory.mkdir(parents=True, exist_ok=True)
+        kept = [a for a in argv if a not in ("--force", "--overwrite")]
+        (args.directory / "suite.json").write_text(
+            json.dumps({"suite": s.name, "argv": kept}, indent=1) + "\n"
+        )
+
     resume = f"python -m experiments.suite {s.name} resume {args.directory}"
-    code = run_configs(args.directory, runs, force=args.force, resume_command=resume, runner=s.runner)
+    code = run_configs(
+        args.directory, runs, force=args.force, resume_command=resume, runner=s.runner, start=start
+    )
     return code or _tabulate(s, args.directory, table=True, figure=True)
 
 

@@ -107,6 +107,7 @@ def test_fresh_folder_rerun_and_the_table(tmp_path, runner, capsys):
     assert capsys.readouterr().out.count("finished run found") == 2 and len(runner.executed) == 2
     assert main([*args[:-1], "7"]) == 2  # the same runs asked with more rounds: refused, untouched
     assert "holds another configuration" in capsys.readouterr().err and len(runner.executed) == 2
+    assert json.loads((out / "suite.json").read_text())["argv"] == args[1:]  # `resume` keeps the last plan
     assert main([*args, "--force"]) == 0 and len(runner.executed) == 4
 
 
