@@ -103,3 +103,8 @@ SUITE = Suite(
     cells=_cells,
     figure=comparison_plots,
 )
+
+if __name__ == "__main__":  # the old command, an alias of: python -m experiments.suite klms ...
+    from experiments.suite import alias
+
+    alias("klms")
