@@ -540,7 +540,10 @@ def _resume(s: Suite, directory: Path) -> int:
     saved = json.loads(marker.read_text())
     if saved.get("suite") != s.name:
         raise ValueError(f"{directory} holds the {saved.get('suite')!r} suite's runs, not {s.name!r}")
-    return main([s.name, *saved["argv"]])
+    command, _, *flags = saved[
+        "argv"
+    ]  # the folder as given now (the saved one may be relative to another cwd)
+    return main([s.name, command, str(directory), *flags])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,13 +111,15 @@ def test_fresh_folder_rerun_and_the_table(tmp_path, runner, capsys):
     assert main([*args, "--force"]) == 0 and len(runner.executed) == 4
 
 
-def test_ctrl_c_prints_resume_and_resume_replays_the_plan(tmp_path, runner, capsys):
+def test_ctrl_c_prints_resume_and_resume_replays_the_plan(tmp_path, runner, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "suite"
     runner.interrupt.add("fake_small_a")
-    assert main(["fake", "run", str(out), "--setting", "small", "--seeds", "1", "2"]) == 130
+    assert main(["fake", "run", "suite", "--setting", "small", "--seeds", "1", "2"]) == 130
     err = capsys.readouterr().err
-    assert f"python -m experiments.suite fake resume {out}" in err and "Traceback" not in err
+    assert "python -m experiments.suite fake resume suite" in err and "Traceback" not in err
     assert runner.executed == [("fake_small_b_s1", False), ("fake_small_b_s2", False)]
+    monkeypatch.chdir(tmp_path.parent)  # resumed from elsewhere: the folder given now is the one resumed
     assert main(["fake", "resume", str(out)]) == 0
     assert runner.executed[2:] == [("fake_small_a_s1", True), ("fake_small_a_s2", False)]
     assert main(["fake", "table", str(out)]) == 0
@@ -202,22 +204,12 @@ def test_list_names_every_suite(capsys):
 def test_the_docs_suite_commands_parse():
     """Every ``experiments.suite`` command in the README's and the docs' bash blocks names a suite, a command
     and flags its parser takes (settings and variants included)."""
-    import re
     import shlex
 
-    root = Path(__file__).parent.parent
-    pages = [
-        root / "README.md",
-        *sorted((root / "docs").glob("*.md")),
-        *sorted((root / "docs" / "papers").glob("*.md")),
-    ]
-    blocks = [b for p in pages for b in re.findall(r"```bash\n(.*?)```", p.read_text(), flags=re.S)]
-    commands = [
-        shlex.split(line, comments=True)
-        for block in blocks
-        for line in block.replace("\\\n", " ").splitlines()
-        if "-m experiments.suite" in line
-    ]
+    from test_readme import BASH
+
+    lines = [line for block in BASH for line in block.replace("\\\n", " ").splitlines()]
+    commands = [shlex.split(line, comments=True) for line in lines if "-m experiments.suite" in line]
     assert len(commands) >= 8
     for argv in commands:
         assert argv[:3] == [".venv/bin/python", "-m", "experiments.suite"], argv
