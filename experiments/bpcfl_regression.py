@@ -4,22 +4,29 @@ docs/papers/bpcfl.md#table-7), against FedAvg (100 rounds) and one-shot FedAvg (
 
 Examples::
 
-    # the paper's Fig. 2 setting (5 clients x 100 points), results in results/bpcfl_regression
-    python -m experiments.bpcfl_regression
-    # App. C.5.1 / Fig. 4: 20 points per client
-    python -m experiments.bpcfl_regression --per-client 20 --out results/bpcfl_regression_20
-    # tiny settings for the tests (seconds)
-    python -m experiments.bpcfl_regression --quick --out /tmp/bpcfl_quick
+    # the paper's Fig. 2 setting (5 clients x 100 points, sigma = 0.3), then its table
+    python -m experiments.suite bpcfl_regression run results/bpcfl_regression --setting fig2 --only sigma03
+    # App. C.5.1 / Fig. 4 (20 points per client), every variant, seeds 0 and 1
+    python -m experiments.suite bpcfl_regression run results/bpcfl_regression_20 --setting fig4 --seeds 0 1
+    # tiny settings for the tests (seconds); any field changed with --set (here the number of clients)
+    python -m experiments.suite bpcfl_regression run /tmp/bpcfl_quick --setting quick --set clients=3
 
-**Data** (:func:`sidejax.data.interval_regression`): ``--clients`` (5) clients of ``--per-client`` (100)
+A **setting** (:data:`SETTINGS`) is the data: ``fig2`` (5 clients x 100 points), ``fig4`` (5 x 20) and
+``quick`` (tiny settings, 5 x 12, :data:`QUICK`); a **variant** (:data:`VARIANTS`) is the likelihood and
+HMC's start: ``sigma03`` (the paper's σ = 0.3, HMC from the initialisation), ``sigma1`` (σ = 1) and
+``sigma1_hmc_map`` (σ = 1, HMC from the MAP estimate). One run (``<setting>_<variant>[_s<seed>]``) trains all
+four methods below; :class:`RegressionConfig` holds its fields (``--set FIELD=VALUE`` changes one,
+``--rounds`` is FedAvg's rounds, ``--seeds`` the seed of the data, the keys and the initialisation).
+
+**Data** (:func:`sidejax.data.interval_regression`): ``clients`` (5) clients of ``per_client`` (100)
 points; each client's interval probabilities ``~ Dirichlet([1, 1, 1])`` over the intervals
 ``(−0.8, −0.6), (−0.2, 0.0), (0.5, 0.8)``, ``x`` uniform inside the interval,
 ``y = 1.5 sin(0.4πx) + 1.5 cos(2πx) + ε``, ``ε ~ N(0, 0.3²)`` (docs/papers/bpcfl.md#s8-15: 0.3 is the std).
-Test data: ``--test-points`` (1,000) fresh points from the pooled mixture, and a uniform grid on
-``[−1.2, 1.2]`` (``--grid-points``, 241) for the predictive std and the figure.
+Test data: ``test_points`` (1,000) fresh points from the pooled mixture, and a uniform grid on
+``[−1.2, 1.2]`` (``grid_points``, 241) for the predictive std and the figure.
 
 **Model and likelihood**: the regression MLP (Dense128-swish-Dense128-swish-Dense1, P = 16,897) and a
-Gaussian likelihood with std ``σ = --sigma`` (0.3, docs/papers/bpcfl.md#s8-15): the loss is the masked mean of
+Gaussian likelihood with std ``σ = sigma`` (0.3, docs/papers/bpcfl.md#s8-15): the loss is the masked mean of
 ``0.5 ((y − f) / σ)² + log σ + 0.5 log 2π``.
 
 **Methods** (``results.json`` key: what it is):
@@ -32,10 +39,10 @@ Gaussian likelihood with std ``σ = --sigma`` (0.3, docs/papers/bpcfl.md#s8-15):
 - ``bpcfl_hmc``: the same client phase (the same uploaded pseudocoresets: the server state's ``coreset``
   and ``weights``), then full-batch HMC on ``log p̃(θ | C)`` (Table 7: ε = 1e-3, M⁻¹ = 50·I, L = 20,
   200 burn-in transitions, 40 consecutive samples; started from the network initialisation,
-  docs/papers/bpcfl.md#s8-10, or with ``--hmc-start map`` from the Adam MAP estimate on the same coreset, the
-  other option there).
+  docs/papers/bpcfl.md#s8-10, or with ``hmc_start = "map"`` from the Adam MAP estimate on the same coreset,
+  the other option there).
 - ``fedavg``: FedOpt (Table 3 regression: client Adam 1e-2, server Adam 0.1; 10 local steps of batch 20; all
-  5 clients every round), ``--fedavg-rounds`` (100) rounds from the same initialisation.
+  5 clients every round), ``fedavg_rounds`` (100) rounds from the same initialisation.
 - ``fedavg_one_shot``: the same after its first round (one-shot FedAvg).
 
 **Metrics**, per method: ``test_rmse`` of the predictive mean on the fresh test points; ``test_nll``, the
@@ -49,109 +56,135 @@ compilation). BPC-FL also stores the learned pseudocoreset ``(Z, ŷ)`` per clien
 BPC-fKL surrogate at the first / last update and HMC's acceptance and divergences; FedAvg its test RMSE per
 round and the first round (and the floats) at which it reaches BPC-FL's MAP RMSE.
 
-Outputs in ``--out`` (default ``results/bpcfl_regression``; ``results/`` is not committed): ``results.json``,
-``curves.npz`` (the sampled functions on the grid, per method) and ``predictive.png`` (Fig. 2's style: the
-clients' points in colours, the true function, BPC-FL Adam MAP, BPC-FL HMC mean ± 1 and 2 std (epistemic),
-FedAvg, and the pseudo-points ``(Z, ŷ)`` marked).
+Outputs in each run's folder: ``results.json`` (written last: a run without it is unfinished and starts
+again), ``curves.npz`` (the sampled functions on the grid, per method) and ``predictive.png`` (Fig. 2's
+style: the clients' points in colours, the true function, BPC-FL Adam MAP, BPC-FL HMC mean ± 1 and 2 std
+(epistemic), FedAvg, and the pseudo-points ``(Z, ŷ)`` marked).
 
-Measured (seed 0, 5 x 100 points, the loaded 2-core CPU, wall times with compilation; figures in
-``docs/figures/bpcfl_regression*.png``; the HMC rows with HMC's key drawn outside the key schedule, before it
-moved to the engine server's inference key: the same law, other draws). RMSE / NLL on 1,000 fresh test
-points; NLL at the data's σ = 0.3:
+The suite's table (``table.md`` / ``table.csv`` in the suite's
+folder) has one row per run and method: RMSE, NLL (at the model's σ and at the data's), the epistemic std
+inside the intervals and in the gaps, the uplink and total floats and the wall time; ``plot`` redraws each
+run's ``predictive.png`` from its files.
 
-::
-
-    σ = 0.3 (docs/papers/bpcfl.md#s8-15; Tables 2 and 7)   RMSE    NLL     uplink floats (total)  wall
-      BPC-FL + Adam MAP                                     nan     nan     65                     523 s
-      BPC-FL + HMC (from init)                              1.476   11.82   65                     +4 s
-      FedAvg, 100 rounds                                    0.337   0.345   8,448,500 (+ same down) 5 s
-      one-shot FedAvg                                       0.939   4.61    84,485 (+ same down)   5 s
-    σ = 1.0 (extra variant; NLL at σ = 0.3 in brackets)
-      BPC-FL + Adam MAP                                     0.723   1.18 (2.62)                    565 s
-      BPC-FL + HMC from init                                0.990   1.41 (5.15)   acc 0.12, 106/240 divergent
-      BPC-FL + HMC from MAP (--hmc-start map)               0.970   1.39 (4.65)   acc 0.15, 86/240 divergent
-      FedAvg, 100 rounds                                    0.362   0.98 (0.44)   reaches 0.723 at round 15
-      one-shot FedAvg                                       0.939   1.36 (4.61)
-
-With σ = 0.3 BPC-fKL diverges on 3 of 5 clients (pseudo-inputs at ~1e9 on one, NaN on another; the two
-others decrease the surrogate), so the server posterior is NaN: MAP is NaN and every HMC transition is
-divergent (the samples are the network initialisation). A likely cause: ``∂ℓ̄/∂ŷ = (ŷ − f)/(σ² K)``, so the
-label step ψ_y = 1 has gain ``ψ_y / (σ² K) = 1.85`` at σ = 0.3, K = 6 (close to the stability limit 2 of a
-gradient step when the inner chain fits the labels), against 0.17 at σ = 1: the paper's step sizes fit a
-unit-variance likelihood (or MSE). With σ = 1 every client converges (surrogate 0.11-5.0 → 0.04-0.07), the
-uplink is 13 floats per client (416 bits, the stream formula), but the MAP fit is still much worse than 100
-rounds of FedAvg (it misses the right interval), HMC with Table 7's step (1e-3, M⁻¹ = 50) hardly moves
-(acceptance 0.12-0.15; from init the 40 kept samples are identical), and its epistemic std is small:
-0.063 inside the intervals, 0.096 in the gaps (from MAP; T15's ordering holds but the bands are narrow).
+Measured (seed 0, 5 x 100 points, at σ = 0.3 as printed and at σ = 1) with what they show, and why
+BPC-fKL diverges at σ = 0.3: docs/papers/bpcfl.md#results-regression and
+docs/papers/bpcfl.md#dep-regression-sigma; figures in ``docs/figures/bpcfl_regression*.png``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-DEFAULT_OUT = Path("results/bpcfl_regression")
+from experiments.suite import Suite, alias
+
+__all__ = ["PAPER", "QUICK", "RegressionConfig", "SUITE", "gaussian_nll_loss", "predictive_numbers", "run"]
+
 GAPS = ((-0.6, -0.2), (0.0, 0.5))
 GRID = (-1.2, 1.2)
 
-#: docs/papers/bpcfl.md#table-2, regression column (the --quick values beside them)
+# fmt: off
+#: docs/papers/bpcfl.md#table-2, regression column; Table 7 (downstream) and Table 3 (FedAvg)
 PAPER = dict(
-    num_points=6,
-    prior_precision=1e-2,
-    init_std=1.0,
-    num_updates=400,
-    step_size_inputs=1e-2,
-    step_size_labels=1.0,
-    pairs_per_update=10,
-    num_noise=10,
-    noise_std=1e-2,
-    num_trajectories=100,
-    pretrain_steps=300,
-    save_interval=5,
-    pretrain_batch_size=20,
-    learning_rate=1e-2,
-    data_chain_length=150,
-    coreset_chain_length=200,
-    # Table 7 (downstream) and Table 3 (FedAvg)
-    map_lr=1e-2,
-    map_steps=300,
-    hmc_step_size=1e-3,
-    hmc_inverse_mass=50.0,
-    hmc_integration_steps=20,
-    hmc_burnin=200,
-    hmc_samples=40,
-    fedavg_client_lr=1e-2,
-    fedavg_server_lr=0.1,
-    fedavg_local_steps=10,
-    fedavg_batch_size=20,
-    fedavg_rounds=100,
+    num_points=6, prior_precision=1e-2, init_std=1.0, num_updates=400, step_size_inputs=1e-2,
+    step_size_labels=1.0, pairs_per_update=10, num_noise=10, noise_std=1e-2, num_trajectories=100,
+    pretrain_steps=300, save_interval=5, pretrain_batch_size=20, learning_rate=1e-2, data_chain_length=150,
+    coreset_chain_length=200, map_lr=1e-2, map_steps=300, hmc_step_size=1e-3, hmc_inverse_mass=50.0,
+    hmc_integration_steps=20, hmc_burnin=200, hmc_samples=40, fedavg_client_lr=1e-2, fedavg_server_lr=0.1,
+    fedavg_local_steps=10, fedavg_batch_size=20, fedavg_rounds=100,
 )
+#: the ``quick`` setting's tiny values (a smoke run of seconds)
 QUICK = dict(
-    PAPER,
-    num_points=3,
-    num_updates=4,
-    pairs_per_update=2,
-    num_noise=2,
-    num_trajectories=3,
-    pretrain_steps=20,
-    pretrain_batch_size=10,
-    data_chain_length=10,
-    coreset_chain_length=4,
-    map_steps=10,
-    hmc_integration_steps=3,
-    hmc_burnin=3,
-    hmc_samples=4,
-    fedavg_local_steps=2,
-    fedavg_batch_size=10,
+    PAPER, num_points=3, num_updates=4, pairs_per_update=2, num_noise=2, num_trajectories=3,
+    pretrain_steps=20, pretrain_batch_size=10, data_chain_length=10, coreset_chain_length=4, map_steps=10,
+    hmc_integration_steps=3, hmc_burnin=3, hmc_samples=4, fedavg_local_steps=2, fedavg_batch_size=10,
     fedavg_rounds=3,
 )
+# fmt: on
+
+
+@dataclasses.dataclass(frozen=True)
+class RegressionConfig:
+    """One run of the 1-D regression (``--set FIELD=VALUE`` changes a field). Raises ``ValueError`` naming
+    the first bad field."""
+
+    seed: int = 0
+    """The seed of the data, the keys and the network initialisation."""
+    quick: bool = False
+    """The :data:`QUICK` hyperparameters (a smoke run of seconds) instead of :data:`PAPER`."""
+    clients: int = 5
+    """The number of clients M."""
+    per_client: int = 100
+    """Training points per client (100: Fig. 2; 20: Fig. 4); at least the pseudocoreset size K."""
+    sigma: float = 0.3
+    """The likelihood std σ of the model (docs/papers/bpcfl.md#s8-15)."""
+    noise: float = 0.3
+    """The data's noise std (the test NLL is also reported at this σ)."""
+    fedavg_rounds: int = 100
+    """FedAvg's rounds (``--rounds``)."""
+    test_points: int = 1000
+    """Fresh test points from the pooled mixture."""
+    grid_points: int = 241
+    """Grid points on [-1.2, 1.2] for the predictive std and the figure."""
+    hmc_start: str = "init"
+    """HMC's start: the network initialisation (``"init"``, docs/papers/bpcfl.md#s8-10) or the Adam MAP
+    estimate on the same coreset (``"map"``)."""
+
+    def __post_init__(self):
+        for name in ("clients", "per_client", "fedavg_rounds", "test_points"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.grid_points < 2:
+            raise ValueError(f"grid_points must be >= 2, got {self.grid_points}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not (math.isfinite(self.sigma) and self.sigma > 0):
+            raise ValueError(f"sigma must be a finite number > 0, got {self.sigma}")
+        if not (math.isfinite(self.noise) and self.noise >= 0):
+            raise ValueError(f"noise must be a finite number >= 0, got {self.noise}")
+        if self.hmc_start not in ("init", "map"):
+            raise ValueError(f"hmc_start must be 'init' or 'map', got {self.hmc_start!r}")
+        if self.per_client < self.hp["num_points"]:
+            raise ValueError(
+                f"per_client {self.per_client} is smaller than the pseudocoreset size K = "
+                f"{self.hp['num_points']}: a client cannot summarise fewer points than it sends"
+            )
+
+    @property
+    def hp(self) -> dict[str, Any]:
+        """The hyperparameters: :data:`PAPER` (or :data:`QUICK`) with this run's FedAvg rounds."""
+        return dict(QUICK if self.quick else PAPER, fedavg_rounds=self.fedavg_rounds)
+
+
+#: setting -> (description, fields of the data)
+SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fig2": ("paper Fig. 2: 5 clients x 100 points", {}),
+    "fig4": ("paper App. C.5.1 / Fig. 4: 5 clients x 20 points", {"per_client": 20}),
+    "quick": (
+        "tiny settings for the tests: 5 clients x 12 points, 100 test points, 3 FedAvg rounds",
+        {"quick": True, "per_client": 12, "test_points": 100, "fedavg_rounds": QUICK["fedavg_rounds"]},
+    ),
+}
+#: variant -> (label, fields of the likelihood and HMC)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sigma03": ("sigma = 0.3 (the paper's)", {}),
+    "sigma1": ("sigma = 1", {"sigma": 1.0}),
+    "sigma1_hmc_map": ("sigma = 1, HMC from the MAP estimate", {"sigma": 1.0, "hmc_start": "map"}),
+}
+#: results.json's methods -> their table label
+METHODS = {
+    "bpcfl_map": "BPC-FL + Adam MAP",
+    "bpcfl_hmc": "BPC-FL + HMC",
+    "fedavg": "FedAvg",
+    "fedavg_one_shot": "one-shot FedAvg",
+}
 
 
 def _log(msg: str) -> None:
@@ -176,8 +209,6 @@ def gaussian_nll_loss(apply_fn, sigma: float):
 
 def region_masks(grid):
     """Boolean masks of the grid: inside the intervals, in the two gaps between them, outside."""
-    import numpy as np
-
     from sidejax.data import INTERVALS
 
     inside = np.zeros(grid.shape, bool)
@@ -220,8 +251,6 @@ def predictive_numbers(f_test, y_test, f_grid, grid, sigma: float, eval_sigma: f
 
 
 def _comm(info, num_rounds: int) -> dict[str, Any]:
-    import numpy as np
-
     up = np.asarray(info.uplink_bits, np.float64).reshape(num_rounds, -1)
     down = np.asarray(info.downlink_bits, np.float64).reshape(num_rounds, -1)
     return {
@@ -234,115 +263,28 @@ def _comm(info, num_rounds: int) -> dict[str, Any]:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.bpcfl_regression",
-        description="BPC-FL's 1-D synthetic regression (paper Fig. 2) against FedAvg and one-shot FedAvg.",
-    )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default %(default)s)")
-    p.add_argument(
-        "--overwrite", action="store_true", help="write into --out even if it holds files (a finished result)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the data, the keys and the init")
-    p.add_argument("--quick", action="store_true", help="tiny settings for tests (seconds)")
-    p.add_argument("--clients", type=int, default=5, help="number of clients M (default 5)")
-    p.add_argument("--per-client", type=int, default=None, help="points per client (100; 20: Fig. 4)")
-    p.add_argument("--sigma", type=float, default=0.3, help="likelihood std (default 0.3)")
-    p.add_argument("--noise", type=float, default=0.3, help="data noise std (default 0.3)")
-    p.add_argument("--fedavg-rounds", type=int, default=None, help="FedAvg rounds (default 100)")
-    p.add_argument("--test-points", type=int, default=None, help="fresh test points (default 1000)")
-    p.add_argument("--grid-points", type=int, default=241, help="grid points on [-1.2, 1.2]")
-    p.add_argument(
-        "--hmc-start",
-        choices=("init", "map"),
-        default="init",
-        help="HMC's start: the network initialisation (default, docs/papers/bpcfl.md#s8-10) or the Adam MAP "
-        "estimate",
-    )
-    return p
-
-
-def _check_args(args, hp) -> str | None:
-    """The first problem with the arguments, as one line (``None``: fine)."""
-    for name in ("clients", "per_client", "fedavg_rounds", "test_points", "grid_points"):
-        value = getattr(args, name)
-        if value < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
-    if args.grid_points < 2:
-        return f"--grid-points must be >= 2, got {args.grid_points}"
-    if args.seed < 0:
-        return f"--seed must be >= 0, got {args.seed}"
-    for name in ("sigma", "noise"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and (value > 0 if name == "sigma" else value >= 0)):
-            return f"--{name} must be a finite number {'> 0' if name == 'sigma' else '>= 0'}, got {value}"
-    if args.per_client < hp["num_points"]:
-        return (
-            f"--per-client {args.per_client} is smaller than the pseudocoreset size K = {hp['num_points']}: "
-            f"a client cannot summarise fewer points than it sends"
-        )
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    hp = dict(QUICK if args.quick else PAPER)
-    if args.per_client is None:
-        args.per_client = 12 if args.quick else 100
-    if args.fedavg_rounds is None:
-        args.fedavg_rounds = hp["fedavg_rounds"]
-    if args.test_points is None:
-        args.test_points = 100 if args.quick else 1000
-    problem = _check_args(args, hp)
-    if problem is not None:
-        parser.exit(2, f"{parser.prog}: error: {problem}\n")
-    from experiments.driver import check_new_output
-
-    try:  # before any work: a finished result is not overwritten unless asked
-        check_new_output(args.out, overwrite=args.overwrite, flag="--out")
-    except (ValueError, FileExistsError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    hp["fedavg_rounds"] = args.fedavg_rounds
-    return run(args, hp)
-
-
-def run(args, hp: dict[str, Any]) -> int:
+def _context(cfg: RegressionConfig):
+    """The data, the model, the keys and the evaluation of one run."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    import optax
 
-    from sidejax.algorithms import BPCFLSettings, bpcfl, fedavg, hmc_inference, map_inference
-    from sidejax.algorithms.bpcfl import coreset_posterior
     from sidejax.data import interval_regression, interval_regression_test, make_federated_data
-    from sidejax.fl import LocalTraining, run_rounds
-    from sidejax.keys import SERVER, draw_key, round_key, run_keys, stream_key
+    from sidejax.keys import run_keys
     from sidejax.models import get_model, init_params
 
-    t_start = time.perf_counter()
-    out = Path(args.out)
-    sigma = float(args.sigma)
-    data = interval_regression(args.clients, args.per_client, noise=args.noise, seed=args.seed)
+    data = interval_regression(cfg.clients, cfg.per_client, noise=cfg.noise, seed=cfg.seed)
     x_test, y_test = interval_regression_test(
-        data.proportions, args.test_points, noise=args.noise, seed=args.seed
+        data.proportions, cfg.test_points, noise=cfg.noise, seed=cfg.seed
     )
-    grid = np.linspace(*GRID, args.grid_points).astype(np.float32)
-    fed = make_federated_data(data.x, data.y, data.parts)
+    grid = np.linspace(*GRID, cfg.grid_points).astype(np.float32)
     spec = get_model("regression_mlp", num_classes=1, input_shape=(1,))
     apply_fn = spec.module.apply
-    loss_fn = gaussian_nll_loss(apply_fn, sigma)
 
     def init_fn(key):
         return init_params(key, spec)
 
-    init_key, rounds_key = run_keys(args.seed)
+    init_key, rounds_key = run_keys(cfg.seed)
     params0 = init_fn(init_key)
-    num_params = int(sum(a.size for a in jax.tree.leaves(params0)))
-    _log(
-        f"data: {args.clients} clients x {args.per_client} points, P = {num_params}, "
-        f"{'quick' if args.quick else 'paper'} settings"
-    )
 
     @jax.jit
     def predict(samples, xs):
@@ -351,46 +293,70 @@ def run(args, hp: dict[str, Any]) -> int:
     x_test_j, grid_j = jnp.asarray(x_test), jnp.asarray(grid[:, None])
 
     def evaluate(samples):
-        return predictive_numbers(
-            np.asarray(predict(samples, x_test_j)),
-            y_test,
-            np.asarray(predict(samples, grid_j)),
-            grid,
-            sigma,
-            eval_sigma=args.noise if args.noise > 0 else None,
-        ), np.asarray(predict(samples, grid_j))
+        f_grid = np.asarray(predict(samples, grid_j))
+        eval_sigma = cfg.noise if cfg.noise > 0 else None
+        f_test = np.asarray(predict(samples, x_test_j))
+        return predictive_numbers(f_test, y_test, f_grid, grid, cfg.sigma, eval_sigma=eval_sigma), f_grid
 
-    results: dict[str, Any] = {}
-    curves: dict[str, np.ndarray] = {}
+    return SimpleNamespace(
+        data=data,
+        fed=make_federated_data(data.x, data.y, data.parts),
+        y_test=y_test,
+        x_test_j=x_test_j,
+        grid=grid,
+        loss_fn=gaussian_nll_loss(apply_fn, cfg.sigma),
+        init_fn=init_fn,
+        init_key=init_key,
+        rounds_key=rounds_key,
+        params0=params0,
+        num_params=int(sum(a.size for a in jax.tree.leaves(params0))),
+        predict=predict,
+        evaluate=evaluate,
+    )
 
-    # --- BPC-FL: the client phase (one round on the engine) with the server's Adam MAP ----------------------
-    settings = BPCFLSettings(
-        num_points=hp["num_points"],
+
+def _bpcfl_settings(hp):
+    import optax
+
+    from sidejax.algorithms import BPCFLSettings
+
+    names = (
+        "num_points",
+        "prior_precision",
+        "init_std",
+        "num_updates",
+        "step_size_inputs",
+        "step_size_labels",
+    )
+    names += ("pairs_per_update", "num_noise", "noise_std", "num_trajectories", "pretrain_steps")
+    names += ("pretrain_batch_size", "data_chain_length", "coreset_chain_length", "save_interval")
+    return BPCFLSettings(
         num_classes=None,
-        prior_precision=hp["prior_precision"],
-        init_std=hp["init_std"],
-        num_updates=hp["num_updates"],
-        step_size_inputs=hp["step_size_inputs"],
-        step_size_labels=hp["step_size_labels"],
-        pairs_per_update=hp["pairs_per_update"],
-        num_noise=hp["num_noise"],
-        noise_std=hp["noise_std"],
-        num_trajectories=hp["num_trajectories"],
-        pretrain_steps=hp["pretrain_steps"],
-        pretrain_batch_size=hp["pretrain_batch_size"],
         pretrain_optimizer=optax.adam(hp["learning_rate"]),
         chain_optimizer=optax.adam(hp["learning_rate"]),
-        data_chain_length=hp["data_chain_length"],
-        coreset_chain_length=hp["coreset_chain_length"],
-        save_interval=hp["save_interval"],
+        **{name: hp[name] for name in names},
     )
+
+
+def _bpcfl(cfg: RegressionConfig, ctx) -> tuple[dict[str, Any], Any]:
+    """The client phase (one round on the engine) with the server's Adam MAP; returns the report's entries
+    and the server state."""
+    import jax
+    import optax
+
+    from sidejax.algorithms import bpcfl, map_inference
+    from sidejax.fl import run_rounds
+
+    hp = cfg.hp
+    settings = ctx.settings = _bpcfl_settings(hp)
+    inference = map_inference(optax.adam(hp["map_lr"]), hp["map_steps"], name="adam")
     algo = bpcfl(
-        loss_fn,
-        init_fn,
+        ctx.loss_fn,
+        ctx.init_fn,
         input_shape=(1,),
-        num_clients=args.clients,
+        num_clients=cfg.clients,
         settings=settings,
-        inference=map_inference(optax.adam(hp["map_lr"]), hp["map_steps"], name="adam"),
+        inference=inference,
     )
     _log(
         f"BPC-FL client phase: J = {settings.num_trajectories} trajectories x {settings.steps_used} steps, "
@@ -398,195 +364,233 @@ def run(args, hp: dict[str, Any]) -> int:
         f"{settings.coreset_chain_length}, then Adam MAP x {hp['map_steps']} (compiling ...)"
     )
     t0 = time.perf_counter()
-    state0 = algo.init(init_key, params0, args.clients)
-    state, info = run_rounds(algo, rounds_key, state0, fed, 1, client_map="map")
+    state0 = algo.init(ctx.init_key, ctx.params0, cfg.clients)
+    state, info = run_rounds(algo, ctx.rounds_key, state0, ctx.fed, 1, client_map="map")
     jax.block_until_ready(state)
-    t_bpcfl = time.perf_counter() - t0
+    wall = time.perf_counter() - t0
     server = state.server
-    metrics = algo.metrics(jax.tree.map(lambda a: a[0], info))
-    comm = _comm(info, 1)
-    numbers, curves["bpcfl_map"] = evaluate(server.samples)
-    z = np.asarray(server.coreset.inputs)[:, 0]
-    yhat = np.asarray(server.coreset.labels)
-    w = np.asarray(server.weights)
+    numbers, ctx.curves["bpcfl_map"] = ctx.evaluate(server.samples)
     k = settings.num_points
-    coreset = {
-        "inputs": z.reshape(args.clients, k).tolist(),
-        "labels": yhat.reshape(args.clients, k).tolist(),
-        "weights": w.reshape(args.clients, k)[:, 0].tolist(),
+    z, yhat = np.asarray(server.coreset.inputs)[:, 0], np.asarray(server.coreset.labels)
+    report = {
+        "pseudocoreset": {
+            "inputs": z.reshape(cfg.clients, k).tolist(),
+            "labels": yhat.reshape(cfg.clients, k).tolist(),
+            "weights": np.asarray(server.weights).reshape(cfg.clients, k)[:, 0].tolist(),
+        },
+        "bpcfl_diagnostics": _diagnostics(info, algo.metrics(jax.tree.map(lambda a: a[0], info))),
+        "bpcfl_uplink_formula_bits": 32 * k * 1 + 32 * k + 32,
     }
-    diagnostics = {
-        "surrogate_first": np.asarray(info.clients.extra.surrogate_first)[0].tolist(),
-        "surrogate_last": np.asarray(info.clients.extra.surrogate_last)[0].tolist(),
-        "grad_norm_last": np.asarray(info.clients.extra.grad_norm_last)[0].tolist(),
+    bad = [m for m in range(cfg.clients) if not np.all(np.isfinite(z.reshape(cfg.clients, k)[m]))]
+    if bad or not report["bpcfl_diagnostics"]["server_finite"]:
+        _log(
+            f"WARNING: BPC-FL produced a non-finite pseudocoreset on client(s) {bad} (BPC-fKL diverged); the "
+            f"server posterior is non-finite and the numbers below are not meaningful"
+        )
+    comm = ctx.comm = _comm(info, 1)
+    ctx.results["bpcfl_map"] = {
+        **numbers,
+        **comm,
+        "wall_s": wall,
+        "wall_note": "client phase (pretraining + BPC-fKL) and the server's MAP, with compilation",
+    }
+    _log(
+        f"BPC-FL + Adam MAP: RMSE {numbers['test_rmse']:.4f}, NLL {numbers['test_nll']:.4f}, uplink "
+        f"{comm['uplink_floats_total']:.0f} floats, {wall:.1f} s"
+    )
+    return report, server
+
+
+def _diagnostics(info, metrics) -> dict[str, Any]:
+    extra = info.clients.extra
+    return {
+        "surrogate_first": np.asarray(extra.surrogate_first)[0].tolist(),
+        "surrogate_last": np.asarray(extra.surrogate_last)[0].tolist(),
+        "grad_norm_last": np.asarray(extra.grad_norm_last)[0].tolist(),
         "uplink_errors": np.asarray(info.uplink_errors)[0].tolist(),
         "clients_finite": bool(np.all(np.asarray(info.clients.finite))),
         "server_finite": bool(np.all(np.asarray(info.server_finite))),
         "mean_surrogate_last": float(metrics["coreset_surrogate_last"]),
     }
-    bad = [m for m in range(args.clients) if not np.all(np.isfinite(z.reshape(args.clients, k)[m]))]
-    if bad or not diagnostics["server_finite"]:
-        _log(
-            f"WARNING: BPC-FL produced a non-finite pseudocoreset on client(s) {bad} (BPC-fKL diverged); the "
-            f"server posterior is non-finite and the numbers below are not meaningful"
-        )
-    results["bpcfl_map"] = {
-        **numbers,
-        **comm,
-        "wall_s": t_bpcfl,
-        "wall_note": "client phase (pretraining + BPC-fKL) and the server's MAP, with compilation",
-    }
-    _log(
-        f"BPC-FL + Adam MAP: RMSE {numbers['test_rmse']:.4f}, NLL {numbers['test_nll']:.4f}, uplink "
-        f"{comm['uplink_floats_total']:.0f} floats, {t_bpcfl:.1f} s"
-    )
 
-    # --- BPC-FL + HMC on the same uploaded pseudocoresets ---------------------------------------------------
+
+def _hmc(cfg: RegressionConfig, ctx, server) -> None:
+    """BPC-FL + HMC on the same uploaded pseudocoresets, with the key the engine's server gives its
+    inference in round 0 (``bpcfl_server_update``)."""
+    import jax
+    import optax
+
+    from sidejax.algorithms import hmc_inference, map_inference
+    from sidejax.algorithms.bpcfl import coreset_posterior
+    from sidejax.keys import SERVER, draw_key, round_key, stream_key
+
+    hp = cfg.hp
+    start = map_inference(optax.adam(hp["map_lr"]), hp["map_steps"]) if cfg.hmc_start == "map" else None
     hmc_inf = hmc_inference(
         step_size=hp["hmc_step_size"],
         num_integration_steps=hp["hmc_integration_steps"],
         inverse_mass_matrix=hp["hmc_inverse_mass"],
         num_burnin=hp["hmc_burnin"],
         num_samples=hp["hmc_samples"],
-        start=map_inference(optax.adam(hp["map_lr"]), hp["map_steps"]) if args.hmc_start == "map" else None,
+        start=start,
     )
-    # the key the engine's server gives its inference in round 0 (bpcfl_server_update)
-    hmc_key = draw_key(stream_key(round_key(rounds_key, 0), SERVER), 0)
+    hmc_key = draw_key(stream_key(round_key(ctx.rounds_key, 0), SERVER), 0)
+    settings = ctx.settings
 
     @jax.jit
     def run_hmc(key, coreset_, weights_, init):
-        logdensity = coreset_posterior(loss_fn, settings, coreset_, weights_, key)
-        return hmc_inf.run(key, logdensity, init)
+        return hmc_inf.run(key, coreset_posterior(ctx.loss_fn, settings, coreset_, weights_, key), init)
 
     _log(
         f"BPC-FL + HMC: eps = {hp['hmc_step_size']}, L = {hp['hmc_integration_steps']}, "
-        f"{hp['hmc_burnin']} burn-in + {hp['hmc_samples']} samples, from {args.hmc_start}"
+        f"{hp['hmc_burnin']} burn-in + {hp['hmc_samples']} samples, from {cfg.hmc_start}"
     )
     t0 = time.perf_counter()
-    hmc_out = run_hmc(hmc_key, server.coreset, server.weights, server.params)
-    jax.block_until_ready(hmc_out)
-    t_hmc = time.perf_counter() - t0
-    numbers, curves["bpcfl_hmc"] = evaluate(hmc_out.samples)
-    results["bpcfl_hmc"] = {
+    out = run_hmc(hmc_key, server.coreset, server.weights, server.params)
+    jax.block_until_ready(out)
+    wall = time.perf_counter() - t0
+    numbers, ctx.curves["bpcfl_hmc"] = ctx.evaluate(out.samples)
+    ctx.results["bpcfl_hmc"] = {
         **numbers,
-        **comm,
-        "wall_s": t_bpcfl + t_hmc,
-        "wall_s_hmc": t_hmc,
+        **ctx.comm,
+        "wall_s": ctx.results["bpcfl_map"]["wall_s"] + wall,
+        "wall_s_hmc": wall,
         "wall_note": "the client phase (shared with bpcfl_map, incl. its MAP) plus HMC, with compilation",
-        "hmc_acceptance": float(hmc_out.acceptance),
-        "hmc_divergent": int(hmc_out.num_divergent),
-        "hmc_finite": bool(hmc_out.finite),
+        "hmc_acceptance": float(out.acceptance),
+        "hmc_divergent": int(out.num_divergent),
+        "hmc_finite": bool(out.finite),
     }
     _log(
         f"BPC-FL + HMC: RMSE {numbers['test_rmse']:.4f}, NLL {numbers['test_nll']:.4f}, std inside "
         f"{numbers['epistemic_std_inside']:.3f} / gaps {numbers['epistemic_std_gaps']:.3f} (epistemic), "
-        f"acceptance {float(hmc_out.acceptance):.3f}, {int(hmc_out.num_divergent)} divergent, {t_hmc:.1f} s"
+        f"acceptance {float(out.acceptance):.3f}, {int(out.num_divergent)} divergent, {wall:.1f} s"
     )
 
-    # --- FedAvg (FedOpt with server Adam), one round at a time (one compilation) ----------------------------
-    fed_algo = fedavg(
-        loss_fn,
-        LocalTraining(
-            optax.adam(hp["fedavg_client_lr"]),
-            batch_size=hp["fedavg_batch_size"],
-            num_steps=hp["fedavg_local_steps"],
-        ),
-        server_optimizer=optax.adam(hp["fedavg_server_lr"]),
-        clients_per_round=args.clients,
+
+def _fedavg(cfg: RegressionConfig, ctx) -> None:
+    """FedOpt with server Adam, one round at a time (one compilation); its first round is one-shot FedAvg."""
+    import jax
+    import optax
+
+    from sidejax.algorithms import fedavg
+    from sidejax.fl import LocalTraining, run_rounds
+
+    hp = cfg.hp
+    local = LocalTraining(
+        optax.adam(hp["fedavg_client_lr"]),
+        batch_size=hp["fedavg_batch_size"],
+        num_steps=hp["fedavg_local_steps"],
+    )
+    algo = fedavg(
+        ctx.loss_fn, local, server_optimizer=optax.adam(hp["fedavg_server_lr"]), clients_per_round=cfg.clients
     )
     _log(f"FedAvg: {hp['fedavg_rounds']} rounds, {hp['fedavg_local_steps']} local steps per round")
     t0 = time.perf_counter()
-    fstate = fed_algo.init(init_key, params0, args.clients)
+    state = algo.init(ctx.init_key, ctx.params0, cfg.clients)
     rmse_per_round, infos = [], []
-    t_one = None
     for r in range(hp["fedavg_rounds"]):
-        fstate, finfo = run_rounds(fed_algo, rounds_key, fstate, fed, 1, client_map="vmap")
-        infos.append(finfo)
-        samples = jax.tree.map(lambda a: a[None], fed_algo.eval_params(fstate))
-        rmse = float(np.sqrt(np.mean((np.asarray(predict(samples, x_test_j))[0] - y_test) ** 2)))
-        rmse_per_round.append(rmse)
+        state, info = run_rounds(algo, ctx.rounds_key, state, ctx.fed, 1, client_map="vmap")
+        infos.append(info)
+        samples = jax.tree.map(lambda a: a[None], algo.eval_params(state))
+        f_test = np.asarray(ctx.predict(samples, ctx.x_test_j))[0]
+        rmse_per_round.append(float(np.sqrt(np.mean((f_test - ctx.y_test) ** 2))))
         if r == 0:
-            t_one = time.perf_counter() - t0
-            numbers, curves["fedavg_one_shot"] = evaluate(samples)
-            results["fedavg_one_shot"] = {
+            numbers, ctx.curves["fedavg_one_shot"] = ctx.evaluate(samples)
+            ctx.results["fedavg_one_shot"] = {
                 **numbers,
-                **_comm(finfo, 1),
-                "wall_s": t_one,
+                **_comm(info, 1),
+                "wall_s": time.perf_counter() - t0,
                 "wall_note": "one round, with compilation",
             }
             _log(f"one-shot FedAvg: RMSE {numbers['test_rmse']:.4f}, NLL {numbers['test_nll']:.4f}")
         if (r + 1) % 10 == 0:
-            _log(f"FedAvg round {r + 1}: test RMSE {rmse:.4f}")
-    t_fed = time.perf_counter() - t0
-    all_info = jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *infos)
-    numbers, curves["fedavg"] = evaluate(samples)
-    fed_comm = _comm(all_info, hp["fedavg_rounds"])
-    target = results["bpcfl_map"]["test_rmse"]
-    reach = next((i + 1 for i, v in enumerate(rmse_per_round) if v <= target), None)
-    per_round_floats = fed_comm["total_floats"] / hp["fedavg_rounds"]
-    results["fedavg"] = {
+            _log(f"FedAvg round {r + 1}: test RMSE {rmse_per_round[-1]:.4f}")
+    wall = time.perf_counter() - t0
+    numbers, ctx.curves["fedavg"] = ctx.evaluate(samples)
+    comm = _comm(
+        jax.tree.map(lambda *a: np.concatenate([np.asarray(x) for x in a]), *infos), hp["fedavg_rounds"]
+    )
+    reach = next(
+        (i + 1 for i, v in enumerate(rmse_per_round) if v <= ctx.results["bpcfl_map"]["test_rmse"]), None
+    )
+    per_round = comm["total_floats"] / hp["fedavg_rounds"]
+    ctx.results["fedavg"] = {
         **numbers,
-        **fed_comm,
-        "wall_s": t_fed,
+        **comm,
+        "wall_s": wall,
         "wall_note": "all rounds, with compilation",
         "test_rmse_per_round": rmse_per_round,
         "rounds_to_bpcfl_map_rmse": reach,
-        "floats_to_bpcfl_map_rmse": None if reach is None else reach * per_round_floats,
+        "floats_to_bpcfl_map_rmse": None if reach is None else reach * per_round,
     }
     _log(
         f"FedAvg ({hp['fedavg_rounds']} rounds): RMSE {numbers['test_rmse']:.4f}, NLL "
-        f"{numbers['test_nll']:.4f}, {fed_comm['total_floats']:.3g} floats up+down, {t_fed:.1f} s; reaches "
+        f"{numbers['test_nll']:.4f}, {comm['total_floats']:.3g} floats up+down, {wall:.1f} s; reaches "
         f"BPC-FL MAP's RMSE at round {reach}"
     )
 
-    # --- outputs --------------------------------------------------------------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
+
+def run(cfg: RegressionConfig, out: Path) -> dict[str, Any]:
+    """Runs the four methods of one configuration and writes ``out``'s ``curves.npz``, ``predictive.png``
+    and, last, ``results.json`` (returned)."""
+    import jax
+
+    t_start = time.perf_counter()
+    ctx = _context(cfg)
+    ctx.results, ctx.curves = {}, {}
+    mode = "quick" if cfg.quick else "paper"
+    _log(f"data: {cfg.clients} clients x {cfg.per_client} points, P = {ctx.num_params}, {mode} settings")
+    bpc, server = _bpcfl(cfg, ctx)
+    _hmc(cfg, ctx, server)
+    _fedavg(cfg, ctx)
     report = {
         "experiment": "bpcfl_regression",
-        "argv": sys.argv[1:] if __name__ == "__main__" else None,
-        "seed": args.seed,
-        "quick": bool(args.quick),
-        "clients": args.clients,
-        "per_client": args.per_client,
-        "sigma": sigma,
-        "hmc_start": args.hmc_start,
-        "noise": args.noise,
-        "num_params": num_params,
-        "client_proportions": data.proportions.tolist(),
-        "test_points": args.test_points,
-        "grid": [GRID[0], GRID[1], args.grid_points],
+        "config": dataclasses.asdict(cfg),
+        **{
+            k: getattr(cfg, k)
+            for k in ("seed", "quick", "clients", "per_client", "sigma", "hmc_start", "noise")
+        },
+        "num_params": ctx.num_params,
+        "client_proportions": ctx.data.proportions.tolist(),
+        "test_points": cfg.test_points,
+        "grid": [GRID[0], GRID[1], cfg.grid_points],
         "regions": {"gaps": GAPS, "outside": "x < -0.8 or x > 0.8"},
-        "hyperparameters": hp,
-        "bpcfl_uplink_formula_bits": 32 * k * 1 + 32 * k + 32,
-        "pseudocoreset": coreset,
-        "bpcfl_diagnostics": diagnostics,
-        "methods": results,
+        "hyperparameters": cfg.hp,
+        **bpc,
+        "methods": {k: ctx.results[k] for k in METHODS},
         "backend": jax.default_backend(),
-        "total_wall_s": time.perf_counter() - t_start,
     }
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "curves.npz", grid=ctx.grid, **ctx.curves)
+    plot(out, report, ctx.data)
+    report["total_wall_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    np.savez(out / "curves.npz", grid=grid, **curves)
-    plot(out / "predictive.png", data, grid, curves, z, yhat, args)
     _log(f"wrote {out / 'results.json'} and {out / 'predictive.png'} ({report['total_wall_s']:.1f} s)")
-    return 0
+    return report
 
 
-def plot(path: Path, data, grid, curves, z, yhat, args) -> None:
-    """Fig. 2's style: clients' points, truth, BPC-FL MAP, HMC mean ± 1/2 std, FedAvg, pseudo-points."""
+def plot(out: Path, report: dict[str, Any], data=None) -> Path:
+    """``out/predictive.png`` from ``out/curves.npz`` and the report, in Fig. 2's style: clients' points,
+    truth, BPC-FL MAP, HMC mean ± 1/2 std, FedAvg, pseudo-points (the data is made again from the report
+    when not given)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    from sidejax.data import INTERVALS, interval_target
+    from sidejax.data import INTERVALS, interval_regression, interval_target
 
+    cfg = RegressionConfig(**report["config"])
+    data = data or interval_regression(cfg.clients, cfg.per_client, noise=cfg.noise, seed=cfg.seed)
+    curves = np.load(out / "curves.npz")
+    grid = curves["grid"]
+    z = np.asarray(report["pseudocoreset"]["inputs"], np.float32).reshape(-1)
+    yhat = np.asarray(report["pseudocoreset"]["labels"], np.float32).reshape(-1)
     fig, ax = plt.subplots(figsize=(11, 5))
     colors = plt.get_cmap("tab10")
     for lo, hi in INTERVALS:
         ax.axvspan(lo, hi, color="0.93", zorder=0)
-    hmc = curves["bpcfl_hmc"]
-    mean, std = hmc.mean(axis=0), hmc.std(axis=0)
+    mean, std = curves["bpcfl_hmc"].mean(axis=0), curves["bpcfl_hmc"].std(axis=0)
     ax.fill_between(
         grid, mean - 2 * std, mean + 2 * std, color="tab:blue", alpha=0.12, lw=0, label="HMC ± 2 std"
     )
@@ -600,16 +604,9 @@ def plot(path: Path, data, grid, curves, z, yhat, args) -> None:
     k = len(z) // len(data.parts)
     for m in range(len(data.parts)):
         sl = slice(m * k, (m + 1) * k)
+        label = "pseudo-points (Z, ŷ)" if m == 0 else None
         ax.scatter(
-            z[sl],
-            yhat[sl],
-            marker="*",
-            s=160,
-            color=colors(m),
-            edgecolor="k",
-            lw=0.8,
-            zorder=5,
-            label="pseudo-points (Z, ŷ)" if m == 0 else None,
+            z[sl], yhat[sl], marker="*", s=160, color=colors(m), edgecolor="k", lw=0.8, zorder=5, label=label
         )
     lo = min(np.min(data.y), np.min(yhat)) - 1.0
     hi = max(np.max(data.y), np.max(yhat)) + 1.0
@@ -618,13 +615,130 @@ def plot(path: Path, data, grid, curves, z, yhat, args) -> None:
     ax.set_xlabel("x")
     ax.set_ylabel("y")
     ax.set_title(
-        f"BPC-FL 1-D regression: {len(data.parts)} clients x {args.per_client} points, seed {args.seed}"
+        f"BPC-FL 1-D regression: {len(data.parts)} clients x {cfg.per_client} points, seed {cfg.seed}"
     )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(out / "predictive.png", dpi=130)
     plt.close(fig)
+    return out / "predictive.png"
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+# --------------------------------------------------------------------------------------------------
+# the suite: settings x variants, a runner of its own (no checkpoints: an unfinished run starts again)
+
+
+def suite_config(setting: str, variant: str) -> RegressionConfig:
+    """The configuration of ``variant`` in ``setting``."""
+    SUITE.check(setting, variant)
+    return RegressionConfig(**SETTINGS[setting][1], **VARIANTS[variant][1])
+
+
+class RegressionRunner:
+    """How :data:`SUITE` makes and reads its runs: :func:`run` into a folder, ``results.json`` as the mark
+    of a finished run (and its ``config``, what the run was asked for)."""
+
+    def load(self, name: str) -> RegressionConfig:
+        for setting in SETTINGS:
+            variant = name.removeprefix(f"{SUITE.name}_{setting}_")
+            if variant != name and variant in VARIANTS:
+                return suite_config(setting, variant)
+        raise ValueError(f"unknown {SUITE.name} run {name!r}: {SUITE.name}_<setting>_<variant>")
+
+    def with_rounds(self, config, rounds: int):
+        return dataclasses.replace(config, fedavg_rounds=rounds)
+
+    def with_seed(self, config, seed: int):
+        return dataclasses.replace(config, seed=seed)
+
+    def with_value(self, config, key: str, text: str):
+        fields = [f.name for f in dataclasses.fields(config)]
+        if key not in fields:
+            raise ValueError(f"--set {key}: not a field of the regression; fields: {', '.join(fields)}")
+        kind = type(getattr(config, key))
+        try:
+            value = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text}: expected a value of type {kind.__name__}") from None
+        return dataclasses.replace(config, **{key: value})
+
+    def resolve(self, config, directory, seed, source):
+        return config
+
+    def plan(self, out: Path, config, force: bool) -> tuple[str, str]:
+        if force or not out.exists() or not any(out.iterdir()):
+            return "run", ""
+        if not (out / "results.json").is_file():
+            return "run", "(unfinished, and this experiment keeps no checkpoint: it starts again)"
+        saved = json.loads((out / "results.json").read_text()).get("config", {})
+        asked = dataclasses.asdict(config)
+        if saved == asked:
+            return "skip", f"finished run found in {out}, skipped (use --force to re-run)"
+        diff = {k: (v, saved.get(k)) for k, v in asked.items() if saved.get(k) != v}
+        return "refuse", f"{out} holds a run of another configuration (now, saved): {diff}; use --force"
+
+    def execute(self, config, out: Path, *, resume: bool, label: str) -> None:
+        run(config, out)
+
+    def read(self, folder: Path) -> list[dict[str, Any]]:
+        if not (folder / "results.json").is_file():
+            return []
+        report = json.loads((folder / "results.json").read_text())
+        config = report["config"]
+        return [
+            {"config": {**config, "method": key}, "summary": entry, "rows": [], "report": report}
+            for key, entry in report["methods"].items()
+        ]
+
+    def preset_text(self, config, description: str) -> str:
+        raise ValueError(
+            "the 1-D regression has no preset files: its runs are made from SETTINGS x VARIANTS in "
+            "experiments/bpcfl_regression.py"
+        )
+
+
+def _label(name: str, config: dict[str, Any]) -> str:
+    method = config["method"]
+    return METHODS[method] + (f" from {config['hmc_start']}" if method == "bpcfl_hmc" else "")
+
+
+def _cells(run_, runs) -> dict[str, Any]:
+    s, config = run_["summary"], run_["config"]
+    return {
+        "sigma": config["sigma"],
+        "RMSE": s["test_rmse"],
+        "NLL": s["test_nll"],
+        "NLL at data noise": s.get("test_nll_eval_sigma"),
+        "epistemic std inside": s["epistemic_std_inside"],
+        "epistemic std gaps": s["epistemic_std_gaps"],
+        "uplink floats": s["uplink_floats_total"],
+        "total floats": s["total_floats"],
+        "wall (s)": s["wall_s"],
+        "run": run_["name"],
+    }
+
+
+def _figures(runs, directory: Path) -> list[Path]:
+    folders = {r["folder"]: r["report"] for r in runs}
+    return [plot(folder, report) for folder, report in folders.items()]
+
+
+SUITE = Suite(
+    name="bpcfl_regression",
+    title="BPC-FL's 1-D synthetic regression (paper Fig. 2) against FedAvg and one-shot FedAvg",
+    settings=SETTINGS,
+    variants=VARIANTS,
+    config=suite_config,
+    columns=(
+        "method | sigma:.3g | RMSE:.4f | NLL:.4g | NLL at data noise:.4g | "
+        "epistemic std inside:.3g | epistemic std gaps:.3g | uplink floats:.6g | total floats:.6g | "
+        "wall (s):.1f | run"
+    ),
+    label=_label,
+    cells=_cells,
+    figure=_figures,
+    runner=RegressionRunner(),
+)
+
+if __name__ == "__main__":  # the old command, an alias
+    alias("bpcfl_regression")

@@ -1,14 +1,13 @@
 """CEPAM experiments: the paper's settings as presets, and its accuracy / privacy / rate table from runs.
 
-Examples::
+Examples (``python -m experiments.suite`` documents every command; ``presets`` rewrites the preset files
+from the definitions below, which a test checks)::
 
     # the reduced CPU setting (Fashion-MNIST, the small CNN, 30 clients x 1,666): run every scheme, tabulate
-    python -m experiments.cepam table results/cepam_fmnist --setting fmnist_cnn_cpu
+    python -m experiments.suite cepam run results/cepam_fmnist --setting fmnist_cnn_cpu
     # only some schemes, fewer rounds (a quick look)
-    python -m experiments.cepam table results/quick --setting fmnist_cnn_cpu --rounds 5 \
+    python -m experiments.suite cepam run results/quick --setting fmnist_cnn_cpu --rounds 5 \
         --only fl cepam_gauss_z1
-    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
-    python -m experiments.cepam presets
 
 A **setting** is a dataset, model and federation (:data:`SETTINGS`): the paper's MNIST MLP (784-32-16-10,
 25,818 parameters) and small CNN (6,422), 30 clients x 1,666 examples, tau = 15 single-sample steps, SGD with
@@ -33,16 +32,14 @@ The plot ``accuracy_vs_round.png`` shows test accuracy against the round, one li
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
-from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
-from experiments.table import read_run_folders, suite_main
+from experiments.config import ExperimentConfig, default_config
+from experiments.suite import Suite, alias, draw_figure, mean_of, single_figure
 from sidejax import privacy
 
-__all__ = ["SETTINGS", "SCHEMES", "suite_config", "preset_name", "write_presets", "guarantee", "main"]
+__all__ = ["SETTINGS", "SCHEMES", "SUITE", "suite_config", "guarantee"]
 
 _FED = {
     "data.num_clients": 30,
@@ -72,60 +69,35 @@ _SIGMA = 0.1  # the paper's sigma = b = 0.1 (Var = n sigma^2, 2 b^2)
 _SDQ_STEP = 1e-3  # the paper-like fine SDQ step (docs/papers/cepam.md#s3)
 
 
-def _lrsuq(noise: str, lattice: str) -> dict[str, Any]:
-    return {"coder.noise": noise, "coder.level": _SIGMA, "coder.lattice": lattice}
+def _noise(noise: str, **extra: Any) -> dict[str, Any]:
+    return {"coder.noise": noise, "coder.level": _SIGMA, **extra}
 
 
 #: scheme -> (table label, coder name, coder overrides)
 SCHEMES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "fl": ("FL", "float32", {}),
     "fl_sdq": ("FL+SDQ", "sdq", {"coder.step": _SDQ_STEP}),
-    "fl_gauss": ("FL+Gaussian", "noise", {"coder.noise": "gauss", "coder.level": _SIGMA}),
-    "fl_gauss_sdq": (
-        "FL+Gaussian+SDQ",
-        "noise",
-        {"coder.noise": "gauss", "coder.level": _SIGMA, "coder.sdq_step": _SDQ_STEP},
-    ),
-    "cepam_gauss_z1": ("CEPAM-Gaussian (n=1)", "lrsuq", _lrsuq("gauss", "z1")),
-    "cepam_gauss_z2": ("CEPAM-Gaussian (n=2)", "lrsuq", _lrsuq("gauss", "z2")),
-    "cepam_gauss_z3": ("CEPAM-Gaussian (n=3)", "lrsuq", _lrsuq("gauss", "z3")),
-    "fl_laplace": ("FL+Laplace", "noise", {"coder.noise": "laplace", "coder.level": _SIGMA}),
-    "fl_laplace_sdq": (
-        "FL+Laplace+SDQ",
-        "noise",
-        {"coder.noise": "laplace", "coder.level": _SIGMA, "coder.sdq_step": _SDQ_STEP},
-    ),
-    "cepam_laplace": ("CEPAM-Laplace", "lrsuq", _lrsuq("laplace", "z1")),
+    "fl_gauss": ("FL+Gaussian", "noise", _noise("gauss")),
+    "fl_gauss_sdq": ("FL+Gaussian+SDQ", "noise", _noise("gauss", **{"coder.sdq_step": _SDQ_STEP})),
+    "cepam_gauss_z1": ("CEPAM-Gaussian (n=1)", "lrsuq", _noise("gauss", **{"coder.lattice": "z1"})),
+    "cepam_gauss_z2": ("CEPAM-Gaussian (n=2)", "lrsuq", _noise("gauss", **{"coder.lattice": "z2"})),
+    "cepam_gauss_z3": ("CEPAM-Gaussian (n=3)", "lrsuq", _noise("gauss", **{"coder.lattice": "z3"})),
+    "fl_laplace": ("FL+Laplace", "noise", _noise("laplace")),
+    "fl_laplace_sdq": ("FL+Laplace+SDQ", "noise", _noise("laplace", **{"coder.sdq_step": _SDQ_STEP})),
+    "cepam_laplace": ("CEPAM-Laplace", "lrsuq", _noise("laplace", **{"coder.lattice": "z1"})),
 }
 
 #: the paper's eps_tilde of each noise family (docs/papers/cepam.md#s3)
 EPS_TILDE = {"gauss": 5.9, "laplace": 5000.0}
 
 
-def preset_name(setting: str, scheme: str) -> str:
-    return f"cepam_{setting}_{scheme}"
-
-
 def suite_config(setting: str, scheme: str) -> ExperimentConfig:
     """The configuration of ``scheme`` in ``setting`` (preset ``cepam_<setting>_<scheme>``)."""
-    if setting not in SETTINGS:
-        raise ValueError(f"unknown setting {setting!r}; settings: {', '.join(SETTINGS)}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; schemes: {', '.join(SCHEMES)}")
+    SUITE.check(setting, scheme)
     _, values = SETTINGS[setting]
     _, coder, extra = SCHEMES[scheme]
-    return default_config(f"cepam+{coder}").override({**values, **extra}, source=preset_name(setting, scheme))
-
-
-def write_presets(directory: Path = PRESET_DIR) -> list[Path]:
-    """Writes every (setting, scheme) preset as canonical TOML; returns the paths."""
-    paths = []
-    for setting, (description, _) in SETTINGS.items():
-        for scheme, (label, _, _) in SCHEMES.items():
-            path = Path(directory) / f"{preset_name(setting, scheme)}.toml"
-            path.write_text(preset_toml(suite_config(setting, scheme), f"CEPAM {label}; {description}"))
-            paths.append(path)
-    return paths
+    name = SUITE.preset_name(setting, scheme)
+    return default_config(f"cepam+{coder}").override({**values, **extra}, source=name)
 
 
 def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
@@ -156,7 +128,7 @@ def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
         return privacy.cepam_guarantee("laplace", b, EPS_TILDE[kind], **common)
 
 
-def _label(config: dict[str, Any]) -> str:
+def _label(name: str, config: dict[str, Any]) -> str:
     # the most specific scheme first (FL+Gaussian+SDQ before FL+Gaussian)
     for label, coder, extra in sorted(SCHEMES.values(), key=lambda v: -len(v[2])):
         if coder != config["coder"]["name"]:
@@ -166,116 +138,56 @@ def _label(config: dict[str, Any]) -> str:
     return f"cepam+{config['coder']['name']}"
 
 
-_ORDER = [v[0] for v in SCHEMES.values()]
-COLUMNS = (
-    "scheme",
-    "acc (%)",
-    "final acc (%)",
-    "epsilon",
-    "delta",
-    "vacuous",
-    "uplink bpp",
-    "ideal bpp",
-    "rounds",
-    "run",
+def _cells(run, runs) -> dict[str, Any]:
+    rows, s, g = run["rows"], run["summary"], run["g"]
+    ideal = s.get("mean_uplink_ideal_bpp")
+    return {
+        "acc (%)": None if s.get("best_accuracy") is None else 100 * s["best_accuracy"],
+        "final acc (%)": None if s.get("final_accuracy") is None else 100 * s["final_accuracy"],
+        "epsilon": None if g is None else g.epsilon,
+        "delta": None if g is None else g.delta,
+        "vacuous": "-" if g is None else ("yes" if g.vacuous else "no"),
+        "uplink bpp": mean_of(rows, "uplink_bpp"),
+        "ideal bpp": None if ideal is None or ideal != ideal else ideal,
+        "rounds": str(s.get("rounds_run", len(rows))),
+        "run": run["name"],
+    }
+
+
+def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
+    """Test accuracy against the round, one line per scheme (solid: CEPAM, dashed: the baselines)."""
+
+    def draw(ax, plt):
+        for r in runs:
+            pts = [
+                (row["round"], 100 * row["test_accuracy"])
+                for row in r["rows"]
+                if row.get("test_accuracy") is not None
+            ]
+            if pts:
+                style = "-" if r["label"].startswith("CEPAM") else "--"
+                ax.plot(*zip(*pts, strict=True), style, marker=".", label=r["label"])
+
+    return draw_figure(path, draw, xlabel="round", ylabel="test accuracy (%)", title=title)
+
+
+SUITE = Suite(
+    name="cepam",
+    title=__doc__.split("\n")[0],
+    settings=SETTINGS,
+    variants=SCHEMES,
+    config=suite_config,
+    columns=(
+        "scheme | acc (%):.2f | final acc (%):.2f | epsilon:.6g | delta:.4g | vacuous | "
+        "uplink bpp:.4g | ideal bpp:.4g | rounds | run"
+    ),
+    label=_label,
+    cells=_cells,
+    figure=single_figure("accuracy_vs_round.png", plot),
+    noun="schemes",
+    preset_prefix="CEPAM ",
+    annotate=lambda config: {"g": guarantee(config)},
 )
 
-
-def collect(directory: Path) -> list[dict[str, Any]]:
-    """Every finished run folder under ``directory`` with its label and privacy guarantee (a damaged folder
-    is skipped with a warning, :func:`experiments.table.read_run_folders`)."""
-    runs = []
-    for sub, config, summary, rows in read_run_folders(directory):
-        try:
-            label, g = _label(config), guarantee(config)
-        except (ValueError, KeyError, TypeError) as e:
-            print(f"warning: skipped {sub}: unreadable results ({type(e).__name__}: {e})", file=sys.stderr)
-            continue
-        runs.append(
-            {"name": sub.name, "label": label, "config": config, "summary": summary, "rows": rows, "g": g}
-        )
-    runs.sort(key=lambda r: (_ORDER.index(r["label"]) if r["label"] in _ORDER else len(_ORDER), r["name"]))
-    return runs
-
-
-def _mean(rows, key):
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
-def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
-
-    out = []
-    for r in runs:
-        rows, s, g = r["rows"], r["summary"], r["g"]
-        ideal = s.get("mean_uplink_ideal_bpp")
-        out.append(
-            {
-                "scheme": r["label"],
-                "acc (%)": f(None if s.get("best_accuracy") is None else 100 * s["best_accuracy"], ".2f"),
-                "final acc (%)": f(
-                    None if s.get("final_accuracy") is None else 100 * s["final_accuracy"], ".2f"
-                ),
-                "epsilon": f(None if g is None else g.epsilon, ".6g"),
-                "delta": f(None if g is None else g.delta, ".4g"),
-                "vacuous": "-" if g is None else ("yes" if g.vacuous else "no"),
-                "uplink bpp": f(_mean(rows, "uplink_bpp"), ".4g"),
-                "ideal bpp": f(None if ideal is None or ideal != ideal else ideal, ".4g"),
-                "rounds": str(s.get("rounds_run", len(rows))),
-                "run": r["name"],
-            }
-        )
-    return out
-
-
-def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) -> Path:
-    """Test accuracy against the round, one line per scheme (solid: CEPAM, dashed: the baselines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in runs:
-        pts = [
-            (row["round"], 100 * row["test_accuracy"])
-            for row in r["rows"]
-            if row.get("test_accuracy") is not None
-        ]
-        if pts:
-            style = "-" if r["label"].startswith("CEPAM") else "--"
-            ax.plot(*zip(*pts, strict=True), style, marker=".", label=r["label"])
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    if title:
-        ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.savefig(path, bbox_inches="tight", dpi=120)
-    plt.close(fig)
-    return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main(
-        argv,
-        module="cepam",
-        description=__doc__.split("\n")[0],
-        settings=SETTINGS,
-        variants={name: v[0] for name, v in SCHEMES.items()},
-        noun="schemes",
-        preset_name=preset_name,
-        write_presets=write_presets,
-        load=lambda name: load_preset(name),  # looked up at call time (tests replace it)
-        collect=collect,
-        table_rows=table_rows,
-        columns=COLUMNS,
-        plot=plot,
-        figure_name="accuracy_vs_round.png",
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the old command, an alias
+    alias("cepam")

@@ -1,15 +1,14 @@
 """CoreSet-PFedBayes experiments: the paper's settings as presets, and its personal / global accuracy table.
 
-Examples::
+Examples (``python -m experiments.suite`` documents every command; ``presets`` rewrites the preset files
+from the definitions below, which a test checks)::
 
     # the reduced CPU setting (Fashion-MNIST, MLP 784-100-10, 60 rounds): every method, three seeds
-    python -m experiments.coreset_pfedbayes table results/coreset_fmnist --setting fmnist_mlp_cpu \\
+    python -m experiments.suite coreset_pfedbayes run results/coreset_fmnist --setting fmnist_mlp_cpu \\
         --seeds 0 1 2
     # only the 50% comparison, a quick look
-    python -m experiments.coreset_pfedbayes table results/quick --setting fmnist_mlp_cpu --rounds 5 \\
+    python -m experiments.suite coreset_pfedbayes run results/quick --setting fmnist_mlp_cpu --rounds 5 \\
         --only coreset_50 random_50
-    # rewrite the shipped presets from the definitions below (a test checks they are up to date)
-    python -m experiments.coreset_pfedbayes presets
 
 A **setting** (:data:`SETTINGS`) is the paper's federation (docs/papers/coreset_pfedbayes.md#s3-1): pFedMe's
 non-iid split (train and test pooled; 10 clients x 5 labels, client ``u`` holding labels
@@ -43,14 +42,12 @@ one colour per method, the mean over seeds.
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
-from experiments.config import PRESET_DIR, ExperimentConfig, default_config, load_preset, preset_toml
-from experiments.table import by_label, mean_std, read_run_folders, suite_main
+from experiments.config import ExperimentConfig, default_config
+from experiments.suite import Suite, alias, by_label, draw_figure, evaluated, single_figure
 
-__all__ = ["SETTINGS", "METHODS", "suite_config", "preset_name", "write_presets", "collect", "main"]
+__all__ = ["SETTINGS", "METHODS", "SUITE", "suite_config", "rounds_to_fraction"]
 
 _FED = {
     "data.model": "mlp_100",
@@ -112,36 +109,17 @@ METHODS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def preset_name(setting: str, method: str) -> str:
-    return f"coreset_pfedbayes_{setting}_{method}"
-
-
 def suite_config(setting: str, method: str) -> ExperimentConfig:
     """The configuration of ``method`` in ``setting`` (preset ``coreset_pfedbayes_<setting>_<method>``)."""
-    if setting not in SETTINGS:
-        raise ValueError(f"unknown setting {setting!r}; settings: {', '.join(SETTINGS)}")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+    SUITE.check(setting, method)
     _, values, coreset = SETTINGS[setting]
     _, name, extra = METHODS[method]
     extra = {**extra, **coreset} if name == "coreset_pfedbayes" else extra
-    return default_config(f"{name}+float32").override(
-        {**values, **extra}, source=preset_name(setting, method)
-    )
+    source = SUITE.preset_name(setting, method)
+    return default_config(f"{name}+float32").override({**values, **extra}, source=source)
 
 
-def write_presets(directory: Path = PRESET_DIR) -> list[Path]:
-    """Writes every (setting, method) preset as canonical TOML; returns the paths."""
-    paths = []
-    for setting, (description, _, _) in SETTINGS.items():
-        for method, (label, _, _) in METHODS.items():
-            path = Path(directory) / f"{preset_name(setting, method)}.toml"
-            path.write_text(preset_toml(suite_config(setting, method), f"{label}; {description}"))
-            paths.append(path)
-    return paths
-
-
-def _label(config: dict[str, Any]) -> str:
+def _label(name: str, config: dict[str, Any]) -> str:
     method = config["method"]
     name = method["name"]
     if name in ("coreset_pfedbayes", "pfedbayes_subset"):
@@ -163,140 +141,77 @@ def _train_size(config: dict[str, Any]) -> int | None:
     return max(1, round(data["train_fraction"] * data["labels_per_client"] * data["examples_per_label"]))
 
 
-_ORDER = [v[0] for v in METHODS.values()]
-
-
-def collect(directory: Path) -> list[dict[str, Any]]:
-    """Every finished run folder under ``directory`` with its label (a damaged folder is skipped with a
-    warning, :func:`experiments.table.read_run_folders`)."""
-    runs = []
-    for sub, config, summary, rows in read_run_folders(directory):
-        try:
-            label = _label(config)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-            print(f"warning: skipped {sub}: unreadable config ({type(e).__name__}: {e})", file=sys.stderr)
-            continue
-        runs.append({"name": sub.name, "label": label, "config": config, "summary": summary, "rows": rows})
-    runs.sort(key=lambda r: (_ORDER.index(r["label"]) if r["label"] in _ORDER else len(_ORDER), r["name"]))
-    return runs
-
-
-def _evaluated(rows, key):
-    return [(r["round"], r[key]) for r in rows if r.get(key) is not None]
-
-
 def rounds_to_fraction(rows, key: str = "personal_accuracy", fraction: float = 0.99):
     """The first evaluated round whose ``key`` reaches ``fraction`` of the run's best (None: none
     evaluated)."""
-    pts = _evaluated(rows, key)
+    pts = evaluated(rows, key)
     if not pts:
         return None
     best = max(v for _, v in pts)
     return next(r for r, v in pts if v >= fraction * best)
 
 
-def _run_numbers(run) -> dict[str, float | None]:
+def _cells(run, runs) -> dict[str, Any]:
     rows = run["rows"]
-    key = "personal_accuracy" if _evaluated(rows, "personal_accuracy") else "test_accuracy"
-    personal = [v for _, v in _evaluated(rows, "personal_accuracy")]
-    glob = [v for _, v in _evaluated(rows, "test_accuracy")]
-    floats = [r["uplink_bits"] / 32 / _participants(run) for r in rows if r.get("uplink_bits") is not None]
+    key = "personal_accuracy" if evaluated(rows, "personal_accuracy") else "test_accuracy"
+    personal = [v for _, v in evaluated(rows, "personal_accuracy")]
+    glob = [v for _, v in evaluated(rows, "test_accuracy")]
+    participants = max(1, int(run["config"].get("clients_per_round") or run["config"]["data"]["num_clients"]))
+    floats = [r["uplink_bits"] / 32 / participants for r in rows if r.get("uplink_bits") is not None]
     return {
-        "personal": 100 * max(personal) if personal else None,
-        "final_personal": 100 * personal[-1] if personal else None,
-        "global": 100 * max(glob) if glob else None,
-        "final_global": 100 * glob[-1] if glob else None,
-        "rounds99": rounds_to_fraction(rows, key),
-        "floats": sum(floats) / len(floats) if floats else None,
+        "personal acc (%)": 100 * max(personal) if personal else None,
+        "final personal (%)": 100 * personal[-1] if personal else None,
+        "global acc (%)": 100 * max(glob) if glob else None,
+        "final global (%)": 100 * glob[-1] if glob else None,
+        "rounds to 99%": rounds_to_fraction(rows, key),
+        "uplink floats / client / round": sum(floats) / len(floats) if floats else None,
+        "seeds": str(run["config"]["run"]["seed"]),
+        "runs": run["name"],
     }
 
 
-def _participants(run) -> int:
-    return max(1, int(run["config"].get("clients_per_round") or run["config"]["data"]["num_clients"]))
+def mean_curves(group, key):
+    """The rounds every run of ``group`` evaluated ``key`` at, and the mean of ``key`` there (in %)."""
+    curves = [dict(evaluated(r["rows"], key)) for r in group]
+    common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return common, [100 * statistics.fmean(c[t] for c in curves) for t in common]
 
 
-COLUMNS = (
-    "method",
-    "personal acc (%)",
-    "final personal (%)",
-    "global acc (%)",
-    "final global (%)",
-    "rounds to 99%",
-    "uplink floats / client / round",
-    "seeds",
-    "runs",
+def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
+    """Personal (solid) and global (dashed) accuracy against the round, the mean over each method's seeds."""
+
+    def draw(ax, plt):
+        for i, (label, group) in enumerate(by_label(runs).items()):
+            for key, style, suffix in (
+                ("personal_accuracy", "-", "personal"),
+                ("test_accuracy", "--", "global"),
+            ):
+                common, mean = mean_curves(group, key)
+                if common:
+                    ax.plot(common, mean, style, color=f"C{i % 10}", marker=".", label=f"{label} {suffix}")
+
+    title = title and f"{title}: personal (solid) and global (dashed), mean over seeds"
+    return draw_figure(path, draw, xlabel="round", ylabel="accuracy (%)", title=title, wide=True)
+
+
+SUITE = Suite(
+    name="coreset_pfedbayes",
+    title=__doc__.split("\n")[0],
+    settings=SETTINGS,
+    variants=METHODS,
+    config=suite_config,
+    columns=(
+        "method | personal acc (%):.2f | final personal (%):.2f | global acc (%):.2f | "
+        "final global (%):.2f | rounds to 99%:.0f | uplink floats / client / round:.0f | seeds | "
+        "runs"
+    ),
+    label=_label,
+    cells=_cells,
+    figure=single_figure("accuracy_vs_round.png", plot),
+    per_label=True,
+    noun="methods",
 )
 
 
-def table_rows(runs: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One row per method label: mean ± sample std over its runs (seeds)."""
-    groups = by_label(runs)
-    out = []
-    for label, group in groups.items():
-        nums = [_run_numbers(r) for r in group]
-        out.append(
-            {
-                "method": label,
-                "personal acc (%)": mean_std([n["personal"] for n in nums], ".2f"),
-                "final personal (%)": mean_std([n["final_personal"] for n in nums], ".2f"),
-                "global acc (%)": mean_std([n["global"] for n in nums], ".2f"),
-                "final global (%)": mean_std([n["final_global"] for n in nums], ".2f"),
-                "rounds to 99%": mean_std([n["rounds99"] for n in nums], ".0f"),
-                "uplink floats / client / round": mean_std([n["floats"] for n in nums], ".0f"),
-                "seeds": ", ".join(str(r["config"]["run"]["seed"]) for r in group),
-                "runs": ", ".join(r["name"] for r in group),
-            }
-        )
-    return out
-
-
-def plot(runs: list[dict[str, Any]], path: Path, *, title: str | None = None) -> Path:
-    """Personal (solid) and global (dashed) accuracy against the round, the mean over each method's seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = by_label(runs)
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for i, (label, group) in enumerate(groups.items()):
-        colour = f"C{i % 10}"
-        for key, style, suffix in (("personal_accuracy", "-", "personal"), ("test_accuracy", "--", "global")):
-            curves = [dict(_evaluated(r["rows"], key)) for r in group]
-            common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-            if not common:
-                continue
-            mean = [100 * statistics.fmean(c[t] for c in curves) for t in common]
-            ax.plot(common, mean, style, color=colour, marker=".", label=f"{label} {suffix}")
-    ax.set_xlabel("round")
-    ax.set_ylabel("accuracy (%)")
-    if title:
-        ax.set_title(f"{title}: personal (solid) and global (dashed), mean over seeds", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, bbox_inches="tight", dpi=120)
-    plt.close(fig)
-    return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    return suite_main(
-        argv,
-        module="coreset_pfedbayes",
-        description=__doc__.split("\n")[0],
-        settings=SETTINGS,
-        variants={name: v[0] for name, v in METHODS.items()},
-        noun="methods",
-        preset_name=preset_name,
-        write_presets=write_presets,
-        load=lambda name: load_preset(name),  # looked up at call time (tests replace it)
-        collect=collect,
-        table_rows=table_rows,
-        columns=COLUMNS,
-        plot=plot,
-        figure_name="accuracy_vs_round.png",
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the old command, an alias
+    alias("coreset_pfedbayes")

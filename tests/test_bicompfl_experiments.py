@@ -1,22 +1,18 @@
-"""The BICompFL experiment tooling (experiments.bicompfl): presets, configs, the table command, the plot."""
+"""The BICompFL suite (experiments.bicompfl, run by experiments.suite): presets, configs, table, plot."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from suite_helpers import use_configs
 
-from experiments.bicompfl import (
-    SETTINGS,
-    VARIANTS,
-    main,
-    preset_name,
-    suite_config,
-    variant_label,
-    write_presets,
-)
+from experiments.bicompfl import SETTINGS, SUITE, VARIANTS, suite_config, variant_label
 from experiments.config import PRESET_DIR, default_config, list_presets, load_preset
+from experiments.suite import main, write_presets
 from sidejax.algorithms import fixed_rates
+
+preset_name = SUITE.preset_name
 
 _SMALL = {
     "data.dataset": "digits",
@@ -31,9 +27,9 @@ _SMALL = {
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    """Every (setting, variant) preset exists and is exactly what ``python -m experiments.bicompfl presets``
-    writes (so the presets and the table's definitions cannot drift apart)."""
-    written = write_presets(tmp_path)
+    """Every (setting, variant) preset exists and is exactly what ``python -m experiments.suite bicompfl
+    presets`` writes (so the presets and the table's definitions cannot drift apart)."""
+    written = write_presets(SUITE, tmp_path)
     assert len(written) == len(SETTINGS) * len(VARIANTS)
     for path in written:
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
@@ -62,7 +58,7 @@ def test_labels_name_the_papers_rows():
     want = {v: label for v, (label, _, _) in VARIANTS.items()}
     for variant, label in want.items():
         cfg = suite_config("fmnist_lenet5_cpu", variant)
-        assert variant_label(json.loads(json.dumps(cfg.to_dict()))) == label, variant
+        assert variant_label("run", json.loads(json.dumps(cfg.to_dict()))) == label, variant
 
 
 def test_mirror_descent_is_a_mask_optimizer():
@@ -102,14 +98,18 @@ def test_table_command_runs_the_methods_and_writes_the_papers_columns(tmp_path, 
     """End to end on digits (2 rounds): the command runs presets (here: the suite's configs shrunk to the
     test federation), skips finished runs on a second call, and writes table.md/csv with the paper's columns
     and the plot; the measured uplink equals the Fixed formula and GR's downlink is (n - 1) uplinks."""
-    import experiments.bicompfl as bc
-
-    small = {
-        v: suite_config("fmnist_lenet5_cpu", v).override(_SMALL) for v in ("gr_fixed", "pr_fixed_splitdl")
-    }
-    monkeypatch.setattr(bc, "load_preset", lambda name: small[name.rsplit("_cpu_", 1)[1]])
+    chosen = ("gr_fixed", "pr_fixed_splitdl")
+    use_configs(
+        monkeypatch,
+        SUITE,
+        {
+            preset_name("fmnist_lenet5_cpu", v): suite_config("fmnist_lenet5_cpu", v).override(_SMALL)
+            for v in chosen
+        },
+    )
     args = [
-        "table",
+        "bicompfl",
+        "run",
         str(tmp_path),
         "--setting",
         "fmnist_lenet5_cpu",
@@ -138,10 +138,10 @@ def test_table_command_runs_the_methods_and_writes_the_papers_columns(tmp_path, 
     )
     # the broadcast channel: every stream sent once to all 4 clients
     assert rows[1]["broadcast_bpp"] == pytest.approx(want["uplink"] + 4 * want["uplink"] / 4, rel=1e-9)
-    assert main(["table", str(tmp_path / "nothing")]) == 2
+    assert main(["bicompfl", "table", str(tmp_path / "nothing")]) == 2
     # a damaged results folder is skipped with a warning naming it; the table is written from the others
     capsys.readouterr()
     (run / "summary.json").write_text("{not json")
-    assert main(["table", str(tmp_path)]) == 0
+    assert main(["bicompfl", "table", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert f"skipped {run}" in captured.err and "| GR-Fixed |" not in (tmp_path / "table.md").read_text()

@@ -1,5 +1,5 @@
-"""The BPC-FL experiment tooling (experiments.bpcfl): presets, the bpcfl method section's checks, the table
-command (NLL / accuracy / ECE / measured floats, communication to match), the FedAvg warm start from a
+"""The BPC-FL suite (experiments.bpcfl, run by experiments.suite): presets, the bpcfl method section's checks,
+the table (NLL / accuracy / ECE / measured floats, communication to match), the FedAvg warm start from a
 BPC-FL run's final model, and the fault paths (one-shot rounds, K larger than a client's data, a missing
 or mismatched warm start)."""
 
@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from suite_helpers import use_configs
 
-from experiments.bpcfl import METHODS, SETTINGS, main, preset_name, suite_config, write_presets
+from experiments.bpcfl import METHODS, SETTINGS, SUITE, suite_config
 from experiments.config import PRESET_DIR, list_presets, load_preset
 from experiments.driver import run_experiment
+from experiments.suite import main, write_presets
+
+preset_name = SUITE.preset_name
 
 # a tiny moons federation and BPC-FL (a few updates, short chains): the tooling, not the method's quality
 _TINY_BPC = {
@@ -36,7 +40,7 @@ def _tiny(method: str):
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    written = write_presets(tmp_path)
+    written = write_presets(SUITE, tmp_path)
     assert len(written) == len(SETTINGS) * len(METHODS)
     for path in written:
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
@@ -122,12 +126,9 @@ def test_table_runs_bpcfl_and_warm_started_fedavg(tmp_path, monkeypatch, capsys)
     """End to end on a tiny moons federation: BPC-FL + SGD, FedAvg and the warm start over one seed; the
     table has NLL / accuracy / ECE, measured floats (BPC-FL: the streams' bits / 32), FedAvg's floats to
     reach BPC-FL's NLL, and the warm start counts BPC-FL's upload; a second call skips finished runs."""
-    import experiments.bpcfl as bp
-
     chosen = ("bpcfl_sgd", "fedavg", "bpcfl_fedavg")
-    small = {m: _tiny(m) for m in chosen}
-    monkeypatch.setattr(bp, "load_preset", lambda name: small[name.split("moons_", 1)[1]])
-    args = ["table", str(tmp_path), "--setting", "moons", "--only", *chosen, "--seeds", "0"]
+    use_configs(monkeypatch, SUITE, {preset_name("moons", m): _tiny(m) for m in chosen})
+    args = ["bpcfl", "run", str(tmp_path), "--setting", "moons", "--only", *chosen, "--seeds", "0"]
     assert main(args) == 0
     capsys.readouterr()
     assert main(args) == 0

@@ -1,6 +1,7 @@
-"""BPC-FL's 1-D regression experiment (experiments.bpcfl_regression): one ``--quick`` run (module fixture)
-checked for its files, its JSON fields, the measured uplink (the pseudocoreset stream formula) and finite
-numbers; bad input exits with code 2 and one line, writing nothing."""
+"""BPC-FL's 1-D regression suite (experiments.bpcfl_regression, run by experiments.suite): one run of the
+``quick`` setting (module fixture) checked for its files, its JSON fields, the measured uplink (the
+pseudocoreset stream formula), finite numbers and the suite's table; bad input exits with code 2 and one
+line, writing nothing; a finished run is skipped, one of another configuration refused."""
 
 from __future__ import annotations
 
@@ -10,20 +11,31 @@ import math
 import numpy as np
 import pytest
 
-from experiments.bpcfl_regression import PAPER, QUICK, gaussian_nll_loss, main, predictive_numbers
+from experiments.bpcfl_regression import (
+    PAPER,
+    QUICK,
+    SUITE,
+    RegressionConfig,
+    gaussian_nll_loss,
+    predictive_numbers,
+    suite_config,
+)
+from experiments.suite import main
 
 METHODS = ("bpcfl_map", "bpcfl_hmc", "fedavg", "fedavg_one_shot")
+_QUICK_RUN = "--setting quick --only sigma03 --seeds 1".split()
 
 
-# The --quick run trains BPC-FL, HMC and FedAvg end to end (about 19 s from an empty compilation cache): the
+# The quick run trains BPC-FL, HMC and FedAvg end to end (about 19 s from an empty compilation cache): the
 # three tests that read it are slow; the settings, the loss and the bad-input tests are not.
 _quick_run_is_slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bpcfl_regression")
-    assert main(["--quick", "--out", str(out), "--seed", "1"]) == 0
+    suite_dir = tmp_path_factory.mktemp("bpcfl_regression")
+    assert main(["bpcfl_regression", "run", str(suite_dir), *_QUICK_RUN]) == 0
+    out = suite_dir / f"{SUITE.preset_name('quick', 'sigma03')}_s1"
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -62,7 +74,7 @@ def test_files_and_fields(quick_run):
     for name in ("bpcfl_map", "fedavg", "fedavg_one_shot"):
         assert report["methods"][name]["epistemic_std_gaps"] == 0.0
         assert report["methods"][name]["predictive_std_gaps"] == pytest.approx(report["sigma"])
-    # (whether HMC moves at all on the tiny --quick coreset is not checked: --quick is a smoke run)
+    # (whether HMC moves at all on the tiny quick coreset is not checked: quick is a smoke run)
     assert hmc["epistemic_std_gaps"] >= 0.0 and hmc["hmc_divergent"] >= 0
 
 
@@ -153,20 +165,60 @@ def test_gaussian_nll_loss_and_predictive_numbers():
     assert c["test_nll_eval_sigma"] == pytest.approx(a["test_nll"]) and c["test_nll"] != a["test_nll"]
 
 
+@_quick_run_is_slow
+def test_the_suite_skips_the_finished_run_refuses_another_and_tabulates(quick_run, capsys):
+    """Run again with the same configuration: skipped; with another (more FedAvg rounds): refused, untouched;
+    the table has a row per method with the run's numbers, and ``plot`` redraws the run's figure."""
+    out, report = quick_run
+    args = ["bpcfl_regression", "run", str(out.parent), *_QUICK_RUN]
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "finished run found" in capsys.readouterr().out
+    before = (out / "results.json").read_bytes()
+    assert main([*args, "--rounds", "4"]) == 2
+    assert (
+        "another configuration" in capsys.readouterr().err and (out / "results.json").read_bytes() == before
+    )
+    md = (out.parent / "table.md").read_text().splitlines()
+    assert md[0].startswith("| method | sigma | RMSE | NLL |") and len(md) == 2 + len(METHODS)
+    fed = next(line for line in md if line.startswith("| FedAvg |"))
+    assert f"| {report['methods']['fedavg']['test_rmse']:.4f} |" in fed
+    (out / "predictive.png").unlink()
+    assert main(["bpcfl_regression", "plot", str(out.parent)]) == 0
+    assert (out / "predictive.png").stat().st_size > 10_000
+
+
+def test_the_suite_configs_are_the_papers_and_the_variants():
+    assert suite_config("fig2", "sigma03") == RegressionConfig()
+    assert (suite_config("fig4", "sigma1").per_client, suite_config("fig4", "sigma1").sigma) == (20, 1.0)
+    quick = suite_config("quick", "sigma1_hmc_map")
+    assert (quick.quick, quick.hmc_start, quick.hp["num_points"], quick.hp["fedavg_rounds"]) == (
+        True,
+        "map",
+        3,
+        3,
+    )
+    with pytest.raises(ValueError, match="unknown variant"):
+        suite_config("fig2", "sigma2")
+
+
 @pytest.mark.parametrize(
-    "argv, message",
+    "sets, message",
     [
-        (["--per-client", "4"], "--per-client 4 is smaller than the pseudocoreset size K = 6"),
-        (["--quick", "--per-client", "2"], "--per-client 2 is smaller than the pseudocoreset size K = 3"),
-        (["--clients", "0"], "--clients must be >= 1"),
-        (["--sigma", "0"], "--sigma must be"),
+        (["per_client=4"], "per_client 4 is smaller than the pseudocoreset size K = 6"),
+        (["clients=0"], "clients must be >= 1"),
+        (["sigma=0"], "sigma must be"),
+        (["hmc_start=nuts"], "hmc_start must be"),
+        (["sigmaa=1"], "--set sigmaa: not a field of the regression"),
+        (["clients=two"], "--set clients=two: expected a value of type int"),
     ],
 )
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, sets, message):
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exc:
-        main([*argv, "--out", str(out)])
-    assert exc.value.code == 2
+    argv = ["bpcfl_regression", "run", str(out), "--setting", "fig2"]
+    assert main([*argv, *(x for s in sets for x in ("--set", s))]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+    with pytest.raises(ValueError, match="per_client 2 is smaller than the pseudocoreset size K = 3"):
+        RegressionConfig(quick=True, per_client=2)

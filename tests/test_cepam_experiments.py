@@ -1,13 +1,17 @@
-"""The CEPAM experiment tooling (experiments.cepam): presets, the privacy columns, the table command."""
+"""The CEPAM suite (experiments.cepam, run by experiments.suite): presets, the privacy columns, the table."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from suite_helpers import use_configs
 
-from experiments.cepam import SCHEMES, SETTINGS, guarantee, main, preset_name, suite_config, write_presets
+from experiments.cepam import SCHEMES, SETTINGS, SUITE, guarantee, suite_config
 from experiments.config import PRESET_DIR, default_config, list_presets, load_preset
+from experiments.suite import main, write_presets
+
+preset_name = SUITE.preset_name
 
 _SMALL = {
     "data.dataset": "digits",
@@ -21,7 +25,7 @@ _SMALL = {
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    written = write_presets(tmp_path)
+    written = write_presets(SUITE, tmp_path)
     assert len(written) == len(SETTINGS) * len(SCHEMES)
     for path in written:
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
@@ -76,12 +80,12 @@ def test_table_command_runs_the_schemes_and_writes_the_columns(tmp_path, monkeyp
     """End to end on digits (2 rounds, 4 clients): CEPAM on Z^2 and FL+Gaussian+SDQ run through the
     driver (real streams under jit), a second call skips them, the table has accuracy, (epsilon, delta) and
     the measured rate, and a damaged folder is skipped with a warning."""
-    import experiments.cepam as ce
-
     chosen = ("cepam_gauss_z2", "fl_gauss_sdq")
-    small = {v: suite_config("fmnist_cnn_cpu", v).override(_SMALL) for v in chosen}
-    monkeypatch.setattr(ce, "load_preset", lambda name: small[name.split("_cpu_", 1)[1]])
-    args = ["table", str(tmp_path), "--setting", "fmnist_cnn_cpu", "--only", *chosen]
+    small = {
+        preset_name("fmnist_cnn_cpu", v): suite_config("fmnist_cnn_cpu", v).override(_SMALL) for v in chosen
+    }
+    use_configs(monkeypatch, SUITE, small)
+    args = ["cepam", "run", str(tmp_path), "--setting", "fmnist_cnn_cpu", "--only", *chosen]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert main(args) == 0
@@ -96,7 +100,7 @@ def test_table_command_runs_the_schemes_and_writes_the_columns(tmp_path, monkeyp
     assert all(0 < r["uplink_bpp"] < 4 for r in rows)
     (run / "summary.json").write_text("{not json")
     capsys.readouterr()
-    assert main(["table", str(tmp_path)]) == 0
+    assert main(["cepam", "table", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert f"skipped {run}" in captured.err and "CEPAM-Gaussian" not in (tmp_path / "table.md").read_text()
-    assert main(["table", str(tmp_path / "nothing")]) == 2
+    assert main(["cepam", "table", str(tmp_path / "nothing")]) == 2

@@ -1,22 +1,18 @@
-"""The CoreSet-PFedBayes experiment tooling (experiments.coreset_pfedbayes): presets, the table command with
-seeds (mean ± std per method, personal and global accuracy, rounds to 99%, measured uplink floats)."""
+"""The CoreSet-PFedBayes suite (experiments.coreset_pfedbayes, run by experiments.suite): presets, the table
+with seeds (mean ± std per method, personal and global accuracy, rounds to 99%, measured uplink floats)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from suite_helpers import use_configs
 
 from experiments.config import PRESET_DIR, list_presets, load_preset
-from experiments.coreset_pfedbayes import (
-    METHODS,
-    SETTINGS,
-    main,
-    preset_name,
-    rounds_to_fraction,
-    suite_config,
-    write_presets,
-)
+from experiments.coreset_pfedbayes import METHODS, SETTINGS, SUITE, rounds_to_fraction, suite_config
+from experiments.suite import main, write_presets
+
+preset_name = SUITE.preset_name
 
 _SMALL = {
     "data.dataset": "digits",
@@ -32,7 +28,7 @@ _SMALL = {
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    written = write_presets(tmp_path)
+    written = write_presets(SUITE, tmp_path)
     assert len(written) == len(SETTINGS) * len(METHODS)
     for path in written:
         assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
@@ -86,13 +82,25 @@ def test_table_command_runs_seeds_and_averages_them(tmp_path, monkeypatch, capsy
     PFedBayes and RandomSubset over two seeds, a second call skips the finished runs, the table has one row
     per method with mean ± std of the personal and global accuracy, the measured floats per client per
     round (2P), and a damaged folder is skipped with a warning."""
-    import experiments.coreset_pfedbayes as cp
-
     chosen = ("coreset_50", "random_50")
     sizes = {"coreset_50": {"method.coreset_size": 25}, "random_50": {"method.subset_size": 25}}  # of 50
-    small = {m: suite_config("fmnist_mlp_cpu", m).override({**_SMALL, **sizes[m]}) for m in chosen}
-    monkeypatch.setattr(cp, "load_preset", lambda name: small[name.split("_cpu_", 1)[1]])
-    args = ["table", str(tmp_path), "--setting", "fmnist_mlp_cpu", "--only", *chosen, "--seeds", "0", "1"]
+    small = {
+        preset_name("fmnist_mlp_cpu", m): suite_config("fmnist_mlp_cpu", m).override({**_SMALL, **sizes[m]})
+        for m in chosen
+    }
+    use_configs(monkeypatch, SUITE, small)
+    args = [
+        "coreset_pfedbayes",
+        "run",
+        str(tmp_path),
+        "--setting",
+        "fmnist_mlp_cpu",
+        "--only",
+        *chosen,
+        "--seeds",
+        "0",
+        "1",
+    ]
     assert main(args) == 0
     capsys.readouterr()
     assert main(args) == 0
@@ -115,7 +123,10 @@ def test_table_command_runs_seeds_and_averages_them(tmp_path, monkeypatch, capsy
     assert (tmp_path / "accuracy_vs_round.png").stat().st_size > 1000
     (run / "summary.json").write_text("{not json")
     capsys.readouterr()
-    assert main(["table", str(tmp_path)]) == 0
+    assert main(["coreset_pfedbayes", "table", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert f"skipped {run}" in captured.err
-    assert main(["table", str(tmp_path), "--setting", "fmnist_mlp_cpu", "--seeds", "1", "1"]) == 2
+    assert (
+        main(["coreset_pfedbayes", "run", str(tmp_path), "--setting", "fmnist_mlp_cpu", "--seeds", "1", "1"])
+        == 2
+    )

@@ -52,7 +52,7 @@ from experiments.mask_eval import evaluate_final_mask
 from experiments.methods import METHODS
 from experiments.run import build_parser, resolve
 from experiments.run import main as cli_main
-from experiments.table import main as table_main
+from experiments.suite import main as suite_main
 from sidejax.data import label_split_train_test, load_dataset, partition
 from sidejax.models import get_model
 
@@ -130,7 +130,8 @@ def test_cli_writes_results_folder(full_run):
 def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
     run_dir = tmp_path / "runs" / "fedavg_small"
     shutil.copytree(full_run, run_dir)
-    assert table_main([str(tmp_path / "runs")]) == 0
+    assert suite_main(["klms", "table", str(tmp_path / "runs")]) == 0
+    assert suite_main(["klms", "plot", str(tmp_path / "runs")]) == 0
     lines = (tmp_path / "runs" / "table.md").read_text().splitlines()
     assert lines[0].startswith("| run | algorithm |") and len(lines) == 3
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
@@ -141,7 +142,7 @@ def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
     assert (tmp_path / "runs" / "table.csv").is_file()
     for name in PLOT_FILES:  # the runs of one dataset and model, plotted together
         assert (tmp_path / "runs" / "plots" / "digits_mlp_32_16" / name).is_file()
-    assert table_main([str(tmp_path / "empty_dir_that_does_not_exist")]) == 2
+    assert suite_main(["klms", "table", str(tmp_path / "empty_dir_that_does_not_exist")]) == 2
 
 
 def test_resume_continues_exactly(full_run, tmp_path):
@@ -648,10 +649,12 @@ def test_table_run_ctrl_c_says_how_to_resume(tmp_path, monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(driver, "run_experiment", interrupted)
-    assert table_main([str(tmp_path), "--run", "demo_digits_fedavg", "--force"]) == 130
+    assert suite_main(["klms", "run", str(tmp_path), "--preset", "demo_digits_fedavg", "--force"]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert f"python -m experiments.table {tmp_path} --run demo_digits_fedavg" in err and "--force" not in err
+    assert f"python -m experiments.suite klms resume {tmp_path}" in err
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert saved == {"suite": "klms", "argv": ["run", str(tmp_path), "--preset", "demo_digits_fedavg"]}
 
 
 def test_a_run_interrupted_before_its_first_checkpoint_says_to_overwrite(tmp_path, capsys):
@@ -1299,12 +1302,8 @@ def test_a_new_run_refuses_a_folder_that_holds_anything(tmp_path, capsys):
 
 
 def test_bpcfl_regression_refuses_a_folder_with_a_finished_result(tmp_path, capsys):
-    from experiments.bpcfl_regression import main as regression_main
-
     (tmp_path / "results.json").write_text("{}")
-    with pytest.raises(SystemExit) as exit_:
-        regression_main(["--quick", "--out", str(tmp_path)])
-    assert exit_.value.code == 2
+    assert suite_main(["bpcfl_regression", "run", str(tmp_path), "--setting", "quick"]) == 2
     assert "is not empty (results.json)" in capsys.readouterr().err
     assert (tmp_path / "results.json").read_text() == "{}"
 
@@ -1315,7 +1314,7 @@ def test_a_suite_counts_a_run_only_for_the_configuration_it_was_asked_for(tmp_pa
     printed "skipped" and mixed 2-round rows into the table. Now a short try is extended, a finished run of
     exactly the configuration is skipped, and a run of more rounds or another configuration is refused
     before anything is touched."""
-    from experiments.table import run_configs
+    from experiments.suite import run_configs
 
     def runs(**changes):
         return [("a", small(**{"run.eval_every": 1, **changes}), "A")]
