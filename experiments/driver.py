@@ -11,7 +11,7 @@
 - :mod:`experiments.driver_records`: the metrics rows, checkpoints, final model and summary;
 - :mod:`experiments.driver_plots`: the accuracy plots.
 
-Every name other modules use from them stays importable from here.
+The names other modules use from them are importable from here too.
 
 Output folder layout::
 
@@ -51,9 +51,6 @@ from experiments.algorithms import ModelContext, build_algorithm
 from experiments.config import ExperimentConfig
 from experiments.driver_eval import EVALUATIONS, Evaluator, evaluation_of
 from experiments.driver_folder import (
-    DERIVED_KEYS,
-    FINAL_PARAMS,
-    RUN_FILES,
     RunExistsError,
     check_new_output,
     check_output,
@@ -77,13 +74,8 @@ from experiments.driver_records import (
     PERSONAL_COLUMNS,
     PERSONAL_TABLE_HEADER,
     TABLE_HEADER,
-    TAIL_EVALS,
     Records,
     RunSummary,
-    algorithm_metrics,
-    broadcast_downlink_bpp,
-    load_init_params,
-    metric_columns,
     read_jsonl,
     tail_accuracy,
 )
@@ -106,24 +98,16 @@ __all__ = [
     "check_resumable_folder",
     "run_config",
     "stream_problems",
-    "load_init_params",
     "accuracy_figures",
     "plot_runs",
     "read_jsonl",
     "tail_accuracy",
-    "metric_columns",
-    "algorithm_metrics",
-    "broadcast_downlink_bpp",
     "EVALUATIONS",
     "METRIC_COLUMNS",
     "PERSONAL_COLUMNS",
     "PERSONAL_TABLE_HEADER",
     "TABLE_HEADER",
-    "TAIL_EVALS",
     "PLOT_FILES",
-    "RUN_FILES",
-    "FINAL_PARAMS",
-    "DERIVED_KEYS",
 ]
 
 
