@@ -74,7 +74,7 @@ def build_algorithm(
     """The algorithm of ``config``'s method, sending its messages with ``config``'s coder; a method with
     ``needs_model`` (BPC-FL) also gets ``model``."""
     coder = config.coder.checked(config.method, client_strategy=resolve_client_strategy(config))
-    extra = {"model": model} if getattr(config.method, "needs_model", False) else {}
+    extra = {"model": model} if config.method.needs_model else {}
     return config.method.build(
         loss_fn,
         coder,

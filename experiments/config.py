@@ -263,7 +263,7 @@ class ExperimentConfig:
         if not isinstance(self.coder, CoderConfig):
             raise TypeError(f"coder must be a CoderConfig, got {self.coder!r}")
         self.method.check_coder(self.coder)
-        if getattr(self.method, "one_shot", False):
+        if self.method.one_shot:
             if self.run.rounds != 1:
                 raise ValueError(
                     f"run.rounds must be 1 for {self.method.name}: it is one-shot (every client uploads "

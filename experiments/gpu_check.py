@@ -484,80 +484,31 @@ def run_preset(preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from experiments.algorithms import client_map, resolve_client_strategy
+    from experiments.algorithms import resolve_client_strategy
     from experiments.config import load_preset
-    from experiments.driver import prepare, stream_problems
-    from sidejax.fl import build_ensemble_evaluator, build_evaluator, run_rounds
-    from sidejax.keys import run_keys
-    from sidejax.models import count_params, init_params
 
     t_start = time.perf_counter()
     config = load_preset(preset)
-    one_shot = bool(getattr(config.method, "one_shot", False))
+    one_shot = config.method.one_shot
     config = config.override({**overrides, "run.rounds": 1 if one_shot else 2}, source="gpu_check")
-
-    t0 = time.perf_counter()
-    with synthetic_datasets() as replaced:
-        algorithm, spec, fed, (x_test, y_test), _ = prepare(config)
-    prepare_s = time.perf_counter() - t0
-    init_key, rounds_key = run_keys(config.run.seed)
-    num_clients = int(fed.num_examples.shape[0])
-    t0 = time.perf_counter()
-    try:  # jitted: op by op, the initialisations compile for seconds on a CPU
-        params = jax.jit(lambda key: init_params(key, spec))(init_key)
-        state0 = jax.jit(algorithm.init, static_argnums=2)(init_key, params, num_clients)
-        init_mode = "jit"
-    except Exception:  # an initialisation that does not trace runs as the driver runs it
-        params = init_params(init_key, spec)
-        state0 = algorithm.init(init_key, params, num_clients)
-        init_mode = "eager"
-    state0 = jax.block_until_ready(state0)
-    init_s = time.perf_counter() - t0
-    num_params = count_params(params)
+    run, times = _preset_rounds(config)
+    fed, (x_test, _) = run["fed"], run["test"]
     sizes = np.asarray(fed.num_examples)
-
-    cmap = client_map(config)
-    t0 = time.perf_counter()
-    state1, info1 = jax.block_until_ready(run_rounds(algorithm, rounds_key, state0, fed, 1, client_map=cmap))
-    first_s = time.perf_counter() - t0
-    start = state0 if one_shot else state1  # a one-shot method has no round 2: its round again
-    t0 = time.perf_counter()
-    state2, info2 = jax.block_until_ready(run_rounds(algorithm, rounds_key, start, fed, 1, client_map=cmap))
-    steady_s = time.perf_counter() - t0
-    rounds_stats = _memory_stats(jax.devices()[0])
-
-    eval_s, eval_note = None, None
-    if algorithm.eval_axis in (None, "sample"):
-        build = build_evaluator if algorithm.eval_axis is None else build_ensemble_evaluator
-        evaluate = jax.jit(build(spec.module.apply, batch_size=config.run.eval_batch_size))
-        t0 = time.perf_counter()
-        jax.block_until_ready(evaluate(algorithm.eval_params(state2), x_test, y_test))
-        eval_s = time.perf_counter() - t0
-    else:
-        eval_note = f"eval_axis {algorithm.eval_axis!r}: not evaluated"
-
-    infos = (info1, info2)
-    finite = all(
-        bool(np.all(np.asarray(i.clients.finite)) and np.all(np.asarray(i.server_finite))) for i in infos
-    )
-    problems = [stream_problems(i) for i in infos]
-    streams_valid = all(p is None for p in problems)
-    stream_note = "; ".join(f"round {r}: {what}" for r, what in filter(None, problems)) or None
-    up = [np.asarray(i.uplink_bits, np.float64) for i in infos]
-    down = [np.asarray(i.downlink_bits, np.float64) for i in infos]
+    eval_s = _time_evaluation(config, run)
     stats = _memory_stats(jax.devices()[0])
     peak = stats.get("peak_bytes_in_use") if stats else None
+    rounds_stats = run["rounds_stats"]
     entry = {
         "preset": preset,
         "algorithm": config.algorithm,
         "one_shot": one_shot,
         "data": {
             "dataset": config.data.dataset,
-            "synthetic": bool(replaced),
+            "synthetic": bool(run["replaced"]),
             "train_shape": list(np.shape(fed.x)),
             "test_shape": list(np.shape(x_test)),
             "num_classes": int(np.asarray(fed.y).max()) + 1,
-            "num_clients": num_clients,
+            "num_clients": int(sizes.shape[0]),
             "clients_per_round": config.clients_per_round,
             "examples_per_client": {
                 "min": int(sizes.min()),
@@ -567,23 +518,14 @@ def run_preset(preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "partition": config.data.partition,
         },
         "model": config.data.model,
-        "num_params": int(num_params),
+        "num_params": int(run["num_params"]),
         "client_strategy": resolve_client_strategy(config),
-        "prepare_s": prepare_s,
-        "init_s": init_s,
-        "init_mode": init_mode,
-        "compile_and_first_round_s": first_s,
-        "steady_round_s": steady_s,
+        **times,
         "steady_round": "round 1 again from the initial state (one-shot)" if one_shot else "round 2",
         "eval_s": eval_s,
-        "eval_note": eval_note,
-        "uplink_bits": [float(u.sum()) for u in up],
-        "downlink_bits": [float(d.sum()) for d in down],
-        "uplink_bpp": [float(u.mean() / num_params) for u in up],
-        "downlink_bpp": [float(d.mean() / num_params) for d in down],
-        "finite": finite,
-        "streams_valid": streams_valid,
-        "stream_problems": stream_note,
+        # every method declares its evaluation (MethodConfig.evaluation), and the global model's is timed
+        "eval_note": None,
+        **_round_facts(run["infos"], run["num_params"]),
         "backend": jax.default_backend(),
         "peak_bytes_in_use": int(peak) if peak is not None else None,
         "peak_bytes_in_use_rounds": int(rounds_stats["peak_bytes_in_use"])
@@ -597,6 +539,98 @@ def run_preset(preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t_start,
     }
     return entry
+
+
+def _preset_rounds(config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Prepares ``config`` on synthetic data (the driver's :func:`experiments.driver.prepare`), initialises
+    it (jitted where it traces) and runs its round 1 and its steady round (round 2, or for a one-shot method
+    round 1 again from the initial state). Returns what the report needs and the timings, in the report's
+    order (``prepare_s``, ``init_s``, ``init_mode``, ``compile_and_first_round_s``, ``steady_round_s``)."""
+    import jax
+
+    from experiments.algorithms import client_map
+    from experiments.driver import prepare
+    from sidejax.fl import run_rounds
+    from sidejax.keys import run_keys
+    from sidejax.models import count_params, init_params
+
+    t0 = time.perf_counter()
+    with synthetic_datasets() as replaced:
+        algorithm, spec, fed, test, _ = prepare(config)
+    times: dict[str, Any] = {"prepare_s": time.perf_counter() - t0}
+    init_key, rounds_key = run_keys(config.run.seed)
+    num_clients = int(fed.num_examples.shape[0])
+    t0 = time.perf_counter()
+    try:  # jitted: op by op, the initialisations compile for seconds on a CPU
+        params = jax.jit(lambda key: init_params(key, spec))(init_key)
+        state0 = jax.jit(algorithm.init, static_argnums=2)(init_key, params, num_clients)
+        init_mode = "jit"
+    except Exception:  # an initialisation that does not trace runs as the driver runs it
+        params = init_params(init_key, spec)
+        state0 = algorithm.init(init_key, params, num_clients)
+        init_mode = "eager"
+    state0 = jax.block_until_ready(state0)
+    times.update(init_s=time.perf_counter() - t0, init_mode=init_mode)
+
+    cmap = client_map(config)
+    t0 = time.perf_counter()
+    state1, info1 = jax.block_until_ready(run_rounds(algorithm, rounds_key, state0, fed, 1, client_map=cmap))
+    times["compile_and_first_round_s"] = time.perf_counter() - t0
+    start = state0 if config.method.one_shot else state1  # a one-shot method has no round 2: its round again
+    t0 = time.perf_counter()
+    state2, info2 = jax.block_until_ready(run_rounds(algorithm, rounds_key, start, fed, 1, client_map=cmap))
+    times["steady_round_s"] = time.perf_counter() - t0
+    run = {
+        "algorithm": algorithm,
+        "spec": spec,
+        "fed": fed,
+        "test": test,
+        "replaced": replaced,
+        "num_params": count_params(params),
+        "state": state2,
+        "infos": (info1, info2),
+        "rounds_stats": _memory_stats(jax.devices()[0]),
+    }
+    return run, times
+
+
+def _time_evaluation(config, run: dict[str, Any]) -> float:
+    """Seconds of the first evaluation (with its compilation) of the global model after the steady round,
+    with the evaluator the method declares (:data:`experiments.driver.EVALUATIONS`)."""
+    import jax
+
+    from experiments.driver import EVALUATIONS
+
+    algorithm = run["algorithm"]
+    build = EVALUATIONS[config.method.evaluation].build
+    evaluate = jax.jit(build(run["spec"].module.apply, batch_size=config.run.eval_batch_size))
+    t0 = time.perf_counter()
+    jax.block_until_ready(evaluate(algorithm.eval_params(run["state"]), *run["test"]))
+    return time.perf_counter() - t0
+
+
+def _round_facts(infos, num_params: int) -> dict[str, Any]:
+    """The bits per round and the checks of the rounds' flags (``finite``, ``streams_valid``,
+    ``stream_problems``), as the report has them."""
+    import numpy as np
+
+    from experiments.driver import stream_problems
+
+    finite = all(
+        bool(np.all(np.asarray(i.clients.finite)) and np.all(np.asarray(i.server_finite))) for i in infos
+    )
+    problems = [stream_problems(i) for i in infos]
+    up = [np.asarray(i.uplink_bits, np.float64) for i in infos]
+    down = [np.asarray(i.downlink_bits, np.float64) for i in infos]
+    return {
+        "uplink_bits": [float(u.sum()) for u in up],
+        "downlink_bits": [float(d.sum()) for d in down],
+        "uplink_bpp": [float(u.mean() / num_params) for u in up],
+        "downlink_bpp": [float(d.mean() / num_params) for d in down],
+        "finite": finite,
+        "streams_valid": all(p is None for p in problems),
+        "stream_problems": "; ".join(f"round {r}: {what}" for r, what in filter(None, problems)) or None,
+    }
 
 
 def run_bench_synthetic(name: str, argv: list[str]) -> None:

@@ -126,6 +126,10 @@ class MethodConfig(Section):
     names it accepts), :attr:`default_coder`, :attr:`coder_defaults` (a coder's fields as tuned for this
     method: a coder section the user starts for this method starts from them) and :attr:`run_defaults`
     (``[run]`` values of a configuration made from defaults, :func:`experiments.config.default_config`).
+
+    Capabilities, declared (read directly by the configuration, the driver and the checks; a method
+    overrides the ones that differ): :attr:`one_shot`, :attr:`needs_model`, :attr:`evaluation`, and the
+    hook :meth:`check_data`.
     """
 
     table: ClassVar[str] = "method"
@@ -134,6 +138,22 @@ class MethodConfig(Section):
     default_coder: ClassVar[str]
     coder_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     run_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: the method runs exactly one round, with every client (:class:`experiments.config.ExperimentConfig`
+    #: refuses other ``run.rounds`` and participations): BPC-FL
+    one_shot: ClassVar[bool] = False
+    #: :meth:`build` also takes ``model``, an :class:`experiments.algorithms.ModelContext` (the network's
+    #: initialiser, one example's input shape, the number of classes): BPC-FL
+    needs_model: ClassVar[bool] = False
+    #: how the driver evaluates the algorithm (:data:`experiments.driver_eval.EVALUATIONS`): ``"model"``
+    #: (``eval_params`` is one model, tested on the common test set), ``"ensemble"`` (``eval_params`` has a
+    #: leading sample axis: the samples' predictive average; BPC-FL) or ``"personal"`` (the global model on
+    #: the common test set, and ``personal_params``, one model per client, each on its client's own test
+    #: set; pFedBayes). The driver checks the built algorithm against it.
+    evaluation: ClassVar[str] = "model"
+
+    def check_data(self, client_sizes) -> None:
+        """Called with every client's number of training examples before anything is built or run; raises
+        ``ValueError`` for a federation the method cannot train on (default: accepts any)."""
 
     def check_coder(self, coder: CoderConfig) -> None:
         """Raises ``ValueError`` if this method cannot send its messages with ``coder``."""
@@ -640,6 +660,7 @@ class PFedBayesConfig(MethodConfig):
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
     run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
+    evaluation: ClassVar[str] = "personal"
 
     zeta: float = 10.0
     local_iters: int = 20
@@ -1060,10 +1081,10 @@ class BPCFLConfig(MethodConfig):
     coders: ClassVar[tuple[str, ...]] = ("pseudocoreset",)
     default_coder: ClassVar[str] = "pseudocoreset"
     run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
-    #: the method runs exactly one round with every client (experiments.config checks it)
     one_shot: ClassVar[bool] = True
-    #: build() needs the model's initialiser, input shape and number of classes
     needs_model: ClassVar[bool] = True
+    #: the server's posterior samples (one, the MAP estimate, with sgd/adam inference)
+    evaluation: ClassVar[str] = "ensemble"
 
     num_points: int = 5
     prior_precision: float = 0.1

@@ -218,6 +218,13 @@ def build_parser(focus: dict[str, str] | None = None) -> argparse.ArgumentParser
     run.add_argument("--overwrite", action="store_true", help="replace a run already in the output folder")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--quiet", action="store_true", help="no per-round table")
+    _add_table_flags(p, focus)
+    return p
+
+
+def _add_table_flags(p: argparse.ArgumentParser, focus: dict[str, str] | None) -> None:
+    """One group of ``--TABLE.FIELD`` flags per table (with ``--method.name``/``--coder.name``); a method's
+    or coder's field outside ``focus`` parses but is hidden from ``--help``."""
     docs = field_docs()
     for table, title in _TABLE_TITLES.items():
         group = p.add_argument_group(title)
@@ -232,33 +239,40 @@ def build_parser(focus: dict[str, str] | None = None) -> argparse.ArgumentParser
                 help=f"the {table}: {', '.join(registry)}",
             )
         for name, owners in _owners_of(table).items():
-            kinds = [field_type(cls, name) for cls in owners.values()]
-            bases, choices = {b for b, _ in kinds}, [cls.choices(name) for cls in owners.values()]
-            assert len(bases) == 1, f"{table}.{name} has different types in its owners"
-            assert len({bool(c) for c in choices}) == 1, f"{table}.{name} is a choice in some owners only"
-            # the union of the owners' choices (e.g. client_optimizer: the mask methods also take
-            # "mirror"); the chosen section checks its own
-            choice = tuple(dict.fromkeys(c for cs in choices if cs for c in cs)) or choices[0]
-            (base,), optional = bases, any(o for _, o in kinds)
-            owner_names = {k: v for k, v in owners.items() if k} or owners
             hidden = focus is not None and table in ("method", "coder") and focus.get(table) not in owners
-            text = docs[f"{table}.{name}"]
-            if choice and not all(c in text for c in choice):
-                text = f"{text.rstrip('.')}: {', '.join(choice)}"
-            group.add_argument(
-                f"--{table}.{name}",
-                dest=f"{table}.{name}",
-                type=str.lower if choice else _value_parser(base, optional),
-                choices=choice,
-                metavar="{true,false}" if base is bool else "NAME" if choice else base.__name__.upper(),
-                default=argparse.SUPPRESS,
-                help=argparse.SUPPRESS
-                if hidden
-                else _flag_help(table, name, owner_names, text)
-                if table in ("method", "coder")
-                else (f"{text.rstrip('.')} (default {_fmt(next(iter(owners.values())).defaults()[name])})"),
-            )
-    return p
+            _add_field_flag(group, table, name, owners, docs[f"{table}.{name}"], hidden=hidden)
+
+
+def _add_field_flag(
+    group, table: str, name: str, owners: dict[str, type[Section]], doc: str, *, hidden: bool
+):
+    """The flag ``--TABLE.NAME`` of a field that ``owners`` (the methods or coders that have it) share: its
+    type, its choices (the union of the owners'), and its help (``doc``, the owners and their defaults)."""
+    kinds = [field_type(cls, name) for cls in owners.values()]
+    bases, choices = {b for b, _ in kinds}, [cls.choices(name) for cls in owners.values()]
+    assert len(bases) == 1, f"{table}.{name} has different types in its owners"
+    assert len({bool(c) for c in choices}) == 1, f"{table}.{name} is a choice in some owners only"
+    # the union of the owners' choices (e.g. client_optimizer: the mask methods also take
+    # "mirror"); the chosen section checks its own
+    choice = tuple(dict.fromkeys(c for cs in choices if cs for c in cs)) or choices[0]
+    (base,), optional = bases, any(o for _, o in kinds)
+    owner_names = {k: v for k, v in owners.items() if k} or owners
+    text = doc
+    if choice and not all(c in text for c in choice):
+        text = f"{text.rstrip('.')}: {', '.join(choice)}"
+    group.add_argument(
+        f"--{table}.{name}",
+        dest=f"{table}.{name}",
+        type=str.lower if choice else _value_parser(base, optional),
+        choices=choice,
+        metavar="{true,false}" if base is bool else "NAME" if choice else base.__name__.upper(),
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS
+        if hidden
+        else _flag_help(table, name, owner_names, text)
+        if table in ("method", "coder")
+        else (f"{text.rstrip('.')} (default {_fmt(next(iter(owners.values())).defaults()[name])})"),
+    )
 
 
 def _help_focus(argv: list[str]) -> dict[str, str]:

@@ -42,12 +42,12 @@ from experiments.driver import (
     PLOT_FILES,
     TABLE_HEADER,
     NonFiniteError,
-    _fmt_row,
     accuracy_figures,
     check_new_output,
     prepare,
     run_experiment,
 )
+from experiments.driver_records import format_row
 from experiments.mask_eval import evaluate_final_mask
 from experiments.methods import METHODS
 from experiments.run import build_parser, resolve
@@ -260,9 +260,9 @@ def _interrupted_at_write(monkeypatch, out, config, round_index, k):
     """Runs ``config`` into ``out``, raising KeyboardInterrupt at the ``k``-th ``os.replace`` of the
     checkpoint save of ``round_index`` (a power cut or Ctrl-C part-way through writing it). Returns False if
     that save makes fewer than ``k`` replacements (so the run completed)."""
-    import experiments.driver as driver
+    import experiments.driver_records as records
 
-    real_save, real_replace = driver.save_checkpoint, os.replace
+    real_save, real_replace = records.save_checkpoint, os.replace
     hit = {"calls": 0, "raised": False}
 
     def replace(src, dst):
@@ -280,7 +280,7 @@ def _interrupted_at_write(monkeypatch, out, config, round_index, k):
             real_save(directory, state, meta)
 
     with monkeypatch.context() as m:
-        m.setattr(driver, "save_checkpoint", save)
+        m.setattr(records, "save_checkpoint", save)
         try:
             run_experiment(config, out, progress=False, verbose=False)
         except KeyboardInterrupt:
@@ -450,9 +450,9 @@ def test_ctrl_c_prints_the_resume_command_and_exits_130(full_run, tmp_path, monk
     """Before: KeyboardInterrupt propagated as a traceback. The printed command continues the run exactly."""
     import shlex
 
-    import experiments.driver as driver
+    import experiments.driver_loop as driver_loop
 
-    real_run_rounds, calls = driver.run_rounds, []
+    real_run_rounds, calls = driver_loop.run_rounds, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -462,7 +462,7 @@ def test_ctrl_c_prints_the_resume_command_and_exits_130(full_run, tmp_path, monk
 
     run = tmp_path / "run"
     with monkeypatch.context() as m:
-        m.setattr(driver, "run_rounds", interrupted)
+        m.setattr(driver_loop, "run_rounds", interrupted)
         assert cli_main(["fedavg", *FLAGS, "--run.rounds", "4", "--output", str(run)]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and "round 2" in err
@@ -712,7 +712,8 @@ def test_client_side_invalid_klms_flag_stops_the_run_naming_the_client(tmp_path)
     (round-stacked diagnostics as ``run_rounds`` returns them, built by hand)."""
     from types import SimpleNamespace
 
-    from experiments.driver import InvalidStreamError, _check_streams
+    from experiments.driver import InvalidStreamError
+    from experiments.driver_loop import _check_streams
     from sidejax.coding import ERR_LENGTH
     from sidejax.fl import ClientInfo
 
@@ -1012,6 +1013,16 @@ PFEDME = {  # 10 clients x 5 labels x 20 digits: 25 train and 75 test examples e
 }
 
 
+def _as_personal(m: pytest.MonkeyPatch) -> None:
+    """Within ``m``, FedAvg is a personalized method: it declares ``evaluation = "personal"`` and its
+    algorithm broadcasts the global model to every client as its personal model."""
+    import experiments.driver as driver
+    from experiments.methods import FedAvgConfig
+
+    m.setattr(FedAvgConfig, "evaluation", "personal")
+    m.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
+
+
 def _with_personal(build):
     """``build`` (build_algorithm), with the global model broadcast to every client as its personal model."""
 
@@ -1031,12 +1042,10 @@ def _with_personal(build):
 def personal_run(tmp_path_factory):
     """FedAvg with its global model as every client's personal model, on the pfedme split: 2 rounds, then
     resumed to 3. Returns the folder, the rows before the resume and the summary."""
-    import experiments.driver as driver
-
     out = tmp_path_factory.mktemp("personal")
     config = default_config("fedavg", **PFEDME)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
+        _as_personal(m)
         run_experiment(config.override({"run.rounds": 2}), out, progress=False, verbose=False)
         before = _rows(out)
         summary = run_experiment(config, out, resume=True, progress=False, verbose=False)
@@ -1138,13 +1147,46 @@ def test_a_plain_method_on_the_pfedme_split_tests_on_the_pooled_test_set(persona
 
 
 def test_a_personalized_method_needs_per_client_test_sets(tmp_path, monkeypatch):
-    import experiments.driver as driver
-
-    monkeypatch.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
+    _as_personal(monkeypatch)
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=r"personalized method.*'iid'.*data.partition = \"pfedme\""):
         run_experiment(small(), out, progress=False, verbose=False)
     assert not out.exists()  # refused before any file is written
+
+
+def test_every_method_declares_the_evaluation_its_algorithm_has():
+    """``MethodConfig.evaluation`` picks the driver's evaluator (``EVALUATIONS``); the built algorithm must
+    fit it: an ensemble's ``eval_params`` has a sample axis, a personalized method has ``personal_params``.
+    Only BPC-FL is one-shot and needs the model context; the pFedBayes family is personalized."""
+    from experiments.driver import EVALUATIONS
+
+    declared = {}
+    for name, cls in METHODS.items():
+        config = default_config(f"{name}+{cls.default_coder}", **{"data.num_clients": 4})
+        algorithm = prepare(config).algorithm
+        evaluation = EVALUATIONS[cls.evaluation]
+        assert algorithm.eval_axis == evaluation.eval_axis, name
+        assert (algorithm.personal_params is not None) == evaluation.personal, name
+        declared[name] = (cls.evaluation, cls.one_shot, cls.needs_model)
+    assert {n for n, (e, _, _) in declared.items() if e == "ensemble"} == {"bpcfl"}
+    assert {n for n, (e, _, _) in declared.items() if e == "personal"} == {
+        "pfedbayes",
+        "pfedbayes_subset",
+        "coreset_pfedbayes",
+    }
+    assert {n for n, (_, one_shot, needs_model) in declared.items() if one_shot or needs_model} == {"bpcfl"}
+
+
+def test_an_algorithm_that_does_not_fit_its_declared_evaluation_is_refused(tmp_path, monkeypatch):
+    """FedAvg declares one model; an algorithm built with personal models anyway is a bug in the method's
+    declaration, named before any file is written."""
+    import experiments.driver as driver
+
+    monkeypatch.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"declares evaluation 'model'.*FedAvgConfig.evaluation"):
+        run_experiment(default_config("fedavg", **PFEDME), out, progress=False, verbose=False)
+    assert not out.exists()
 
 
 def test_a_configuration_refused_when_traced_writes_no_run_folder(tmp_path):
@@ -1164,14 +1206,14 @@ def test_a_configuration_refused_when_traced_writes_no_run_folder(tmp_path):
 def test_the_round_table_shows_personal_accuracy():
     row = {"round": 3, "test_accuracy": 0.5, "train_loss": 1.0, "uplink_bpp": 32.0, "downlink_bpp": 32.0}
     row["cumulative_bits"] = 1e6
-    assert "50.00%" in _fmt_row(row) and _fmt_row(row).count("%") == 1
-    assert _fmt_row({**row, "personal_accuracy": 0.75}).count("%") == 2
-    assert "75.00%" in _fmt_row({**row, "personal_accuracy": 0.75})
-    assert _fmt_row({**row, "personal_accuracy": None}).startswith("    3 |    50.00% |         - |")
+    assert "50.00%" in format_row(row) and format_row(row).count("%") == 1
+    assert format_row({**row, "personal_accuracy": 0.75}).count("%") == 2
+    assert "75.00%" in format_row({**row, "personal_accuracy": 0.75})
+    assert format_row({**row, "personal_accuracy": None}).startswith("    3 |    50.00% |         - |")
     assert PERSONAL_TABLE_HEADER.count("|") == TABLE_HEADER.count("|") + 1
     # the columns line up under the header
     header_bars = [i for i, c in enumerate(PERSONAL_TABLE_HEADER) if c == "|"]
-    row_bars = [i for i, c in enumerate(_fmt_row({**row, "personal_accuracy": 0.75})) if c == "|"]
+    row_bars = [i for i, c in enumerate(format_row({**row, "personal_accuracy": 0.75})) if c == "|"]
     assert row_bars == header_bars
 
 

@@ -149,7 +149,7 @@ def test_the_default_tests_and_presets_exist_and_load():
         assert (ROOT / path).is_file(), path
     for check in (*gpu_check.PAPER_PRESETS, *gpu_check.QUICK_PRESETS):
         config = load_preset(check.preset)
-        rounds = 1 if getattr(config.method, "one_shot", False) else 2
+        rounds = 1 if config.method.one_shot else 2
         config.override({**check.overrides, "run.rounds": rounds})  # raises on a stale override
         assert gpu_check._paper_of(check.preset) == check.paper
     assert [c.paper for c in gpu_check.PAPER_PRESETS] == list(PAPERS)

@@ -1,0 +1,221 @@
+"""The round loop of a run: its initial state, chunks of ``run.eval_every`` jitted rounds
+(:func:`sidejax.fl.run_rounds`), the checks of each chunk's flags before its state is accepted (NaN/inf,
+invalid streams), its evaluation and its records, until ``run.rounds`` (or ``run.stop_at_accuracy``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from experiments import distributed
+from experiments.algorithms import client_map
+from experiments.config import ExperimentConfig
+from experiments.driver_eval import Evaluator
+from experiments.driver_records import (
+    PERSONAL_TABLE_HEADER,
+    TABLE_HEADER,
+    Records,
+    algorithm_metrics,
+    format_row,
+    load_init_params,
+)
+from sidejax.coding import stream_errors
+from sidejax.fl import build_round_step, gather_to_host, run_rounds
+from sidejax.keys import round_key, run_keys
+from sidejax.models import count_params, init_params
+
+__all__ = [
+    "NonFiniteError",
+    "InvalidStreamError",
+    "Rounds",
+    "stream_problems",
+    "start_rounds",
+    "host_view",
+    "lost_process",
+    "run_chunks",
+]
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised when a loss or a parameter becomes NaN/inf; names the first round and clients affected."""
+
+
+class InvalidStreamError(RuntimeError):
+    """Raised when the server found a client's KLMS stream malformed; names the first round and clients."""
+
+
+def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
+    client_ok = np.asarray(infos.clients.finite)
+    server_ok = np.asarray(infos.server_finite)
+    if client_ok.all() and server_ok.all():
+        return
+    bad_rounds = np.flatnonzero(~(client_ok.all(axis=1) & server_ok))
+    r = int(bad_rounds[0])
+    round_index = int(np.asarray(infos.round_index)[r])
+    clients = np.asarray(infos.client_ids)[r][~client_ok[r]].tolist()
+    where = f"client(s) {clients}" if clients else "the server update"
+    raise NonFiniteError(
+        f"non-finite loss or parameters first appeared in round {round_index}, in {where}. "
+        f"The last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. Lower the learning "
+        f"rate or check the data, and start the run again with --overwrite (or another --output): --resume "
+        f"would repeat the same rounds with the same configuration and keys, and meet the same NaN."
+    )
+
+
+def stream_problems(infos) -> tuple[int, str] | None:
+    """The first round of a chunk in which a stream was invalid, and what was wrong, or ``None``: a client's
+    coder reported an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), the
+    server's decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's
+    reasons), or a client could not decode its downlink (``ClientInfo.downlink_errors``). Returns
+    ``(round_index, "client 3: ...; client 7: ...")``."""
+    shape = np.shape(infos.client_ids)
+    client_ok = np.asarray(infos.clients.valid).reshape(shape)
+    errors = np.asarray(infos.uplink_errors).reshape(shape)
+    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
+    bad = ~client_ok | (errors != 0) | (down != 0)
+    if not bad.any():
+        return None
+    r = int(np.flatnonzero(bad.any(axis=1))[0])
+    ids = np.asarray(infos.client_ids)[r]
+    details = []
+    for i in np.flatnonzero(bad[r]):
+        reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] and not down[r, i] else []
+        reasons += stream_errors(errors[r, i])
+        reasons += [f"its downlink: {e}" for e in stream_errors(down[r, i])]
+        details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
+    return int(np.asarray(infos.round_index)[r]), "; ".join(details)
+
+
+def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
+    """Stops the run at the first round in which a stream was invalid (like NaN; see
+    :func:`stream_problems`)."""
+    problem = stream_problems(infos)
+    if problem is None:
+        return
+    round_index, details = problem
+    raise InvalidStreamError(
+        f"an invalid stream in round {round_index} ({details}). Nothing from that round was kept: "
+        f"the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
+        f"corrupted input, not a tuning problem: please report it."
+    )
+
+
+def _warn_divergences(own: dict[str, np.ndarray], done: int, config: ExperimentConfig) -> None:
+    """Reports, on stderr, every round in which a sampler's ``*_divergent`` metric (BPC-FL's HMC) counted
+    divergent transitions: their proposals were rejected and the posterior samples are unreliable."""
+    for name, values in own.items():
+        if not name.endswith("_divergent"):
+            continue
+        for s, count in enumerate(np.asarray(values)):
+            if np.isfinite(count) and count > 0:
+                print(
+                    f"warning: round {done + s + 1}: {int(count)} divergent transitions ({name}); the "
+                    f"samples are unreliable: lower the step size (e.g. method.hmc_step_size, now "
+                    f"{getattr(config.method, 'hmc_step_size', '?')}) or the inverse mass",
+                    file=sys.stderr,
+                )
+
+
+class Rounds(NamedTuple):
+    """What the rounds run: the algorithm (:class:`sidejax.fl.Algorithm`) on the clients' data ``fed``, with
+    the run's round keys (``run_keys(seed)[1]``) and client map
+    (:func:`experiments.algorithms.client_map`)."""
+
+    algorithm: Any
+    fed: Any
+    rounds_key: jax.Array
+    client_map: Any
+
+
+def start_rounds(config: ExperimentConfig, prepared) -> tuple[Any, int, Rounds]:
+    """The run's initial ``RoundState`` (from ``run.init_from``'s final model if set, e.g. BPC-FL's MAP
+    estimate as FedAvg's start, docs/papers/bpcfl.md#a6), its number of parameters and its :class:`Rounds`.
+
+    One round is traced (shapes only, nothing compiled or run) before anything is written: a configuration
+    the algorithm refuses at trace time (e.g. a coreset larger than a client's data) fails here, not after
+    the run folder exists."""
+    algorithm, fed = prepared.algorithm, prepared.fed
+    init_key, rounds_key = run_keys(config.run.seed)
+    params = init_params(init_key, prepared.spec)
+    if config.run.init_from:
+        params, _ = load_init_params(config.run.init_from, params)
+    num_params = count_params(params)
+    state = algorithm.init(init_key, params, int(fed.num_examples.shape[0]))
+    cmap = client_map(config)
+    jax.eval_shape(build_round_step(algorithm, client_map=cmap), round_key(rounds_key, 0), state, fed)
+    return state, num_params, Rounds(algorithm, fed, rounds_key, cmap)
+
+
+def host_view(config: ExperimentConfig, tree):
+    """``tree`` whole on the host: on a mesh of several processes each holds its own devices' shares, and
+    this gathers them (a collective); one process sees every share already."""
+    return gather_to_host(tree) if config.run.processes > 1 else tree
+
+
+def lost_process(config: ExperimentConfig, records: Records):
+    """Within it, several processes: a collective that fails (another process died) stops this one with a
+    clear error saying where the last checkpoint is (:func:`experiments.distributed.lost_process_error`)."""
+    return distributed.lost_process_error(
+        config.run,
+        lambda: (
+            f"the last checkpoint in {records.out} is at round {records.done}; start every process again "
+            f"with --resume (the same --run.processes and --run.devices) to continue"
+        ),
+    )
+
+
+def run_chunks(
+    config: ExperimentConfig,
+    rounds: Rounds,
+    state,
+    evaluator: Evaluator,
+    records: Records,
+    *,
+    progress: bool,
+    verbose: bool,
+):
+    """Runs the rounds from ``records.done`` to ``run.rounds`` in chunks of ``run.eval_every``; returns the
+    last state. Each chunk's flags are checked before its state is accepted or checkpointed (the last good
+    state stays on disk): NaN/inf (:class:`NonFiniteError`), then the coders' input flags and the server's
+    stream errors (:class:`InvalidStreamError`). Then the state is evaluated after the chunk's last round
+    and recorded (:meth:`experiments.driver_records.Records.record`); ``run.stop_at_accuracy`` ends the run
+    early. ``progress``: a tqdm bar; ``verbose``: the per-round table."""
+    from tqdm.auto import tqdm
+
+    target, stop_at = config.run.rounds, config.run.stop_at_accuracy
+    if verbose:
+        print(
+            f"{config.algorithm} on {config.data.dataset}/{config.data.model}: {records.num_params:,} "
+            f"parameters, {config.data.num_clients} clients ({config.clients_per_round} per round), "
+            f"output {records.out}"
+        )
+        print(PERSONAL_TABLE_HEADER if evaluator.evaluation.personal else TABLE_HEADER)
+    bar = tqdm(total=target, initial=records.done, disable=not progress, unit="round", leave=False)
+    while records.done < target:
+        done = records.done
+        chunk = min(config.run.eval_every, target - done)
+        new_state, infos = run_rounds(
+            rounds.algorithm, rounds.rounds_key, state, rounds.fed, chunk, client_map=rounds.client_map
+        )
+        _check_finite(infos, records.ckpt_dir, done)
+        _check_streams(infos, records.ckpt_dir, done)
+        state = new_state
+        view = host_view(config, state)
+        scores = evaluator(view)
+        own = algorithm_metrics(rounds.algorithm, infos, records.num_params)
+        _warn_divergences(own, done, config)
+        new_rows = records.record(view, infos, own, scores)
+        if verbose:
+            for r in new_rows:
+                bar.write(format_row(r))
+        bar.update(chunk)
+        if stop_at is not None and scores["test_accuracy"] >= stop_at:
+            if verbose:
+                bar.write(f"reached run.stop_at_accuracy={stop_at} at round {records.done}")
+            break
+    bar.close()
+    return state
