@@ -66,7 +66,7 @@ class DriverRunner:
         return load_preset(name)
 
     def with_rounds(self, config, rounds: int):
-        if getattr(config.method, "one_shot", False):  # a one-shot method keeps its 1 round
+        if config.method.one_shot:  # a one-shot method keeps its 1 round
             return config
         return config.override({"run.rounds": rounds}, source="--rounds")
 
