@@ -422,6 +422,26 @@ def _build(
         raise ValueError(f"{source}: {e}") from None
 
 
+def _upgrade_noise_levels(given: dict[str, dict[str, Any]], source: str) -> None:
+    """A CEPAM config written before the noise level had one home (``[method] noise_levels``, a
+    comma-separated string, beside ``[coder] level``): the levels move to ``[coder] level``, a list."""
+    text = given["method"].pop("noise_levels", None)
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return
+    coder = given["coder"].get("name", METHODS["cepam"].default_coder)
+    try:
+        levels = [float(v) for v in text.split(",")]
+    except (AttributeError, ValueError):
+        levels = None
+    if levels is None or coder not in ("lrsuq", "noise"):
+        raise ValueError(
+            f"{source}: [method] noise_levels {text!r} is no longer a field: the per-client noise levels are "
+            f"[coder] level, a list (lrsuq and noise coders); write them there "
+            f"(--coder.level 0.05 0.1 0.2) and remove noise_levels"
+        )
+    given["coder"]["level"] = levels
+
+
 def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> ExperimentConfig:
     """The config of nested tables (a preset's TOML, ``config.json``), every key and type checked.
 
@@ -450,6 +470,8 @@ def config_from_dict(values: Mapping[str, Any], *, source: str = "config") -> Ex
         if not isinstance(values.get(table, {}), Mapping):
             raise ValueError(f"{source}: {table!r} must be a table, got {values[table]!r}")
     given = {table: dict(values.get(table, {})) for table in TABLES}
+    if given["method"].get("name") == "cepam":
+        _upgrade_noise_levels(given, source)
     if "name" not in given["method"]:
         raise ValueError(f"{source}: [method] needs a name; valid names: {', '.join(METHODS)}")
     method_name = given["method"].pop("name")
@@ -515,6 +537,8 @@ def preset_description(name: str) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
