@@ -263,13 +263,15 @@ class MechanismConfig(CoderConfig):
     gamma: float = 1.0
     clip: str = choice("normalise", _CLIP_MODES)
 
+    limits: ClassVar = {
+        "in (0, inf)": "level",
+        "> 0": "gamma",
+        ">= 0": "sdq_step",
+        "in [4, 96]": "capacity_bits_per_coordinate",
+    }
+
     def check(self) -> None:
-        self.require(
-            len(self.level) >= 1 and all(0 < v < float("inf") for v in self.level),
-            "level",
-            "must be one or more finite numbers > 0 (sigma or b)",
-        )
-        self.require(self.gamma > 0, "gamma", "must be > 0")
+        self.require(len(self.level) >= 1, "level", "needs one value or more (sigma or b)")
 
     def client_levels(self, num_clients: int) -> list[float] | None:
         """Every client's level when :attr:`level` has several (``None`` for one: the coder's own level)."""
@@ -302,9 +304,6 @@ class LRSUQCoderConfig(MechanismConfig):
         self.require(
             self.noise == "gauss" or self.lattice == "z1", "lattice", "must be z1 for laplace noise (n = 1)"
         )
-        self.require(
-            4 <= self.capacity_bits_per_coordinate <= 96, "capacity_bits_per_coordinate", "must be in [4, 96]"
-        )
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         inner = lrsuq_coder(
@@ -327,10 +326,6 @@ class NoiseCoderConfig(MechanismConfig):
     name: ClassVar[str] = "noise"
     sdq_step: float = 0.0
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.sdq_step >= 0, "sdq_step", "must be >= 0 (0: float32)")
-
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         inner = sdq_coder(integer_lattice(1, self.sdq_step)) if self.sdq_step > 0 else None
         return clip_update(
@@ -350,12 +345,7 @@ class SDQCoderConfig(CoderConfig):
     name: ClassVar[str] = "sdq"
     step: float = 1e-3
     capacity_bits_per_coordinate: int = 16
-
-    def check(self) -> None:
-        self.require(self.step > 0, "step", "must be > 0")
-        self.require(
-            4 <= self.capacity_bits_per_coordinate <= 96, "capacity_bits_per_coordinate", "must be in [4, 96]"
-        )
+    limits: ClassVar = {"> 0": "step", "in [4, 96]": "capacity_bits_per_coordinate"}
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         return sdq_coder(

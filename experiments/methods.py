@@ -216,6 +216,8 @@ class LocalTrainingConfig(MethodConfig):
       client_lr: local learning rate.
     """
 
+    limits: ClassVar = {">= 1": "local_epochs local_steps batch_size", "> 0": "client_lr server_lr"}
+
     client_optimizer: str = choice("momentum", OPTIMIZERS)
     client_lr: float = 0.05
 
@@ -225,11 +227,6 @@ class LocalTrainingConfig(MethodConfig):
                 f"{self.label()}: give one of local_epochs and local_steps (the other unset); got "
                 f"local_epochs={self.local_epochs!r}, local_steps={self.local_steps!r}"
             )
-        for name in ("local_epochs", "local_steps"):
-            value = getattr(self, name)
-            self.require(value is None or value >= 1, name, "must be >= 1")
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.client_lr > 0, "client_lr", "must be > 0")
 
     @classmethod
     def merge(cls, base: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -265,10 +262,6 @@ class FedAvgConfig(LocalTrainingConfig):
 
     server_optimizer: str = choice("none", ("none", *OPTIMIZERS))
     server_lr: float | None = None
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr is None or self.server_lr > 0, "server_lr", "must be > 0")
 
     def algorithm(self, b: Build) -> Algorithm:
         server = None
@@ -315,16 +308,11 @@ class QSGDConfig(LocalTrainingConfig):
     coders: ClassVar[tuple[str, ...]] = ("elias", "klms")
     default_coder: ClassVar[str] = "elias"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
+    limits: ClassVar = {">= 1": "levels", "in (0, 1]": "prior_smoothing"}
 
     server_lr: float = 1.0
     levels: int = 1
     prior_smoothing: float = 1.0
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-        self.require(self.levels >= 1, "levels", "must be >= 1")
-        self.require(0 < self.prior_smoothing <= 1, "prior_smoothing", "must be in (0, 1]")
 
     def check_coder(self, coder: CoderConfig) -> None:
         super().check_coder(coder)
@@ -361,14 +349,11 @@ class SignSGDConfig(LocalTrainingConfig):
     default_coder: ClassVar[str] = "signs"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
 
+    limits: ClassVar = {"> 0": "temperature"}
+
     server_lr: float = 0.02
     temperature: float = 20.0
     stochastic: bool = True
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-        self.require(self.temperature > 0, "temperature", "must be > 0")
 
     def algorithm(self, b: Build) -> Algorithm:
         return signsgd(
@@ -391,11 +376,7 @@ class LangevinConfig(MethodConfig):
     rounds); demo_digits_{qlsd,sgld_klms} use 1e-4."""
 
     run_defaults: ClassVar = {"rounds": 200, "eval_every": 20}
-
-    def check(self) -> None:
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.step_size > 0, "step_size", "must be > 0")
-        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+    limits: ClassVar = {">= 1": "batch_size levels", "> 0": "step_size", ">= 0": "weight_decay"}
 
     def _langevin(self, b: Build) -> dict[str, Any]:
         return dict(
@@ -419,10 +400,6 @@ class QLSDConfig(LangevinConfig):
     default_coder: ClassVar[str] = "elias"
 
     levels: int = 5
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.levels >= 1, "levels", "must be >= 1")
 
     def algorithm(self, b: Build) -> Algorithm:
         return qlsd(b.loss_fn, levels=self.levels, coder=b.coder, **self._langevin(b))
@@ -467,10 +444,6 @@ class ErrorFeedbackConfig(LocalTrainingConfig):
     client_lr: float = 3e-4
     server_lr: float = 0.1
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-
     def _common(self, b: Build) -> dict[str, Any]:
         return dict(server_lr=self.server_lr, coder=b.coder, **self._local(b.clients_per_round))
 
@@ -510,11 +483,9 @@ class NeolithicConfig(ErrorFeedbackConfig):
     name: ClassVar[str] = "neolithic"
     full_participation: ClassVar = _BROADCASTS
 
-    compress_rounds: int = 2
+    limits: ClassVar = {">= 1": "compress_rounds"}
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.compress_rounds >= 1, "compress_rounds", "must be >= 1")
+    compress_rounds: int = 2
 
     def algorithm(self, b: Build) -> Algorithm:
         return neolithic(b.loss_fn, compress_rounds=self.compress_rounds, **self._common(b))
@@ -531,11 +502,9 @@ class CSERConfig(ErrorFeedbackConfig):
 
     name: ClassVar[str] = "cser"
 
-    period: int = 50
+    limits: ClassVar = {">= 1": "period"}
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.period >= 1, "period", "must be >= 1")
+    period: int = 50
 
     def algorithm(self, b: Build) -> Algorithm:
         return cser(b.loss_fn, period=self.period, **self._common(b))
@@ -565,18 +534,13 @@ class CepamConfig(MethodConfig):
     coders: ClassVar[tuple[str, ...]] = ("lrsuq", "noise", "sdq", "float32")
     default_coder: ClassVar[str] = "lrsuq"
     run_defaults: ClassVar = {"rounds": 80, "eval_every": 5}
+    limits: ClassVar = {">= 1": "local_steps batch_size", "> 0": "client_lr", "in [0, 1)": "momentum"}
 
     local_steps: int = 15
     batch_size: int = 1
     client_lr: float = 0.01
     momentum: float = 0.9
     persistent_momentum: bool = True
-
-    def check(self) -> None:
-        self.require(self.local_steps >= 1, "local_steps", "must be >= 1")
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.client_lr > 0, "client_lr", "must be > 0")
-        self.require(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
 
     def algorithm(self, b: Build) -> Algorithm:
         mechanism = isinstance(b.coder_config, MechanismConfig)
@@ -615,16 +579,14 @@ class PFedBayesConfig(MethodConfig):
     default_coder: ClassVar[str] = "float32"
     run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
     evaluation: ClassVar[str] = "personal"
+    limits: ClassVar = {
+        ">= 1": "local_iters personal_steps batch_size mc_samples subset_size",
+        "> 0": "zeta eps_std personal_lr global_lr init_weight_scale",
+        "in (0, 1]": "beta",
+    }
 
     personal_lr: float = 1e-3
     global_lr: float = 1e-3
-
-    def check(self) -> None:
-        for name in ("local_iters", "personal_steps", "batch_size", "mc_samples"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("zeta", "eps_std", "personal_lr", "global_lr", "init_weight_scale"):
-            self.require(getattr(self, name) > 0, name, "must be > 0")
-        self.require(0 < self.beta <= 1, "beta", "must be in (0, 1]")
 
     def settings(self) -> PFedBayesSettings:
         """The library's :class:`sidejax.algorithms.pfedbayes.PFedBayesSettings` of this section."""
@@ -654,10 +616,6 @@ class PFedBayesSubsetConfig(PFedBayesConfig):
 
     subset_size: int = 500
     reweight: bool = False
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.subset_size >= 1, "subset_size", "must be >= 1")
 
     def algorithm(self, b: Build) -> Algorithm:
         return pfedbayes_subset(
@@ -697,19 +655,20 @@ class CoresetPFedBayesConfig(PFedBayesConfig):
 
     name: ClassVar[str] = "coreset_pfedbayes"
 
+    limits: ClassVar = {
+        ">= 1": "coreset_size coreset_every aiht_max_iter",
+        ">= 0": "aiht_tol",
+        "in (0, 1]": "aiht_step_scale",
+    }
+
     coreset_size: int = 500
 
     def check(self) -> None:
-        super().check()
-        for name in ("coreset_size", "coreset_every", "aiht_max_iter"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
         self.require(
             self.projection_samples is None or self.projection_samples > self.coreset_size,
             "projection_samples",
             "must exceed coreset_size (or be unset: max(100, 2 coreset_size))",
         )
-        self.require(self.aiht_tol >= 0, "aiht_tol", "must be >= 0")
-        self.require(0 < self.aiht_step_scale <= 1, "aiht_step_scale", "must be in (0, 1]")
 
     def algorithm(self, b: Build) -> Algorithm:
         return coreset_pfedbayes(
@@ -742,6 +701,7 @@ class BICompFLConfig(LocalTrainingConfig):
     coders: ClassVar[tuple[str, ...]] = ("klms", "klms_avg")
     default_coder: ClassVar[str] = "klms"
     coder_defaults: ClassVar = {"klms": _BICOMPFL_FIXED}
+    limits: ClassVar = {">= 1": "num_uplink_samples downlink_block_size num_downlink_samples"}
 
     local_epochs: int | None = 3
     batch_size: int = 128
@@ -749,10 +709,6 @@ class BICompFLConfig(LocalTrainingConfig):
     client_lr: float = 0.1
     estimator: str = choice("fedpm", ("fedpm", "ste"))
     num_uplink_samples: int = 1
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.num_uplink_samples >= 1, "num_uplink_samples", "must be >= 1")
 
     def _common(self, b: Build) -> dict[str, Any]:
         return dict(
@@ -795,18 +751,11 @@ class _DownlinkConfig(BICompFLConfig):
     num_downlink_samples: int | None = None
 
     def check(self) -> None:
-        super().check()
         k = self.downlink_num_candidates
         self.require(
-            isinstance(k, int) and k >= 1 and k & (k - 1) == 0,
+            k >= 1 and k & (k - 1) == 0,
             "downlink_num_candidates",
             "must be a power of two (n_IS = 2^(bits per block index))",
-        )
-        self.require(self.downlink_block_size >= 1, "downlink_block_size", "must be >= 1")
-        self.require(
-            self.num_downlink_samples is None or self.num_downlink_samples >= 1,
-            "num_downlink_samples",
-            "must be >= 1",
         )
 
     def _common(self, b: Build) -> dict[str, Any]:
@@ -871,6 +820,7 @@ class FedPAConfig(MethodConfig):
     name: ClassVar[str] = "fedpa"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
+    limits: ClassVar = {">= 1": "batch_size", "> 0": "client_lr server_lr"}
 
     batch_size: int = 20
     client_optimizer: str = choice("momentum", OPTIMIZERS)
@@ -883,9 +833,6 @@ class FedPAConfig(MethodConfig):
         return self.library_value(FedPASettings)
 
     def check(self) -> None:
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.client_lr > 0, "client_lr", "must be > 0")
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
         try:
             check_fedpa_settings(self.settings())
         except ValueError as e:
@@ -959,6 +906,11 @@ class BPCFLConfig(MethodConfig):
     #: the server's posterior samples (one, the MAP estimate, with sgd/adam inference)
     evaluation: ClassVar[str] = "ensemble"
     full_participation: ClassVar = "bpcfl is one-shot: every client uploads once"
+    limits: ClassVar = {
+        ">= 1": "map_steps hmc_integration_steps hmc_samples sgld_samples sgld_thinning",
+        ">= 0": "hmc_burnin sgld_burnin",
+        "> 0": "pretrain_lr sampler_lr map_lr hmc_step_size hmc_inverse_mass sgld_step_size",
+    }
 
     pretrain_lr: float = 1e-2
     sampler: str = choice("adam", ("sgd", "adam"))
@@ -979,25 +931,11 @@ class BPCFLConfig(MethodConfig):
     sgld_thinning: int = 10
 
     def check(self) -> None:
-        """The library's checks of the settings (:func:`sidejax.algorithms.bpcfl.check_settings`), then the
-        optimizers' and the inference's."""
+        """The library's checks of the settings (:func:`sidejax.algorithms.bpcfl.check_settings`)."""
         try:
             check_settings(self.settings(None))
         except ValueError as e:
             raise ValueError(f"{self.label()}: {e}") from None
-        for name in ("map_steps", "hmc_integration_steps", "hmc_samples", "sgld_samples", "sgld_thinning"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("hmc_burnin", "sgld_burnin"):
-            self.require(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in (
-            "pretrain_lr",
-            "sampler_lr",
-            "map_lr",
-            "hmc_step_size",
-            "hmc_inverse_mass",
-            "sgld_step_size",
-        ):
-            self.require(getattr(self, name) > 0, name, "must be > 0")
 
     def check_data(self, client_sizes) -> None:
         """Refuses a federation in which a client has fewer than ``num_points`` examples, or none at all

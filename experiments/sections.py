@@ -165,6 +165,17 @@ def _docstring_attributes(text: str, names: Mapping[str, str]) -> dict[str, str]
     return docs
 
 
+def _within(value: float, rule: str) -> bool:
+    """Whether ``value`` satisfies a :attr:`Section.limits` rule (NaN satisfies none)."""
+    if m := re.fullmatch(r"(>=|>) (\S+)", rule):
+        return value >= float(m[2]) if m[1] == ">=" else value > float(m[2])
+    m = re.fullmatch(r"in ([(\[])(\S+), (\S+)([)\]])", rule)
+    if m is None:
+        raise ValueError(f"unknown limit rule {rule!r}")
+    low, high = float(m[2]), float(m[3])
+    return (low <= value if m[1] == "[" else low < value) and (value <= high if m[4] == "]" else value < high)
+
+
 @dataclass(frozen=True)
 class Section:
     """Base of a configuration section (a frozen dataclass of scalar and list fields).
@@ -183,6 +194,10 @@ class Section:
     conditional: ClassVar[dict[str, tuple[str, tuple[str, ...], bool]]] = {}
     #: ``{library settings type: {section field: library field}}``, set by :func:`fills`
     libraries: ClassVar[dict[type, dict[str, str]]] = {}
+    #: ``{rule: "field field ..."}``: the range of number fields (every value of a list field), checked for
+    #: the class and its subclasses (an unset field passes); a rule is ``">= x"``, ``"> x"`` or an interval
+    #: ``"in (a, b]"`` with any brackets (``inf`` allowed), and the error says the field "must be <rule>"
+    limits: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -206,6 +221,12 @@ class Section:
                     f"{self.label()}: {name} is only used with {ctrl} {' or '.join(map(repr, values))}; got "
                     f"{name}={value!r} with {ctrl}={by!r}"
                 )
+        for name, rule in self.field_limits().items():
+            value = getattr(self, name)
+            if value is not None and not all(
+                _within(v, rule) for v in (value if isinstance(value, tuple) else [value])
+            ):
+                raise ValueError(f"{self.label()}: {name} must be {rule}; got {value!r}")
         self.check()
 
     def check(self) -> None:
@@ -234,6 +255,16 @@ class Section:
             return self.library_value(library, **extra)
         except ValueError as e:
             raise ValueError(f"{self.label()}: {e}") from None
+
+    @classmethod
+    def field_limits(cls) -> dict[str, str]:
+        """``{field: rule}`` of the :attr:`limits` of the class and its bases (a subclass's rule wins; a
+        base may name fields that only some subclasses have)."""
+        rules: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            for rule, names in klass.__dict__.get("limits", {}).items():
+                rules.update(dict.fromkeys(names.split(), rule))
+        return {name: rule for name, rule in rules.items() if name in cls.field_names()}
 
     @classmethod
     def label(cls) -> str:
