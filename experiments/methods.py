@@ -12,41 +12,25 @@ The nine algorithm names of the tables and plots are shortcuts for (method, code
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import optax
 
+import sidejax.algorithms
 from experiments.coders import CODERS, CoderConfig, MechanismConfig
 from experiments.sections import Section, choice, fills
 from sidejax.algorithms import (
     BPCFLSettings,
     FedPASettings,
     LangevinSettings,
-    bicompfl_gr,
-    bicompfl_gr_reconst,
-    bicompfl_pr,
     bpcfl,
-    cepam,
     check_client_sizes,
-    coreset_pfedbayes,
-    cser,
-    doublesqueeze,
-    fedavg,
-    fedpa,
-    fedpm,
     hmc_inference,
     map_inference,
-    memsgd,
-    neolithic,
-    pfedbayes,
-    pfedbayes_subset,
-    qlsd,
-    qsgd,
-    sgld,
     sgld_inference,
-    signsgd,
 )
 from sidejax.algorithms.bpcfl import check_settings
 from sidejax.algorithms.fedpa import SHRINKAGE_FORMS, check_fedpa_settings
@@ -169,6 +153,10 @@ class MethodConfig(Section):
     #: why the method needs every client in every round (:meth:`build` refuses data.participation < 1), or
     #: ``None`` when it takes any participation
     full_participation: ClassVar[str | None] = None
+    #: the :mod:`sidejax.algorithms` builder of the method (:meth:`call`)
+    builder: ClassVar[str] = ""
+    #: ``{builder parameter: library settings type this section fills}``
+    library_args: ClassVar[Mapping[str, type]] = {}
 
     def check_data(self, client_sizes) -> None:
         """Called with every client's number of training examples before anything is built or run; raises
@@ -192,8 +180,34 @@ class MethodConfig(Section):
         return self.algorithm(b)
 
     def algorithm(self, b: Build) -> Algorithm:
-        """The method's algorithm (:meth:`build` after its checks)."""
-        raise NotImplementedError
+        """The method's algorithm (:meth:`build` after its checks): by default its :attr:`builder` called by
+        :meth:`call`."""
+        return self.call(b)
+
+    def call(self, b: Build, **given: Any) -> Algorithm:
+        """:attr:`builder` called with ``b.loss_fn`` and, for each of its other parameters: the value
+        ``given``, else the federation's or coder's value (``clients_per_round``, ``num_clients``,
+        ``coder``), else the library value of a type this section fills (:attr:`library_args`, its
+        non-scalar fields from :meth:`extras`), else the field of the same name; a parameter none of these
+        has keeps the builder's default."""
+        builder = getattr(sidejax.algorithms, self.builder)  # looked up at call time: tests record calls
+        params = list(inspect.signature(builder).parameters)[1:]
+        context = {"clients_per_round": b.clients_per_round, "num_clients": b.num_clients, "coder": b.coder}
+        kwargs = {}
+        for name in params:
+            if name in given or name in context:
+                kwargs[name] = given[name] if name in given else context[name]
+            elif name in self.library_args:
+                library = self.library_args[name]
+                kwargs[name] = self.library_value(library, **self.extras(library))
+            elif name in self.field_names():
+                kwargs[name] = getattr(self, name)
+        return builder(b.loss_fn, **kwargs)
+
+    def extras(self, library: type) -> dict[str, Any]:
+        """The fields of the library type ``library`` that this section carries in another form (an
+        optimizer by name and learning rate): ``{library field: value}``."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -217,6 +231,7 @@ class LocalTrainingConfig(MethodConfig):
     """
 
     limits: ClassVar = {">= 1": "local_epochs local_steps batch_size", "> 0": "client_lr server_lr"}
+    library_args: ClassVar = {"local": LocalTraining}
 
     client_optimizer: str = choice("momentum", OPTIMIZERS)
     client_lr: float = 0.05
@@ -236,14 +251,13 @@ class LocalTrainingConfig(MethodConfig):
                 merged[other] = None
         return merged
 
-    def local(self) -> LocalTraining:
-        """The clients' :class:`sidejax.fl.LocalTraining`."""
-        return self.library_value(
-            LocalTraining, optimizer=make_optimizer(self.client_optimizer, self.client_lr)
-        )
+    def extras(self, library: type) -> dict[str, Any]:
+        return {"optimizer": make_optimizer(self.client_optimizer, self.client_lr)}
 
     def _local(self, clients_per_round: int) -> dict[str, Any]:
-        return dict(local=self.local(), clients_per_round=clients_per_round)
+        """The clients' :class:`sidejax.fl.LocalTraining`, as the builders take it."""
+        local = self.library_value(LocalTraining, **self.extras(LocalTraining))
+        return dict(local=local, clients_per_round=clients_per_round)
 
 
 @dataclass(frozen=True)
@@ -256,6 +270,7 @@ class FedAvgConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "fedavg"
+    builder: ClassVar[str] = "fedavg"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
     conditional: ClassVar = {"server_lr": ("server_optimizer", OPTIMIZERS, True)}
@@ -267,7 +282,7 @@ class FedAvgConfig(LocalTrainingConfig):
         server = None
         if self.server_optimizer != "none":
             server = make_optimizer(self.server_optimizer, self.server_lr)
-        return fedavg(b.loss_fn, server_optimizer=server, coder=b.coder, **self._local(b.clients_per_round))
+        return self.call(b, server_optimizer=server)
 
 
 @dataclass(frozen=True)
@@ -281,6 +296,7 @@ class FedPMConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "fedpm"
+    builder: ClassVar[str] = "fedpm"
     coders: ClassVar[tuple[str, ...]] = ("mask", "klms")
     default_coder: ClassVar[str] = "mask"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
@@ -288,9 +304,6 @@ class FedPMConfig(LocalTrainingConfig):
     client_optimizer: str = choice("adam", OPTIMIZERS)
     client_lr: float = 0.1
     estimator: str = choice("fedpm", ("fedpm", "ste"))
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return fedpm(b.loss_fn, coder=b.coder, estimator=self.estimator, **self._local(b.clients_per_round))
 
 
 @dataclass(frozen=True)
@@ -305,6 +318,7 @@ class QSGDConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "qsgd"
+    builder: ClassVar[str] = "qsgd"
     coders: ClassVar[tuple[str, ...]] = ("elias", "klms")
     default_coder: ClassVar[str] = "elias"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
@@ -322,16 +336,6 @@ class QSGDConfig(LocalTrainingConfig):
                 f"(eq. 5); got levels={self.levels}"
             )
 
-    def algorithm(self, b: Build) -> Algorithm:
-        return qsgd(
-            b.loss_fn,
-            server_lr=self.server_lr,
-            levels=self.levels,
-            coder=b.coder,
-            prior_smoothing=self.prior_smoothing,
-            **self._local(b.clients_per_round),
-        )
-
 
 @dataclass(frozen=True)
 class SignSGDConfig(LocalTrainingConfig):
@@ -345,6 +349,7 @@ class SignSGDConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "signsgd"
+    builder: ClassVar[str] = "signsgd"
     coders: ClassVar[tuple[str, ...]] = ("signs", "klms")
     default_coder: ClassVar[str] = "signs"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
@@ -354,16 +359,6 @@ class SignSGDConfig(LocalTrainingConfig):
     server_lr: float = 0.02
     temperature: float = 20.0
     stochastic: bool = True
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return signsgd(
-            b.loss_fn,
-            server_lr=self.server_lr,
-            stochastic=self.stochastic,
-            temperature=self.temperature,
-            coder=b.coder,
-            **self._local(b.clients_per_round),
-        )
 
 
 @dataclass(frozen=True)
@@ -376,14 +371,8 @@ class LangevinConfig(MethodConfig):
     rounds); demo_digits_{qlsd,sgld_klms} use 1e-4."""
 
     run_defaults: ClassVar = {"rounds": 200, "eval_every": 20}
+    library_args: ClassVar = {"settings": LangevinSettings}
     limits: ClassVar = {">= 1": "batch_size levels", "> 0": "step_size", ">= 0": "weight_decay"}
-
-    def _langevin(self, b: Build) -> dict[str, Any]:
-        return dict(
-            num_clients=b.num_clients,
-            clients_per_round=b.clients_per_round,
-            settings=self.library_value(LangevinSettings),
-        )
 
 
 @dataclass(frozen=True)
@@ -396,13 +385,11 @@ class QLSDConfig(LangevinConfig):
     """
 
     name: ClassVar[str] = "qlsd"
+    builder: ClassVar[str] = "qlsd"
     coders: ClassVar[tuple[str, ...]] = ("elias",)
     default_coder: ClassVar[str] = "elias"
 
     levels: int = 5
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return qlsd(b.loss_fn, levels=self.levels, coder=b.coder, **self._langevin(b))
 
 
 @dataclass(frozen=True)
@@ -412,12 +399,10 @@ class SGLDConfig(LangevinConfig):
     ``float32``: the sample uncompressed)."""
 
     name: ClassVar[str] = "sgld"
+    builder: ClassVar[str] = "sgld"
     coders: ClassVar[tuple[str, ...]] = ("klms", "float32")
     default_coder: ClassVar[str] = "klms"
     coder_defaults: ClassVar = {"klms": {"log2_num_candidates": 2, "max_block_size": 16}}
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return sgld(b.loss_fn, coder=b.coder, **self._langevin(b))
 
 
 # --- the non-stochastic error-feedback baselines of the BICompFL paper (sidejax.algorithms.compressed) ---
@@ -444,9 +429,6 @@ class ErrorFeedbackConfig(LocalTrainingConfig):
     client_lr: float = 3e-4
     server_lr: float = 0.1
 
-    def _common(self, b: Build) -> dict[str, Any]:
-        return dict(server_lr=self.server_lr, coder=b.coder, **self._local(b.clients_per_round))
-
 
 @dataclass(frozen=True)
 class MemSGDConfig(ErrorFeedbackConfig):
@@ -454,9 +436,7 @@ class MemSGDConfig(ErrorFeedbackConfig):
     downlink."""
 
     name: ClassVar[str] = "memsgd"
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return memsgd(b.loss_fn, **self._common(b))
+    builder: ClassVar[str] = "memsgd"
 
 
 @dataclass(frozen=True)
@@ -465,10 +445,8 @@ class DoubleSqueezeConfig(ErrorFeedbackConfig):
     clients and on the server (needs every client in every round)."""
 
     name: ClassVar[str] = "doublesqueeze"
+    builder: ClassVar[str] = "doublesqueeze"
     full_participation: ClassVar = _BROADCASTS
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return doublesqueeze(b.loss_fn, **self._common(b))
 
 
 @dataclass(frozen=True)
@@ -481,14 +459,12 @@ class NeolithicConfig(ErrorFeedbackConfig):
     """
 
     name: ClassVar[str] = "neolithic"
+    builder: ClassVar[str] = "neolithic"
     full_participation: ClassVar = _BROADCASTS
 
     limits: ClassVar = {">= 1": "compress_rounds"}
 
     compress_rounds: int = 2
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return neolithic(b.loss_fn, compress_rounds=self.compress_rounds, **self._common(b))
 
 
 @dataclass(frozen=True)
@@ -501,13 +477,11 @@ class CSERConfig(ErrorFeedbackConfig):
     """
 
     name: ClassVar[str] = "cser"
+    builder: ClassVar[str] = "cser"
 
     limits: ClassVar = {">= 1": "period"}
 
     period: int = 50
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return cser(b.loss_fn, period=self.period, **self._common(b))
 
 
 ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
@@ -531,6 +505,7 @@ class CepamConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "cepam"
+    builder: ClassVar[str] = "cepam"
     coders: ClassVar[tuple[str, ...]] = ("lrsuq", "noise", "sdq", "float32")
     default_coder: ClassVar[str] = "lrsuq"
     run_defaults: ClassVar = {"rounds": 80, "eval_every": 5}
@@ -544,13 +519,9 @@ class CepamConfig(MethodConfig):
 
     def algorithm(self, b: Build) -> Algorithm:
         mechanism = isinstance(b.coder_config, MechanismConfig)
-        return cepam(
-            b.loss_fn,
-            clients_per_round=b.clients_per_round,
-            coder=b.coder,
+        return self.call(
+            b,
             optimizer=optax.sgd(self.client_lr, momentum=self.momentum or None),
-            local_steps=self.local_steps,
-            batch_size=self.batch_size,
             noise_levels=b.coder_config.client_levels(b.num_clients) if mechanism else None,
             persistent_optimizer=self.persistent_momentum,
         )
@@ -575,10 +546,12 @@ class PFedBayesConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "pfedbayes"
+    builder: ClassVar[str] = "pfedbayes"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
     run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
     evaluation: ClassVar[str] = "personal"
+    library_args: ClassVar = {"settings": PFedBayesSettings}
     limits: ClassVar = {
         ">= 1": "local_iters personal_steps batch_size mc_samples subset_size",
         "> 0": "zeta eps_std personal_lr global_lr init_weight_scale",
@@ -588,18 +561,13 @@ class PFedBayesConfig(MethodConfig):
     personal_lr: float = 1e-3
     global_lr: float = 1e-3
 
-    def settings(self) -> PFedBayesSettings:
-        """The library's :class:`sidejax.algorithms.pfedbayes.PFedBayesSettings` of this section."""
-        return self.library_value(
-            PFedBayesSettings,
-            personal_optimizer=optax.adam(self.personal_lr),
-            global_optimizer=optax.adam(self.global_lr),
-        )
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return pfedbayes(
-            b.loss_fn, clients_per_round=b.clients_per_round, settings=self.settings(), coder=b.coder
-        )
+    def extras(self, library: type) -> dict[str, Any]:
+        if library is not PFedBayesSettings:
+            return {}
+        return {
+            "personal_optimizer": optax.adam(self.personal_lr),
+            "global_optimizer": optax.adam(self.global_lr),
+        }
 
 
 @dataclass(frozen=True)
@@ -613,19 +581,10 @@ class PFedBayesSubsetConfig(PFedBayesConfig):
     """
 
     name: ClassVar[str] = "pfedbayes_subset"
+    builder: ClassVar[str] = "pfedbayes_subset"
 
     subset_size: int = 500
     reweight: bool = False
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return pfedbayes_subset(
-            b.loss_fn,
-            clients_per_round=b.clients_per_round,
-            subset_size=self.subset_size,
-            reweight=self.reweight,
-            settings=self.settings(),
-            coder=b.coder,
-        )
 
 
 @dataclass(frozen=True)
@@ -654,6 +613,8 @@ class CoresetPFedBayesConfig(PFedBayesConfig):
     """
 
     name: ClassVar[str] = "coreset_pfedbayes"
+    builder: ClassVar[str] = "coreset_pfedbayes"
+    library_args: ClassVar = {"settings": PFedBayesSettings, "coreset": CoresetSettings}
 
     limits: ClassVar = {
         ">= 1": "coreset_size coreset_every aiht_max_iter",
@@ -668,16 +629,6 @@ class CoresetPFedBayesConfig(PFedBayesConfig):
             self.projection_samples is None or self.projection_samples > self.coreset_size,
             "projection_samples",
             "must exceed coreset_size (or be unset: max(100, 2 coreset_size))",
-        )
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return coreset_pfedbayes(
-            b.loss_fn,
-            clients_per_round=b.clients_per_round,
-            coreset_size=self.coreset_size,
-            settings=self.settings(),
-            coreset=self.library_value(CoresetSettings),
-            coder=b.coder,
         )
 
 
@@ -710,15 +661,6 @@ class BICompFLConfig(LocalTrainingConfig):
     estimator: str = choice("fedpm", ("fedpm", "ste"))
     num_uplink_samples: int = 1
 
-    def _common(self, b: Build) -> dict[str, Any]:
-        return dict(
-            local=self.local(),
-            estimator=self.estimator,
-            num_uplink_samples=self.num_uplink_samples,
-            num_clients=b.num_clients,
-            coder=b.coder,
-        )
-
 
 _BICOMPFL_FULL = "the paper: partial participation is incompatible with it"
 
@@ -730,10 +672,8 @@ class BICompFLGRConfig(BICompFLConfig):
     by the coder)."""
 
     name: ClassVar[str] = "bicompfl_gr"
+    builder: ClassVar[str] = "bicompfl_gr"
     full_participation: ClassVar = _BICOMPFL_FULL
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return bicompfl_gr(b.loss_fn, **self._common(b))
 
 
 @dataclass(frozen=True)
@@ -758,13 +698,13 @@ class _DownlinkConfig(BICompFLConfig):
             "must be a power of two (n_IS = 2^(bits per block index))",
         )
 
-    def _common(self, b: Build) -> dict[str, Any]:
+    def algorithm(self, b: Build) -> Algorithm:
         downlink = KLMSConfig(
             log2_num_candidates=self.downlink_num_candidates.bit_length() - 1,
             adaptive=False,
             block_size=self.downlink_block_size,
         )
-        return dict(super()._common(b), downlink=downlink, num_downlink_samples=self.num_downlink_samples)
+        return self.call(b, downlink=downlink)
 
 
 @dataclass(frozen=True)
@@ -773,10 +713,8 @@ class BICompFLReconstConfig(_DownlinkConfig):
     reconstructs the model and broadcasts n_DL importance samples of it."""
 
     name: ClassVar[str] = "bicompfl_gr_reconst"
+    builder: ClassVar[str] = "bicompfl_gr_reconst"
     full_participation: ClassVar = _BICOMPFL_FULL
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return bicompfl_gr_reconst(b.loss_fn, **self._common(b))
 
 
 @dataclass(frozen=True)
@@ -789,15 +727,8 @@ class BICompFLPRConfig(_DownlinkConfig):
     """
 
     name: ClassVar[str] = "bicompfl_pr"
+    builder: ClassVar[str] = "bicompfl_pr"
     split_downlink: bool = False
-
-    def algorithm(self, b: Build) -> Algorithm:
-        return bicompfl_pr(
-            b.loss_fn,
-            clients_per_round=b.clients_per_round,
-            split_downlink=self.split_downlink,
-            **self._common(b),
-        )
 
 
 @dataclass(frozen=True)
@@ -818,6 +749,8 @@ class FedPAConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "fedpa"
+    builder: ClassVar[str] = "fedpa"
+    library_args: ClassVar = {"settings": FedPASettings}
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
     limits: ClassVar = {">= 1": "batch_size", "> 0": "client_lr server_lr"}
@@ -839,14 +772,10 @@ class FedPAConfig(MethodConfig):
             raise ValueError(f"{self.label()}: {e}") from None
 
     def algorithm(self, b: Build) -> Algorithm:
-        return fedpa(
-            b.loss_fn,
-            clients_per_round=b.clients_per_round,
+        return self.call(
+            b,
             client_optimizer=make_optimizer(self.client_optimizer, self.client_lr),
-            batch_size=self.batch_size,
-            settings=self.settings(),
             server_optimizer=make_optimizer(self.server_optimizer, self.server_lr),
-            coder=b.coder,
         )
 
 

@@ -299,7 +299,7 @@ def _help_focus(argv: list[str]) -> dict[str, str]:
     if known.method in METHODS:
         focus["method"] = known.method
         if known.coder is None:
-            focus["coder"] = default_config(known.method).coder.name
+            focus["coder"] = METHODS[known.method].default_coder
     if known.coder in CODERS:
         focus["coder"] = known.coder
     return focus

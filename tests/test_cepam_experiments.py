@@ -106,11 +106,13 @@ def test_table_command_runs_the_schemes_and_writes_the_columns(tmp_path, monkeyp
     assert main(["cepam", "table", str(tmp_path / "nothing")]) == 2
 
 
-def test_the_noise_level_has_one_home_read_by_the_algorithm_and_the_accountant(monkeypatch):
+def test_the_noise_level_has_one_home_read_by_the_algorithm_and_the_accountant(monkeypatch, capsys):
     """``[coder] level`` is a list: one value is every client's level (the coder's own, no per-client
     levels), several are given to the clients in turn; the algorithm's per-client levels and the accountant
     read that one field, from a preset, the command line (several values after the flag) or TOML."""
-    import experiments.methods as methods
+    import functools
+
+    import sidejax.algorithms
     from experiments.algorithms import build_algorithm
     from experiments.run import build_parser, resolve
 
@@ -119,7 +121,12 @@ def test_the_noise_level_has_one_home_read_by_the_algorithm_and_the_accountant(m
     assert one.coder.client_levels(30) is None and one.coder.mechanism_noise().sigma == 0.1
     assert several.coder.client_levels(4) == [0.05, 0.1, 0.2, 0.05]
     seen = {}
-    monkeypatch.setattr(methods, "cepam", lambda loss, **kw: seen.setdefault("levels", kw["noise_levels"]))
+
+    @functools.wraps(sidejax.algorithms.cepam)
+    def record(loss, **kwargs):
+        seen["levels"] = kwargs["noise_levels"]
+
+    monkeypatch.setattr(sidejax.algorithms, "cepam", record)
     build_algorithm(several, "loss")
     assert seen["levels"] == [0.05, 0.1, 0.2] * 10
     g = guarantee(several.to_dict())
@@ -129,7 +136,11 @@ def test_the_noise_level_has_one_home_read_by_the_algorithm_and_the_accountant(m
         ["--preset", "cepam_mnist_cnn_cepam_gauss_z1", "--coder.level", "0.05", "0.1", "0.2"]
     )
     assert resolve(args)[0] == several
-    with pytest.raises(ValueError, match="level must be one or more finite numbers > 0"):
+    from experiments.run import main
+
+    assert main(["--method.name", "cepam", "--help"]) == 0  # a method without a shortcut: its coder's flags
+    assert "--coder.level FLOAT [FLOAT ...]" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"level must be in \(0, inf\); got \(0.1, -1.0\)"):
         one.override({"coder.level": [0.1, -1.0]})
 
 

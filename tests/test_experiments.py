@@ -745,6 +745,7 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
     applied; optimizers as (name, lr), coders as their factory and arguments, the KLMSConfig in full), and
     the data and run values, in the format of ``tests/data/preset_equivalence.json``."""
     import dataclasses
+    import functools
     import inspect
 
     import experiments.algorithms as algorithms
@@ -755,8 +756,10 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
     calls = []
 
     def recorder(name):
-        signature = inspect.signature(getattr(sidejax.algorithms, name))
+        real = getattr(sidejax.algorithms, name)
+        signature = inspect.signature(real)
 
+        @functools.wraps(real)  # the builder's signature, which experiments.methods reads
         def record(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -766,7 +769,7 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
 
     with monkeypatch.context() as m:
         for name in ("fedavg", "fedpm", "qsgd", "signsgd", "qlsd", "sgld"):
-            m.setattr(methods, name, recorder(name))
+            m.setattr(sidejax.algorithms, name, recorder(name))
         m.setattr(methods, "make_optimizer", lambda name, lr: {"optimizer": name, "lr": lr})
         m.setattr(coders, "klms_coder", lambda cfg: {"coder": "klms", "config": dataclasses.asdict(cfg)})
         m.setattr(coders, "elias_coder", lambda levels: {"coder": "elias", "max_level": levels})
