@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.methods import OPTIMIZERS, SHORTCUTS, make_optimizer
+from experiments.methods import OPTIMIZERS, SHORTCUTS, Build, make_optimizer
 from sidejax.coding import KLMSConfig
 from sidejax.fl import Algorithm, ClientMap, default_client_strategy, mesh_client_map
 
@@ -74,11 +74,13 @@ def build_algorithm(
     """The algorithm of ``config``'s method, sending its messages with ``config``'s coder; a method with
     ``needs_model`` (BPC-FL) also gets ``model``."""
     coder = config.coder.checked(config.method, client_strategy=resolve_client_strategy(config))
-    extra = {"model": model} if config.method.needs_model else {}
     return config.method.build(
-        loss_fn,
-        coder,
-        num_clients=config.data.num_clients,
-        clients_per_round=config.clients_per_round,
-        **extra,
+        Build(
+            loss_fn,
+            coder,
+            num_clients=config.data.num_clients,
+            clients_per_round=config.clients_per_round,
+            coder_config=config.coder,
+            model=model if config.method.needs_model else None,
+        )
     )

@@ -20,10 +20,10 @@ The table (``table.md`` / ``table.csv``) has, per scheme:
 
 - ``acc``: the best test accuracy over the evaluations; ``final acc``: the last one;
 - ``epsilon``, ``delta``: the per-round guarantee of :func:`sidejax.privacy.cepam_guarantee` for the run's
-  noise level (per-client levels, ``[method] noise_levels``: the aggregate sqrt(sum sigma_k^2)/K for
-  Gaussian, the smallest b for Laplace), at the paper's eps_tilde (5.9 Gaussian, 5000 Laplace), tau, K,
-  gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound (docs/papers/cepam.md#s6-6:
-  the paper's own Gaussian setting is vacuous); ``-`` for schemes without noise;
+  noise level (``[coder] level``, the one the algorithm uses; with per-client levels the aggregate
+  sqrt(sum sigma_k^2)/K for Gaussian, the smallest b for Laplace), at the paper's eps_tilde (5.9 Gaussian,
+  5000 Laplace), tau, K, gamma and n_k; ``vacuous`` marks a delta no better than the trivial (0, p) bound
+  (docs/papers/cepam.md#s6-6: the paper's own Gaussian setting is vacuous); ``-`` for schemes without noise;
 - ``uplink bpp``: the measured uplink bits per parameter per client per round (the length of the actual
   streams, averaged over rounds), and ``ideal bpp`` (the encoders' ideal rate, labelled ideal).
 
@@ -35,7 +35,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from experiments.config import ExperimentConfig, default_config
+from experiments.coders import MechanismConfig
+from experiments.config import TABLES, ExperimentConfig, config_from_dict, default_config
 from experiments.suite import Suite, alias, draw_figure, mean_of, single_figure
 from sidejax import privacy
 
@@ -70,7 +71,7 @@ _SDQ_STEP = 1e-3  # the paper-like fine SDQ step (docs/papers/cepam.md#s3)
 
 
 def _noise(noise: str, **extra: Any) -> dict[str, Any]:
-    return {"coder.noise": noise, "coder.level": _SIGMA, **extra}
+    return {"coder.noise": noise, "coder.level": [_SIGMA], **extra}
 
 
 #: scheme -> (table label, coder name, coder overrides)
@@ -100,40 +101,44 @@ def suite_config(setting: str, scheme: str) -> ExperimentConfig:
     return default_config(f"cepam+{coder}").override({**values, **extra}, source=name)
 
 
-def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
-    """The per-round guarantee of a run from its ``config.json`` (None for a scheme without noise)."""
-    coder, method, data = config["coder"], config["method"], config["data"]
-    if coder["name"] not in ("lrsuq", "noise"):
-        return None
-    kind = coder["noise"]
-    common = dict(tau=method["local_steps"], gamma=coder["gamma"], n_k=data["examples_per_client"])
-    from experiments.methods import CepamConfig
+def _typed(config: dict[str, Any]) -> ExperimentConfig:
+    """The configuration of a run's ``config.json`` (one written before the noise level had one home is
+    converted, :func:`experiments.config.config_from_dict`)."""
+    return config_from_dict({t: config[t] for t in TABLES if t in config}, source="config.json")
 
-    levels = CepamConfig(noise_levels=method.get("noise_levels", "")).client_levels(data["num_clients"])
-    clip = "paper" if coder["clip"] == "normalise" else "dp"
+
+def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
+    """The per-round guarantee of a run from its ``config.json`` (None for a scheme without noise): the
+    noise level is the coder's ``level``, the one the algorithm uses (one per client when it has several)."""
+    cfg = _typed(config)
+    coder = cfg.coder
+    if not isinstance(coder, MechanismConfig):
+        return None
+    common = dict(tau=cfg.method.local_steps, gamma=coder.gamma, n_k=cfg.data.examples_per_client)
+    levels = coder.client_levels(cfg.data.num_clients)
+    clip = "paper" if coder.clip == "normalise" else "dp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", privacy.VacuousPrivacyWarning)  # reported in the table instead
-        if kind == "gauss":
+        if coder.noise == "gauss":
             return privacy.cepam_guarantee(
                 "gaussian",
                 # K levels: sqrt(sum sigma_k^2)/K (docs/papers/cepam.md#s2-12)
-                coder["level"] if levels is None else levels,
-                EPS_TILDE[kind],
-                num_clients=data["num_clients"],
+                coder.level[0] if levels is None else levels,
+                EPS_TILDE[coder.noise],
+                num_clients=cfg.data.num_clients,
                 clip_mode=clip,
                 **common,
             )
         # Laplace: the per-client guarantee of the client with the least noise
-        b = coder["level"] if levels is None else min(levels)
-        return privacy.cepam_guarantee("laplace", b, EPS_TILDE[kind], **common)
+        b = coder.level[0] if levels is None else min(levels)
+        return privacy.cepam_guarantee("laplace", b, EPS_TILDE[coder.noise], **common)
 
 
 def _label(name: str, config: dict[str, Any]) -> str:
     # the most specific scheme first (FL+Gaussian+SDQ before FL+Gaussian)
+    flat = _typed(config).flat()
     for label, coder, extra in sorted(SCHEMES.values(), key=lambda v: -len(v[2])):
-        if coder != config["coder"]["name"]:
-            continue
-        if all(config[k.split(".")[0]].get(k.split(".")[1]) == v for k, v in extra.items()):
+        if coder == flat["coder.name"] and all(flat.get(k) == v for k, v in extra.items()):
             return label
     return f"cepam+{config['coder']['name']}"
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from experiments.sections import Section, choice
+from experiments.sections import Section, choice, fills
 from sidejax.coding import (
     Coder,
     GaussianNoise,
@@ -61,12 +61,26 @@ __all__ = [
     "MaskCoderConfig",
     "KLMSAvgCoderConfig",
     "ScaledSignCoderConfig",
+    "MechanismConfig",
     "LRSUQCoderConfig",
     "NoiseCoderConfig",
     "SDQCoderConfig",
     "LATTICES",
     "CODERS",
 ]
+
+
+#: the library coder settings the experiments leave at their defaults (memory and bucketing: no effect on the
+#: bits), or set from elsewhere (``crc32``: :attr:`CoderConfig.crc32`)
+_ENGINE_FIELDS = (
+    "max_blocks",
+    "memory_budget_bytes",
+    "crc32",
+    "bucketed",
+    "bucket_update_rounds",
+    "initial_update",
+    "chunk_size",
+)
 
 
 @dataclass(frozen=True)
@@ -103,35 +117,18 @@ class CoderConfig(Section):
 
 
 @dataclass(frozen=True)
+@fills(KLMSConfig, skip=_ENGINE_FIELDS, choices={"trigger": TRIGGERS})
 class KLMSCoderConfig(CoderConfig):
-    """KLMS (:class:`sidejax.coding.KLMSConfig`'s user-facing fields; the engine-dependent
-    ``bucket_update_rounds`` follows the client strategy).
+    """KLMS (:class:`sidejax.coding.KLMSConfig`'s fields; the engine-dependent ``bucket_update_rounds``
+    follows the client strategy).
 
     Attributes:
-      log2_num_candidates: KLMS log2 K (K candidates per block); in adaptive mode the target KL per block
-        is log2 K - overhead_bits bits.
-      overhead_bits: the overhead r: blocks carry log2_num_candidates - r bits of KL.
-      adaptive: Adaptive-KLMS (KL-sized blocks, the update protocol) if true, Fixed-KLMS if false.
-      block_size: Fixed-KLMS block size, and the initial Adaptive-KLMS partition.
-      max_block_size: Adaptive-KLMS cap on block length (a power of two >= 2).
-      trigger: thresholds (paper) or rho (reference code) re-partition rule.
-      dbar_min: thresholds trigger: re-partition when the mean block KL (bits) falls below this (unset:
-        D_target / 3).
-      dbar_max: re-partition when the mean block KL rises above this (unset: 2 * D_target).
       rho_threshold: rho trigger: re-partition when the mean rho exceeds this (unset: 3, as the reference
         code).
     """
 
     name: ClassVar[str] = "klms"
     native_crc: ClassVar[bool] = True
-    log2_num_candidates: int = 2
-    overhead_bits: float = 0.0
-    adaptive: bool = True
-    block_size: int = 8
-    max_block_size: int = 256
-    trigger: str = choice("thresholds", TRIGGERS)
-    dbar_min: float | None = None
-    dbar_max: float | None = None
     rho_threshold: float | None = None
 
     conditional: ClassVar = {
@@ -141,17 +138,11 @@ class KLMSCoderConfig(CoderConfig):
     }
 
     def check(self) -> None:
-        try:
-            self.klms_config()
-        except ValueError as e:
-            raise ValueError(f"{self.label()}: {e}") from None
+        self.klms_config()
 
     def klms_config(self, **extra) -> KLMSConfig:
         """The :class:`sidejax.coding.KLMSConfig` of these fields (``extra``: its other fields)."""
-        values = {name: getattr(self, name) for name in self.field_names()}
-        if values["rho_threshold"] is None:
-            del values["rho_threshold"]  # the library's default
-        return KLMSConfig(**values, **extra)
+        return self.checked_library_value(KLMSConfig, crc32=self.crc32, **extra)
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         # each client's own bucket only pays off when clients run one after another (under vmap every
@@ -212,32 +203,19 @@ class MaskCoderConfig(CoderConfig):
 
 
 @dataclass(frozen=True)
+@fills(KLMSAvgConfig, skip=_ENGINE_FIELDS)
 class KLMSAvgCoderConfig(CoderConfig):
-    """KLMS with BICompFL's Adaptive-Avg allocation (:class:`sidejax.coding.KLMSAvgConfig`): equal blocks of
-    one adaptive size, K* bits per block.
-
-    Attributes:
-      log2_num_candidates: K* = log2 n_IS, bits per block and the target KL per block.
-      block_size: the initial block size b_0.
-      max_block_size: b_max, a power of two (a size travels in log2 b_max bits).
-      trigger_factor: f > 1: a client requests an update when its mean block KL / K* leaves [1/f, f].
-    """
+    """KLMS with BICompFL's Adaptive-Avg allocation (:class:`sidejax.coding.KLMSAvgConfig`'s fields): equal
+    blocks of one adaptive size, K* bits per block."""
 
     name: ClassVar[str] = "klms_avg"
     native_crc: ClassVar[bool] = True
-    log2_num_candidates: int = 8
-    block_size: int = 256
-    max_block_size: int = 2048
-    trigger_factor: float = 3.0
 
     def check(self) -> None:
-        try:
-            self.config()
-        except ValueError as e:
-            raise ValueError(f"{self.label()}: {e}") from None
+        self.config()
 
     def config(self) -> KLMSAvgConfig:
-        return KLMSAvgConfig(**{name: getattr(self, name) for name in self.field_names()})
+        return self.checked_library_value(KLMSAvgConfig, crc32=self.crc32)
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         return klms_avg_coder(self.config())
@@ -266,34 +244,49 @@ _NOISES = ("gauss", "laplace")
 _CLIP_MODES = ("normalise", "clip")
 
 
-def _noise(kind: str, level: float):
-    return GaussianNoise(level) if kind == "gauss" else LaplaceNoise(level)
-
-
 @dataclass(frozen=True)
-class _MechanismConfig(CoderConfig):
+class MechanismConfig(CoderConfig):
     """Fields shared by the privacy mechanisms.
 
     Attributes:
       noise: gauss (N(0, level^2) per coordinate) or laplace (Lap(0, level)).
-      level: the noise level sigma or b (> 0), in the units of the normalised update.
+      level: the noise level sigma or b (> 0), in the units of the normalised update: one value for every
+        client, or several, given to the clients in turn (client i gets level i mod count) and agreed with
+        the server at initialisation (privacy adaptability).
       gamma: the normalisation scale: the update is normalised (or clipped) to norm gamma before the noise.
       clip: normalise (the paper: X gamma/||X||, ||X|| sent as float32, the server rescales) or clip
         (DP-correct: X min(1, gamma/||X||), no rescaling).
     """
 
     noise: str = choice("gauss", _NOISES)
-    level: float = 0.1
+    level: tuple[float, ...] = (0.1,)
     gamma: float = 1.0
     clip: str = choice("normalise", _CLIP_MODES)
 
+    limits: ClassVar = {
+        "in (0, inf)": "level",
+        "> 0": "gamma",
+        ">= 0": "sdq_step",
+        "in [4, 96]": "capacity_bits_per_coordinate",
+    }
+
     def check(self) -> None:
-        self.require(self.level > 0, "level", "must be > 0 (sigma or b)")
-        self.require(self.gamma > 0, "gamma", "must be > 0")
+        self.require(len(self.level) >= 1, "level", "needs one value or more (sigma or b)")
+
+    def client_levels(self, num_clients: int) -> list[float] | None:
+        """Every client's level when :attr:`level` has several (``None`` for one: the coder's own level)."""
+        if len(self.level) == 1:
+            return None
+        return [self.level[i % len(self.level)] for i in range(num_clients)]
+
+    def mechanism_noise(self):
+        """The coder's noise, at the smallest level (each client's own level reaches the coder with the
+        prior when there are several, :func:`sidejax.algorithms.cepam`)."""
+        return (GaussianNoise if self.noise == "gauss" else LaplaceNoise)(min(self.level))
 
 
 @dataclass(frozen=True)
-class LRSUQCoderConfig(_MechanismConfig):
+class LRSUQCoderConfig(MechanismConfig):
     """CEPAM: LRSUQ on a lattice, the quantization error exactly the noise (docs/papers/cepam.md#s2-5).
 
     Attributes:
@@ -311,21 +304,18 @@ class LRSUQCoderConfig(_MechanismConfig):
         self.require(
             self.noise == "gauss" or self.lattice == "z1", "lattice", "must be z1 for laplace noise (n = 1)"
         )
-        self.require(
-            4 <= self.capacity_bits_per_coordinate <= 96, "capacity_bits_per_coordinate", "must be in [4, 96]"
-        )
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         inner = lrsuq_coder(
             LATTICES[self.lattice](),
-            _noise(self.noise, self.level),
+            self.mechanism_noise(),
             capacity_bits_per_coordinate=self.capacity_bits_per_coordinate,
         )
         return clip_update(inner, gamma=self.gamma, mode=self.clip)
 
 
 @dataclass(frozen=True)
-class NoiseCoderConfig(_MechanismConfig):
+class NoiseCoderConfig(MechanismConfig):
     """FL + Gaussian / Laplace mechanism: private noise added to the normalised update, sent as float32
     (``sdq_step = 0``) or quantized by scalar SDQ with step sdq_step (FL + noise + SDQ).
 
@@ -336,14 +326,10 @@ class NoiseCoderConfig(_MechanismConfig):
     name: ClassVar[str] = "noise"
     sdq_step: float = 0.0
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.sdq_step >= 0, "sdq_step", "must be >= 0 (0: float32)")
-
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         inner = sdq_coder(integer_lattice(1, self.sdq_step)) if self.sdq_step > 0 else None
         return clip_update(
-            additive_noise_coder(_noise(self.noise, self.level), inner), gamma=self.gamma, mode=self.clip
+            additive_noise_coder(self.mechanism_noise(), inner), gamma=self.gamma, mode=self.clip
         )
 
 
@@ -359,12 +345,7 @@ class SDQCoderConfig(CoderConfig):
     name: ClassVar[str] = "sdq"
     step: float = 1e-3
     capacity_bits_per_coordinate: int = 16
-
-    def check(self) -> None:
-        self.require(self.step > 0, "step", "must be > 0")
-        self.require(
-            4 <= self.capacity_bits_per_coordinate <= 96, "capacity_bits_per_coordinate", "must be in [4, 96]"
-        )
+    limits: ClassVar = {"> 0": "step", "in [4, 96]": "capacity_bits_per_coordinate"}
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
         return sdq_coder(

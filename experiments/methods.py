@@ -12,51 +12,37 @@ The nine algorithm names of the tables and plots are shortcuts for (method, code
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import optax
 
-from experiments.coders import CODERS, CoderConfig
-from experiments.sections import Section, choice
+import sidejax.algorithms
+from experiments.coders import CODERS, CoderConfig, MechanismConfig
+from experiments.sections import Section, choice, fills
 from sidejax.algorithms import (
     BPCFLSettings,
     FedPASettings,
     LangevinSettings,
-    bicompfl_gr,
-    bicompfl_gr_reconst,
-    bicompfl_pr,
     bpcfl,
-    cepam,
     check_client_sizes,
-    coreset_pfedbayes,
-    cser,
-    doublesqueeze,
-    fedavg,
-    fedpa,
-    fedpm,
     hmc_inference,
     map_inference,
-    memsgd,
-    neolithic,
-    pfedbayes,
-    pfedbayes_subset,
-    qlsd,
-    qsgd,
-    sgld,
     sgld_inference,
-    signsgd,
 )
-from sidejax.algorithms.fedpa import SHRINKAGE_FORMS
+from sidejax.algorithms.bpcfl import check_settings
+from sidejax.algorithms.fedpa import SHRINKAGE_FORMS, check_fedpa_settings
 from sidejax.algorithms.mirror import mirror_descent
 from sidejax.algorithms.pfedbayes import KL_SCALE_MODES, CoresetSettings, PFedBayesSettings
-from sidejax.coding import Coder, KLMSConfig
+from sidejax.coding import KLMSConfig
 from sidejax.fl import Algorithm, LocalTraining
 
 __all__ = [
     "OPTIMIZERS",
     "make_optimizer",
+    "Build",
     "MethodConfig",
     "LocalTrainingConfig",
     "FedAvgConfig",
@@ -118,6 +104,20 @@ _KLMS_TUNED = {
 }
 
 
+class Build(NamedTuple):
+    """What :meth:`MethodConfig.build` builds an algorithm from: the loss, the ``coder`` its coder config
+    built (:meth:`experiments.coders.CoderConfig.checked`; for BPC-FL a factory ``coder(num_classes)``), the
+    federation, that coder config, and for a method with ``needs_model`` the
+    :class:`experiments.algorithms.ModelContext`."""
+
+    loss_fn: Callable
+    coder: Any
+    num_clients: int
+    clients_per_round: int
+    coder_config: CoderConfig
+    model: Any = None
+
+
 @dataclass(frozen=True)
 class MethodConfig(Section):
     """Base of the method configs.
@@ -128,8 +128,8 @@ class MethodConfig(Section):
     (``[run]`` values of a configuration made from defaults, :func:`experiments.config.default_config`).
 
     Capabilities, declared (read directly by the configuration, the driver and the checks; a method
-    overrides the ones that differ): :attr:`one_shot`, :attr:`needs_model`, :attr:`evaluation`, and the
-    hook :meth:`check_data`.
+    overrides the ones that differ): :attr:`one_shot`, :attr:`needs_model`, :attr:`evaluation`,
+    :attr:`full_participation`, and the hook :meth:`check_data`.
     """
 
     table: ClassVar[str] = "method"
@@ -141,7 +141,7 @@ class MethodConfig(Section):
     #: the method runs exactly one round, with every client (:class:`experiments.config.ExperimentConfig`
     #: refuses other ``run.rounds`` and participations): BPC-FL
     one_shot: ClassVar[bool] = False
-    #: :meth:`build` also takes ``model``, an :class:`experiments.algorithms.ModelContext` (the network's
+    #: :meth:`build` also needs ``model``, an :class:`experiments.algorithms.ModelContext` (the network's
     #: initialiser, one example's input shape, the number of classes): BPC-FL
     needs_model: ClassVar[bool] = False
     #: how the driver evaluates the algorithm (:data:`experiments.driver_eval.EVALUATIONS`): ``"model"``
@@ -150,6 +150,13 @@ class MethodConfig(Section):
     #: the common test set, and ``personal_params``, one model per client, each on its client's own test
     #: set; pFedBayes). The driver checks the built algorithm against it.
     evaluation: ClassVar[str] = "model"
+    #: why the method needs every client in every round (:meth:`build` refuses data.participation < 1), or
+    #: ``None`` when it takes any participation
+    full_participation: ClassVar[str | None] = None
+    #: the :mod:`sidejax.algorithms` builder of the method (:meth:`call`)
+    builder: ClassVar[str] = ""
+    #: ``{builder parameter: library settings type this section fills}``
+    library_args: ClassVar[Mapping[str, type]] = {}
 
     def check_data(self, client_sizes) -> None:
         """Called with every client's number of training examples before anything is built or run; raises
@@ -162,32 +169,70 @@ class MethodConfig(Section):
                 f"{self.label()} does not take coder {coder.name!r}; its coders: {', '.join(self.coders)}"
             )
 
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        """The :class:`sidejax.fl.Algorithm` of this method with ``coder`` (built by
-        :meth:`experiments.coders.CoderConfig.build`) for ``num_clients`` clients, ``clients_per_round`` of
-        them per round."""
-        raise NotImplementedError
+    def build(self, b: Build) -> Algorithm:
+        """The :class:`sidejax.fl.Algorithm` of this method (refused when it needs
+        :attr:`full_participation` and does not have it)."""
+        if self.full_participation and b.clients_per_round != b.num_clients:
+            raise ValueError(
+                f"{self.label()} needs every client in every round, data.participation = 1 "
+                f"({self.full_participation}); got {b.clients_per_round} of {b.num_clients} clients per round"
+            )
+        return self.algorithm(b)
+
+    def algorithm(self, b: Build) -> Algorithm:
+        """The method's algorithm (:meth:`build` after its checks): by default its :attr:`builder` called by
+        :meth:`call`."""
+        return self.call(b)
+
+    def call(self, b: Build, **given: Any) -> Algorithm:
+        """:attr:`builder` called with ``b.loss_fn`` and, for each of its other parameters: the value
+        ``given``, else the federation's or coder's value (``clients_per_round``, ``num_clients``,
+        ``coder``), else the library value of a type this section fills (:attr:`library_args`, its
+        non-scalar fields from :meth:`extras`), else the field of the same name; a parameter none of these
+        has keeps the builder's default."""
+        builder = getattr(sidejax.algorithms, self.builder)  # looked up at call time: tests record calls
+        params = list(inspect.signature(builder).parameters)[1:]
+        context = {"clients_per_round": b.clients_per_round, "num_clients": b.num_clients, "coder": b.coder}
+        kwargs = {}
+        for name in params:
+            if name in given or name in context:
+                kwargs[name] = given[name] if name in given else context[name]
+            elif name in self.library_args:
+                library = self.library_args[name]
+                kwargs[name] = self.library_value(library, **self.extras(library))
+            elif name in self.field_names():
+                kwargs[name] = getattr(self, name)
+        return builder(b.loss_fn, **kwargs)
+
+    def extras(self, library: type) -> dict[str, Any]:
+        """The fields of the library type ``library`` that this section carries in another form (an
+        optimizer by name and learning rate): ``{library field: value}``."""
+        return {}
 
 
 @dataclass(frozen=True)
+@fills(
+    LocalTraining,
+    skip=("optimizer",),
+    rename={"num_epochs": "local_epochs", "num_steps": "local_steps"},
+    defaults={"local_epochs": 1, "batch_size": 32},
+)
 class LocalTrainingConfig(MethodConfig):
-    """Base of the methods whose clients train locally for some epochs or steps.
+    """Base of the methods whose clients train locally for some epochs or steps
+    (:class:`sidejax.fl.LocalTraining`'s fields, its optimizer by name and learning rate).
 
     Attributes:
       local_epochs: local epochs per round (give this or local_steps: giving one in a preset or on the command
         line unsets the other).
       local_steps: local optimizer steps per round, instead of epochs.
-      batch_size: local minibatch size.
       client_optimizer: sgd, momentum (SGD with momentum 0.9) or adam; the BICompFL methods also take mirror
         (App. B: mirror descent on the mask, plain SGD in logit space on the gradient w.r.t. theta).
       client_lr: local learning rate.
     """
 
-    local_epochs: int | None = 1
-    local_steps: int | None = None
-    batch_size: int = 32
+    limits: ClassVar = {">= 1": "local_epochs local_steps batch_size", "> 0": "client_lr server_lr"}
+    library_args: ClassVar = {"local": LocalTraining}
+
     client_optimizer: str = choice("momentum", OPTIMIZERS)
     client_lr: float = 0.05
 
@@ -197,11 +242,6 @@ class LocalTrainingConfig(MethodConfig):
                 f"{self.label()}: give one of local_epochs and local_steps (the other unset); got "
                 f"local_epochs={self.local_epochs!r}, local_steps={self.local_steps!r}"
             )
-        for name in ("local_epochs", "local_steps"):
-            value = getattr(self, name)
-            self.require(value is None or value >= 1, name, "must be >= 1")
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.client_lr > 0, "client_lr", "must be > 0")
 
     @classmethod
     def merge(cls, base: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,13 +251,12 @@ class LocalTrainingConfig(MethodConfig):
                 merged[other] = None
         return merged
 
+    def extras(self, library: type) -> dict[str, Any]:
+        return {"optimizer": make_optimizer(self.client_optimizer, self.client_lr)}
+
     def _local(self, clients_per_round: int) -> dict[str, Any]:
-        local = LocalTraining(
-            make_optimizer(self.client_optimizer, self.client_lr),
-            batch_size=self.batch_size,
-            num_epochs=self.local_epochs,
-            num_steps=self.local_steps,
-        )
+        """The clients' :class:`sidejax.fl.LocalTraining`, as the builders take it."""
+        local = self.library_value(LocalTraining, **self.extras(LocalTraining))
         return dict(local=local, clients_per_round=clients_per_round)
 
 
@@ -231,6 +270,7 @@ class FedAvgConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "fedavg"
+    builder: ClassVar[str] = "fedavg"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
     conditional: ClassVar = {"server_lr": ("server_optimizer", OPTIMIZERS, True)}
@@ -238,22 +278,11 @@ class FedAvgConfig(LocalTrainingConfig):
     server_optimizer: str = choice("none", ("none", *OPTIMIZERS))
     server_lr: float | None = None
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr is None or self.server_lr > 0, "server_lr", "must be > 0")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
+    def algorithm(self, b: Build) -> Algorithm:
         server = None
         if self.server_optimizer != "none":
             server = make_optimizer(self.server_optimizer, self.server_lr)
-        return fedavg(
-            loss_fn,
-            server_optimizer=server,
-            coder=coder,
-            **self._local(clients_per_round),
-        )
+        return self.call(b, server_optimizer=server)
 
 
 @dataclass(frozen=True)
@@ -267,6 +296,7 @@ class FedPMConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "fedpm"
+    builder: ClassVar[str] = "fedpm"
     coders: ClassVar[tuple[str, ...]] = ("mask", "klms")
     default_coder: ClassVar[str] = "mask"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
@@ -274,16 +304,6 @@ class FedPMConfig(LocalTrainingConfig):
     client_optimizer: str = choice("adam", OPTIMIZERS)
     client_lr: float = 0.1
     estimator: str = choice("fedpm", ("fedpm", "ste"))
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return fedpm(
-            loss_fn,
-            coder=coder,
-            estimator=self.estimator,
-            **self._local(clients_per_round),
-        )
 
 
 @dataclass(frozen=True)
@@ -298,19 +318,15 @@ class QSGDConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "qsgd"
+    builder: ClassVar[str] = "qsgd"
     coders: ClassVar[tuple[str, ...]] = ("elias", "klms")
     default_coder: ClassVar[str] = "elias"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
+    limits: ClassVar = {">= 1": "levels", "in (0, 1]": "prior_smoothing"}
 
     server_lr: float = 1.0
     levels: int = 1
     prior_smoothing: float = 1.0
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-        self.require(self.levels >= 1, "levels", "must be >= 1")
-        self.require(0 < self.prior_smoothing <= 1, "prior_smoothing", "must be in (0, 1]")
 
     def check_coder(self, coder: CoderConfig) -> None:
         super().check_coder(coder)
@@ -319,18 +335,6 @@ class QSGDConfig(LocalTrainingConfig):
                 f"{self.label()} with coder 'klms' samples against a symbol prior, which needs levels = 1 "
                 f"(eq. 5); got levels={self.levels}"
             )
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return qsgd(
-            loss_fn,
-            server_lr=self.server_lr,
-            levels=self.levels,
-            coder=coder,
-            prior_smoothing=self.prior_smoothing,
-            **self._local(clients_per_round),
-        )
 
 
 @dataclass(frozen=True)
@@ -345,62 +349,30 @@ class SignSGDConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "signsgd"
+    builder: ClassVar[str] = "signsgd"
     coders: ClassVar[tuple[str, ...]] = ("signs", "klms")
     default_coder: ClassVar[str] = "signs"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
+
+    limits: ClassVar = {"> 0": "temperature"}
 
     server_lr: float = 0.02
     temperature: float = 20.0
     stochastic: bool = True
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-        self.require(self.temperature > 0, "temperature", "must be > 0")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return signsgd(
-            loss_fn,
-            server_lr=self.server_lr,
-            stochastic=self.stochastic,
-            temperature=self.temperature,
-            coder=coder,
-            **self._local(clients_per_round),
-        )
-
 
 @dataclass(frozen=True)
+@fills(LangevinSettings)
 class LangevinConfig(MethodConfig):
-    """Base of the Langevin methods: one minibatch gradient of the potential per client and round (the
-    reference code's MNIST values: batch 64, gamma 1e-5, weight decay 5, 200 rounds evaluated every 20).
-    The potential sums over the client's data, so the effective step grows with the dataset: on the
-    1,437-example digits gamma 1e-5 is slow (60-66% after 200 rounds); demo_digits_{qlsd,sgld_klms} use 1e-4.
-
-    Attributes:
-      batch_size: the minibatch of the one local gradient.
-      step_size: Langevin step size gamma.
-      weight_decay: Gaussian-prior weight decay lambda of the Langevin potential.
-    """
+    """Base of the Langevin methods (:class:`sidejax.algorithms.LangevinSettings`'s fields): one minibatch
+    gradient of the potential per client and round (the reference code's MNIST values: batch 64, gamma
+    1e-5, weight decay 5, 200 rounds evaluated every 20). The potential sums over the client's data, so the
+    effective step grows with the dataset: on the 1,437-example digits gamma 1e-5 is slow (60-66% after 200
+    rounds); demo_digits_{qlsd,sgld_klms} use 1e-4."""
 
     run_defaults: ClassVar = {"rounds": 200, "eval_every": 20}
-
-    batch_size: int = 64
-    step_size: float = 1e-5
-    weight_decay: float = 5.0
-
-    def check(self) -> None:
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.step_size > 0, "step_size", "must be > 0")
-        self.require(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-
-    def _langevin(self, num_clients: int, clients_per_round: int) -> dict[str, Any]:
-        return dict(
-            num_clients=num_clients,
-            clients_per_round=clients_per_round,
-            settings=LangevinSettings(self.batch_size, self.step_size, self.weight_decay),
-        )
+    library_args: ClassVar = {"settings": LangevinSettings}
+    limits: ClassVar = {">= 1": "batch_size levels", "> 0": "step_size", ">= 0": "weight_decay"}
 
 
 @dataclass(frozen=True)
@@ -413,21 +385,11 @@ class QLSDConfig(LangevinConfig):
     """
 
     name: ClassVar[str] = "qlsd"
+    builder: ClassVar[str] = "qlsd"
     coders: ClassVar[tuple[str, ...]] = ("elias",)
     default_coder: ClassVar[str] = "elias"
 
     levels: int = 5
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.levels >= 1, "levels", "must be >= 1")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return qlsd(
-            loss_fn, levels=self.levels, coder=coder, **self._langevin(num_clients, clients_per_round)
-        )
 
 
 @dataclass(frozen=True)
@@ -437,17 +399,15 @@ class SGLDConfig(LangevinConfig):
     ``float32``: the sample uncompressed)."""
 
     name: ClassVar[str] = "sgld"
+    builder: ClassVar[str] = "sgld"
     coders: ClassVar[tuple[str, ...]] = ("klms", "float32")
     default_coder: ClassVar[str] = "klms"
     coder_defaults: ClassVar = {"klms": {"log2_num_candidates": 2, "max_block_size": 16}}
 
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return sgld(loss_fn, coder=coder, **self._langevin(num_clients, clients_per_round))
-
 
 # --- the non-stochastic error-feedback baselines of the BICompFL paper (sidejax.algorithms.compressed) ---
+
+_BROADCASTS = "it broadcasts compressed model changes, which a client that misses a round cannot follow"
 
 
 @dataclass(frozen=True)
@@ -469,25 +429,6 @@ class ErrorFeedbackConfig(LocalTrainingConfig):
     client_lr: float = 3e-4
     server_lr: float = 0.1
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-
-    def _common(self, coder: Coder, clients_per_round: int) -> dict[str, Any]:
-        return dict(server_lr=self.server_lr, coder=coder, **self._local(clients_per_round))
-
-
-class _FullParticipation:
-    """A method whose downlink is a compressed model change: every client must get every broadcast."""
-
-    def _check_full(self, num_clients: int, clients_per_round: int) -> None:
-        if clients_per_round != num_clients:
-            raise ValueError(
-                f"{self.label()} broadcasts compressed model changes, which a client that misses a round "
-                f"cannot follow: it needs every client in every round (data.participation = 1), got "
-                f"{clients_per_round} of {num_clients} clients per round"
-            )
-
 
 @dataclass(frozen=True)
 class MemSGDConfig(ErrorFeedbackConfig):
@@ -495,29 +436,21 @@ class MemSGDConfig(ErrorFeedbackConfig):
     downlink."""
 
     name: ClassVar[str] = "memsgd"
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return memsgd(loss_fn, **self._common(coder, clients_per_round))
+    builder: ClassVar[str] = "memsgd"
 
 
 @dataclass(frozen=True)
-class DoubleSqueezeConfig(_FullParticipation, ErrorFeedbackConfig):
+class DoubleSqueezeConfig(ErrorFeedbackConfig):
     """DoubleSqueeze (:func:`sidejax.algorithms.doublesqueeze`): error-compensated compression on the
     clients and on the server (needs every client in every round)."""
 
     name: ClassVar[str] = "doublesqueeze"
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        self._check_full(num_clients, clients_per_round)
-        return doublesqueeze(loss_fn, **self._common(coder, clients_per_round))
+    builder: ClassVar[str] = "doublesqueeze"
+    full_participation: ClassVar = _BROADCASTS
 
 
 @dataclass(frozen=True)
-class NeolithicConfig(_FullParticipation, ErrorFeedbackConfig):
+class NeolithicConfig(ErrorFeedbackConfig):
     """Neolithic (:func:`sidejax.algorithms.neolithic`): DoubleSqueeze with compress_rounds rounds of
     compressing the residual, both ways (needs every client in every round).
 
@@ -526,20 +459,12 @@ class NeolithicConfig(_FullParticipation, ErrorFeedbackConfig):
     """
 
     name: ClassVar[str] = "neolithic"
+    builder: ClassVar[str] = "neolithic"
+    full_participation: ClassVar = _BROADCASTS
+
+    limits: ClassVar = {">= 1": "compress_rounds"}
 
     compress_rounds: int = 2
-
-    def check(self) -> None:
-        super().check()
-        self.require(self.compress_rounds >= 1, "compress_rounds", "must be >= 1")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        self._check_full(num_clients, clients_per_round)
-        return neolithic(
-            loss_fn, compress_rounds=self.compress_rounds, **self._common(coder, clients_per_round)
-        )
 
 
 @dataclass(frozen=True)
@@ -552,26 +477,24 @@ class CSERConfig(ErrorFeedbackConfig):
     """
 
     name: ClassVar[str] = "cser"
+    builder: ClassVar[str] = "cser"
+
+    limits: ClassVar = {">= 1": "period"}
 
     period: int = 50
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.period >= 1, "period", "must be >= 1")
 
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return cser(loss_fn, period=self.period, **self._common(coder, clients_per_round))
+ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
+# --- end of the error-feedback baselines ---
 
 
-#: the error-feedback baselines' configs
 @dataclass(frozen=True)
 class CepamConfig(MethodConfig):
     """CEPAM's FedAvg (:func:`sidejax.algorithms.cepam`): tau single-sample steps drawn with replacement,
     SGD with momentum, the update sent through a privacy mechanism (``lrsuq``: CEPAM; ``noise``: FL+Gaussian
     / FL+Laplace, with SDQ if its sdq_step > 0; ``sdq``: FL+SDQ; ``float32``: FL). Defaults: the paper's
-    (docs/papers/cepam.md#s3).
+    (docs/papers/cepam.md#s3). The noise levels, one or one per client, are the coder's ``level``
+    (:class:`experiments.coders.MechanismConfig`), the one place the algorithm and the accountant read them.
 
     Attributes:
       local_steps: tau, local steps per round.
@@ -579,130 +502,72 @@ class CepamConfig(MethodConfig):
       client_lr: the clients' learning rate (constant; the paper halves it on a 10-round validation plateau).
       momentum: SGD momentum (0: plain SGD).
       persistent_momentum: keep each client's momentum buffer across rounds (the reference code).
-      noise_levels: privacy adaptability: comma-separated noise levels (sigma or b, > 0) given to the
-        clients in turn (client i gets level i mod count), agreed with the server at initialisation; empty:
-        every client uses the coder's level.
     """
 
     name: ClassVar[str] = "cepam"
+    builder: ClassVar[str] = "cepam"
     coders: ClassVar[tuple[str, ...]] = ("lrsuq", "noise", "sdq", "float32")
     default_coder: ClassVar[str] = "lrsuq"
     run_defaults: ClassVar = {"rounds": 80, "eval_every": 5}
+    limits: ClassVar = {">= 1": "local_steps batch_size", "> 0": "client_lr", "in [0, 1)": "momentum"}
 
     local_steps: int = 15
     batch_size: int = 1
     client_lr: float = 0.01
     momentum: float = 0.9
     persistent_momentum: bool = True
-    noise_levels: str = ""
 
-    def client_levels(self, num_clients: int) -> list[float] | None:
-        """Every client's noise level from :attr:`noise_levels` (``None`` when it is empty)."""
-        if not self.noise_levels.strip():
-            return None
-        levels = [float(v) for v in self.noise_levels.split(",")]
-        return [levels[i % len(levels)] for i in range(num_clients)]
-
-    def check(self) -> None:
-        try:
-            levels = self.client_levels(1)
-        except ValueError:
-            levels = [float("nan")]
-        self.require(
-            levels is None or all(v > 0 and v < float("inf") for v in levels),
-            "noise_levels",
-            "must be comma-separated numbers > 0 (e.g. '0.05,0.1,0.2'), or empty",
-        )
-        self.require(self.local_steps >= 1, "local_steps", "must be >= 1")
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.client_lr > 0, "client_lr", "must be > 0")
-        self.require(0 <= self.momentum < 1, "momentum", "must be in [0, 1)")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        opt = optax.sgd(self.client_lr, momentum=self.momentum or None)
-        return cepam(
-            loss_fn,
-            clients_per_round=clients_per_round,
-            coder=coder,
-            optimizer=opt,
-            local_steps=self.local_steps,
-            batch_size=self.batch_size,
-            noise_levels=self.client_levels(num_clients),
+    def algorithm(self, b: Build) -> Algorithm:
+        mechanism = isinstance(b.coder_config, MechanismConfig)
+        return self.call(
+            b,
+            optimizer=optax.sgd(self.client_lr, momentum=self.momentum or None),
+            noise_levels=b.coder_config.client_levels(b.num_clients) if mechanism else None,
             persistent_optimizer=self.persistent_momentum,
         )
 
 
 @dataclass(frozen=True)
+@fills(
+    PFedBayesSettings,
+    skip=("personal_optimizer", "global_optimizer"),
+    choices={"kl_scale_mode": KL_SCALE_MODES},
+)
 class PFedBayesConfig(MethodConfig):
     """pFedBayes (:func:`sidejax.algorithms.pfedbayes`): personal and localized-global mean-field posteriors
-    trained by Eq. 9, the server averaging the clients' localized globals. Defaults:
-    docs/papers/coreset_pfedbayes.md#s3-1 (the reference code's Adam 1e-3, zeta 10, R = 20, R_p = 5, b = 100).
+    trained by Eq. 9, the server averaging the clients' localized globals
+    (:class:`sidejax.algorithms.pfedbayes.PFedBayesSettings`'s fields, Adam for both tracks). Defaults:
+    docs/papers/coreset_pfedbayes.md#s3-1 (the reference code's Adam 1e-3, zeta 10, R = 20, R_p = 5,
+    b = 100).
 
     Attributes:
-      zeta: the KL weight (a likelihood temperature; larger: less personalization).
-      local_iters: R, minibatch iterations per round.
-      personal_steps: R_p, personal optimizer steps per minibatch.
-      batch_size: b.
-      mc_samples: reparameterisation samples per step.
-      eps_std: std of the reparameterisation noise (1: Alg. 1; 0.001: the reference code's quirk).
-      kl_scale_mode: eq9 (data term scaled n/b, KL weight zeta) or reference (data summed over the batch,
-        KL weight zeta/R: the reference code).
       personal_lr: Adam learning rate of the personal posteriors (eta_1).
       global_lr: Adam learning rate of the localized global copies (eta_2).
-      beta: server mixing in (0, 1] (1: the plain mean).
-      init_weight_scale: std of the initial means.
-      init_rho: initial rho (sigma = softplus(rho)).
     """
 
     name: ClassVar[str] = "pfedbayes"
+    builder: ClassVar[str] = "pfedbayes"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
     run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
     evaluation: ClassVar[str] = "personal"
+    library_args: ClassVar = {"settings": PFedBayesSettings}
+    limits: ClassVar = {
+        ">= 1": "local_iters personal_steps batch_size mc_samples subset_size",
+        "> 0": "zeta eps_std personal_lr global_lr init_weight_scale",
+        "in (0, 1]": "beta",
+    }
 
-    zeta: float = 10.0
-    local_iters: int = 20
-    personal_steps: int = 5
-    batch_size: int = 100
-    mc_samples: int = 1
-    eps_std: float = 1.0
-    kl_scale_mode: str = choice("eq9", KL_SCALE_MODES)
     personal_lr: float = 1e-3
     global_lr: float = 1e-3
-    beta: float = 1.0
-    init_weight_scale: float = 0.1
-    init_rho: float = -3.0
 
-    def check(self) -> None:
-        for name in ("local_iters", "personal_steps", "batch_size", "mc_samples"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("zeta", "eps_std", "personal_lr", "global_lr", "init_weight_scale"):
-            self.require(getattr(self, name) > 0, name, "must be > 0")
-        self.require(0 < self.beta <= 1, "beta", "must be in (0, 1]")
-
-    def settings(self) -> PFedBayesSettings:
-        """The library's :class:`sidejax.algorithms.pfedbayes.PFedBayesSettings` of this section."""
-        return PFedBayesSettings(
-            zeta=self.zeta,
-            local_iters=self.local_iters,
-            personal_steps=self.personal_steps,
-            batch_size=self.batch_size,
-            mc_samples=self.mc_samples,
-            eps_std=self.eps_std,
-            kl_scale_mode=self.kl_scale_mode,
-            personal_optimizer=optax.adam(self.personal_lr),
-            global_optimizer=optax.adam(self.global_lr),
-            beta=self.beta,
-            init_weight_scale=self.init_weight_scale,
-            init_rho=self.init_rho,
-        )
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return pfedbayes(loss_fn, clients_per_round=clients_per_round, settings=self.settings(), coder=coder)
+    def extras(self, library: type) -> dict[str, Any]:
+        if library is not PFedBayesSettings:
+            return {}
+        return {
+            "personal_optimizer": optax.adam(self.personal_lr),
+            "global_optimizer": optax.adam(self.global_lr),
+        }
 
 
 @dataclass(frozen=True)
@@ -716,94 +581,55 @@ class PFedBayesSubsetConfig(PFedBayesConfig):
     """
 
     name: ClassVar[str] = "pfedbayes_subset"
+    builder: ClassVar[str] = "pfedbayes_subset"
 
     subset_size: int = 500
     reweight: bool = False
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.subset_size >= 1, "subset_size", "must be >= 1")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return pfedbayes_subset(
-            loss_fn,
-            clients_per_round=clients_per_round,
-            subset_size=self.subset_size,
-            reweight=self.reweight,
-            settings=self.settings(),
-            coder=coder,
-        )
-
 
 @dataclass(frozen=True)
+@fills(
+    CoresetSettings,
+    rename={
+        "every": "coreset_every",
+        "max_iter": "aiht_max_iter",
+        "tol": "aiht_tol",
+        "step_scale": "aiht_step_scale",
+        "debias": "aiht_debias",
+        "init": "coreset_init",
+    },
+    defaults={"coreset_every": 10},
+    choices={"coreset_init": ("random", "zeros")},
+)
 class CoresetPFedBayesConfig(PFedBayesConfig):
     """CoreSet-PFedBayes (:func:`sidejax.algorithms.coreset_pfedbayes`): a full-data and a coreset track per
-    client, coreset weights by A-IHT from Monte-Carlo projections of the full-data posterior.
+    client, coreset weights by A-IHT from Monte-Carlo projections of the full-data posterior
+    (:class:`sidejax.algorithms.pfedbayes.CoresetSettings`'s fields, A-IHT's prefixed ``aiht_``).
 
     Attributes:
       coreset_size: k, points per client in the coreset (the paper: 50/30/15/10% of 1,000).
-      projection_samples: J, posterior samples of the projection (unset: max(100, 2k)); must exceed k.
       coreset_every: recompute the weights every this many rounds (1: the paper; more bounds the J x n
         forward passes).
-      aiht_max_iter: A-IHT's iteration cap.
-      aiht_tol: A-IHT's relative-change tolerance.
-      aiht_step_scale: 1 (exact line search) or 0.5 (the reference code's half step).
-      aiht_debias: A-IHT II.
-      sum_to_n: constrain the weights to sum to the client's number of examples.
-      coreset_init: random (a random k-subset with weights n/k) or zeros (the paper's literal w = 0).
     """
 
     name: ClassVar[str] = "coreset_pfedbayes"
+    builder: ClassVar[str] = "coreset_pfedbayes"
+    library_args: ClassVar = {"settings": PFedBayesSettings, "coreset": CoresetSettings}
+
+    limits: ClassVar = {
+        ">= 1": "coreset_size coreset_every aiht_max_iter",
+        ">= 0": "aiht_tol",
+        "in (0, 1]": "aiht_step_scale",
+    }
 
     coreset_size: int = 500
-    projection_samples: int | None = None
-    coreset_every: int = 10
-    aiht_max_iter: int = 300
-    aiht_tol: float = 1e-5
-    aiht_step_scale: float = 1.0
-    aiht_debias: bool = False
-    sum_to_n: bool = False
-    coreset_init: str = choice("random", ("random", "zeros"))
 
     def check(self) -> None:
-        super().check()
-        for name in ("coreset_size", "coreset_every", "aiht_max_iter"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
         self.require(
             self.projection_samples is None or self.projection_samples > self.coreset_size,
             "projection_samples",
             "must exceed coreset_size (or be unset: max(100, 2 coreset_size))",
         )
-        self.require(self.aiht_tol >= 0, "aiht_tol", "must be >= 0")
-        self.require(0 < self.aiht_step_scale <= 1, "aiht_step_scale", "must be in (0, 1]")
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        coreset = CoresetSettings(
-            projection_samples=self.projection_samples,
-            every=self.coreset_every,
-            max_iter=self.aiht_max_iter,
-            tol=self.aiht_tol,
-            step_scale=self.aiht_step_scale,
-            debias=self.aiht_debias,
-            sum_to_n=self.sum_to_n,
-            init=self.coreset_init,
-        )
-        return coreset_pfedbayes(
-            loss_fn,
-            clients_per_round=clients_per_round,
-            coreset_size=self.coreset_size,
-            settings=self.settings(),
-            coreset=coreset,
-            coder=coder,
-        )
-
-
-ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
-# --- end of the error-feedback baselines ---
 
 
 # BICompFL's uplink as the CPU profile of docs/papers/bicompfl.md#s2-3: Fixed blocks of 128 with 16
@@ -826,6 +652,7 @@ class BICompFLConfig(LocalTrainingConfig):
     coders: ClassVar[tuple[str, ...]] = ("klms", "klms_avg")
     default_coder: ClassVar[str] = "klms"
     coder_defaults: ClassVar = {"klms": _BICOMPFL_FIXED}
+    limits: ClassVar = {">= 1": "num_uplink_samples downlink_block_size num_downlink_samples"}
 
     local_epochs: int | None = 3
     batch_size: int = 128
@@ -834,21 +661,8 @@ class BICompFLConfig(LocalTrainingConfig):
     estimator: str = choice("fedpm", ("fedpm", "ste"))
     num_uplink_samples: int = 1
 
-    def check(self) -> None:
-        super().check()
-        self.require(self.num_uplink_samples >= 1, "num_uplink_samples", "must be >= 1")
 
-    def _common(self) -> dict[str, Any]:
-        local = self._local(0)["local"]
-        return dict(local=local, estimator=self.estimator, num_uplink_samples=self.num_uplink_samples)
-
-    def _full(self, num_clients: int, clients_per_round: int) -> None:
-        if clients_per_round != num_clients:
-            raise ValueError(
-                f"{self.label()}: {self.name} needs every client in every round (the paper: partial "
-                f"participation is incompatible with it); got {clients_per_round} of {num_clients} clients "
-                "per round: set data.participation = 1.0"
-            )
+_BICOMPFL_FULL = "the paper: partial participation is incompatible with it"
 
 
 @dataclass(frozen=True)
@@ -858,12 +672,8 @@ class BICompFLGRConfig(BICompFLConfig):
     by the coder)."""
 
     name: ClassVar[str] = "bicompfl_gr"
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        self._full(num_clients, clients_per_round)
-        return bicompfl_gr(loss_fn, num_clients=num_clients, coder=coder, **self._common())
+    builder: ClassVar[str] = "bicompfl_gr"
+    full_participation: ClassVar = _BICOMPFL_FULL
 
 
 @dataclass(frozen=True)
@@ -881,27 +691,20 @@ class _DownlinkConfig(BICompFLConfig):
     num_downlink_samples: int | None = None
 
     def check(self) -> None:
-        super().check()
         k = self.downlink_num_candidates
         self.require(
-            isinstance(k, int) and k >= 1 and k & (k - 1) == 0,
+            k >= 1 and k & (k - 1) == 0,
             "downlink_num_candidates",
             "must be a power of two (n_IS = 2^(bits per block index))",
         )
-        self.require(self.downlink_block_size >= 1, "downlink_block_size", "must be >= 1")
-        self.require(
-            self.num_downlink_samples is None or self.num_downlink_samples >= 1,
-            "num_downlink_samples",
-            "must be >= 1",
-        )
 
-    def downlink(self) -> KLMSConfig:
-        """The downlink's Fixed-KLMS settings."""
-        return KLMSConfig(
+    def algorithm(self, b: Build) -> Algorithm:
+        downlink = KLMSConfig(
             log2_num_candidates=self.downlink_num_candidates.bit_length() - 1,
             adaptive=False,
             block_size=self.downlink_block_size,
         )
+        return self.call(b, downlink=downlink)
 
 
 @dataclass(frozen=True)
@@ -910,19 +713,8 @@ class BICompFLReconstConfig(_DownlinkConfig):
     reconstructs the model and broadcasts n_DL importance samples of it."""
 
     name: ClassVar[str] = "bicompfl_gr_reconst"
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        self._full(num_clients, clients_per_round)
-        return bicompfl_gr_reconst(
-            loss_fn,
-            num_clients=num_clients,
-            coder=coder,
-            downlink=self.downlink(),
-            num_downlink_samples=self.num_downlink_samples,
-            **self._common(),
-        )
+    builder: ClassVar[str] = "bicompfl_gr_reconst"
+    full_participation: ClassVar = _BICOMPFL_FULL
 
 
 @dataclass(frozen=True)
@@ -935,30 +727,18 @@ class BICompFLPRConfig(_DownlinkConfig):
     """
 
     name: ClassVar[str] = "bicompfl_pr"
+    builder: ClassVar[str] = "bicompfl_pr"
     split_downlink: bool = False
-
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return bicompfl_pr(
-            loss_fn,
-            num_clients=num_clients,
-            clients_per_round=clients_per_round,
-            coder=coder,
-            downlink=self.downlink(),
-            num_downlink_samples=self.num_downlink_samples,
-            split_downlink=self.split_downlink,
-            **self._common(),
-        )
 
 
 @dataclass(frozen=True)
+@fills(FedPASettings, choices={"shrinkage_form": SHRINKAGE_FORMS})
 class FedPAConfig(MethodConfig):
     """FedPA, federated posterior averaging (:func:`sidejax.algorithms.fedpa`): FedAvg for the burn-in rounds,
-    then each client sends Δ = Σ̂⁻¹(x − μ̂) from its local samples (shrinkage covariance Σ̂ = ρI + (1 − ρ)Ŝ).
-    Defaults: the BPC-FL paper's Table 5 (EMNIST-62) with ℓ = 10 one-step windows (its "10 local steps");
-    batch 20 is not in Table 5 ([R], the recommendation for the FedAvg baseline,
-    Reddi et al.; docs/papers/bpcfl.md#dep-fedpa).
+    then each client sends Δ = Σ̂⁻¹(x − μ̂) from its local samples (shrinkage covariance Σ̂ = ρI + (1 − ρ)Ŝ;
+    :class:`sidejax.algorithms.FedPASettings`'s fields). Defaults: the BPC-FL paper's Table 5 (EMNIST-62)
+    with ℓ = 10 one-step windows (its "10 local steps"); batch 20 is not in Table 5 ([R], the recommendation
+    for the FedAvg baseline, Reddi et al.; docs/papers/bpcfl.md#dep-fedpa).
 
     Attributes:
       batch_size: local minibatch size.
@@ -966,101 +746,70 @@ class FedPAConfig(MethodConfig):
       client_lr: local learning rate.
       server_optimizer: the server optimizer on the mean pseudo-gradient: sgd, momentum (0.9) or adam.
       server_lr: server learning rate.
-      burn_in_rounds: FedPA runs FedAvg rounds while the round index is below this.
-      num_samples: local posterior samples per client and round (l).
-      shrinkage: rho of the shrinkage covariance, in (0, 1] (shrinkage_form direct; >= 0 for fedpa).
-      shrinkage_form: direct (rho I + (1 - rho) S, the spec) or fedpa (rho_l = 1 / (1 + (l - 1) rho) in
-        place of rho, the FedPA paper and reference code).
-      local_burnin_steps: local steps before the first sample window; a round runs local_burnin_steps +
-        num_samples * steps_per_sample local steps.
-      steps_per_sample: local steps per sample window.
-      average_iterates: a sample is the mean of its window's iterates (IASG, FedPA's sampler) instead of the
-        window's last iterate.
     """
 
     name: ClassVar[str] = "fedpa"
+    builder: ClassVar[str] = "fedpa"
+    library_args: ClassVar = {"settings": FedPASettings}
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     default_coder: ClassVar[str] = "float32"
+    limits: ClassVar = {">= 1": "batch_size", "> 0": "client_lr server_lr"}
 
     batch_size: int = 20
     client_optimizer: str = choice("momentum", OPTIMIZERS)
     client_lr: float = 0.01
     server_optimizer: str = choice("momentum", OPTIMIZERS)
     server_lr: float = 0.5
-    burn_in_rounds: int = 500
-    num_samples: int = 10
-    shrinkage: float = 0.1
-    shrinkage_form: str = choice("direct", SHRINKAGE_FORMS)
-    local_burnin_steps: int = 0
-    steps_per_sample: int = 1
-    average_iterates: bool = True
 
     def settings(self) -> FedPASettings:
         """The :class:`sidejax.algorithms.FedPASettings` of these fields."""
-        return FedPASettings(
-            burn_in_rounds=self.burn_in_rounds,
-            num_samples=self.num_samples,
-            shrinkage=self.shrinkage,
-            local_burnin_steps=self.local_burnin_steps,
-            steps_per_sample=self.steps_per_sample,
-            average_iterates=self.average_iterates,
-            shrinkage_form=self.shrinkage_form,
-        )
+        return self.library_value(FedPASettings)
 
     def check(self) -> None:
-        self.require(self.batch_size >= 1, "batch_size", "must be >= 1")
-        self.require(self.client_lr > 0, "client_lr", "must be > 0")
-        self.require(self.server_lr > 0, "server_lr", "must be > 0")
-        self.require(self.burn_in_rounds >= 0, "burn_in_rounds", "must be >= 0")
-        self.require(self.local_burnin_steps >= 0, "local_burnin_steps", "must be >= 0")
-        for name in ("num_samples", "steps_per_sample"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        if self.shrinkage_form == "direct":
-            self.require(0 < self.shrinkage <= 1, "shrinkage", "must be in (0, 1] with shrinkage_form direct")
-        else:
-            self.require(self.shrinkage >= 0, "shrinkage", "must be >= 0 with shrinkage_form fedpa")
+        try:
+            check_fedpa_settings(self.settings())
+        except ValueError as e:
+            raise ValueError(f"{self.label()}: {e}") from None
 
-    def build(
-        self, loss_fn: Callable, coder: Coder, *, num_clients: int, clients_per_round: int
-    ) -> Algorithm:
-        return fedpa(
-            loss_fn,
-            clients_per_round=clients_per_round,
+    def algorithm(self, b: Build) -> Algorithm:
+        return self.call(
+            b,
             client_optimizer=make_optimizer(self.client_optimizer, self.client_lr),
-            batch_size=self.batch_size,
-            settings=self.settings(),
             server_optimizer=make_optimizer(self.server_optimizer, self.server_lr),
-            coder=coder,
         )
 
 
 @dataclass(frozen=True)
+@fills(
+    BPCFLSettings,
+    skip=("num_classes", "step_size_labels", "save_interval", "pretrain_optimizer", "chain_optimizer"),
+    defaults={
+        "num_points": 5,
+        "prior_precision": 0.1,
+        "init_std": 0.6,
+        "num_updates": 700,
+        "step_size_inputs": 1e-3,
+        "pairs_per_update": 20,
+        "num_noise": 10,
+        "noise_std": 1e-2,
+        "num_trajectories": 100,
+        "pretrain_steps": 400,
+        "pretrain_batch_size": None,
+        "data_chain_length": 150,
+        "coreset_chain_length": 200,
+    },
+)
 class BPCFLConfig(MethodConfig):
     """BPC-FL (:func:`sidejax.algorithms.bpcfl`): one round in which every client uploads a learned
-    pseudocoreset, then downstream inference on the server. Defaults: the paper's 2-D moons column
-    (docs/papers/bpcfl.md#table-2, docs/papers/bpcfl.md#table-7); full-batch pretraining
+    pseudocoreset, then downstream inference on the server (:class:`sidejax.algorithms.BPCFLSettings`'s
+    fields, for classification; the optimizers by name and learning rate). Defaults: the paper's 2-D moons
+    column (docs/papers/bpcfl.md#table-2, docs/papers/bpcfl.md#table-7); full-batch pretraining
     (docs/papers/bpcfl.md#s8-5: 20 points < the batch size 50).
 
     Attributes:
-      num_points: K, pseudo-points per client.
-      prior_precision: lambda of the Gaussian prior N(0, 1/lambda I).
-      init_std: sigma_z, std of the initial pseudo-inputs around the client's mean input.
-      num_updates: BPC-fKL updates (the paper's "client update steps").
-      step_size_inputs: psi_x, SGD step on the pseudo-inputs.
-      pairs_per_update: B_w, (trajectory, start) pairs per update ("weight mc samples per update").
-      num_noise: S, noise draws per pair.
-      noise_std: sigma_eps.
-      num_trajectories: J, expert trajectories per client (shared initialisations).
-      pretrain_steps: T_pre (only max_start + L_D steps are run: later checkpoints are never drawn).
-      pretrain_batch_size: minibatch of pretraining (unset: full batch).
       pretrain_lr: learning rate of pretraining (with the sampler's optimizer, docs/papers/bpcfl.md#s8-6).
       sampler: the inner chain's optimizer, the paper's "mcmc sampler" (sgd or adam).
       sampler_lr: eta, its step size.
-      data_chain_length: L_D in optimizer steps (a multiple of 5).
-      coreset_chain_length: L_C.
-      max_start: the latest start checkpoint r in steps (unset: L_D, the literal "r <= L_D").
-      likelihood_scale: beta, the server posterior's likelihood scale.
-      trajectories_per_step: trajectories pretrained at once (unset: all; fewer bound the memory).
       inference: the server's downstream inference: sgd or adam (MAP), hmc (blackjax), sgld.
       map_lr: learning rate of the MAP optimizer (sgd, adam, and hmc_start = map).
       map_steps: MAP steps.
@@ -1085,26 +834,16 @@ class BPCFLConfig(MethodConfig):
     needs_model: ClassVar[bool] = True
     #: the server's posterior samples (one, the MAP estimate, with sgd/adam inference)
     evaluation: ClassVar[str] = "ensemble"
+    full_participation: ClassVar = "bpcfl is one-shot: every client uploads once"
+    limits: ClassVar = {
+        ">= 1": "map_steps hmc_integration_steps hmc_samples sgld_samples sgld_thinning",
+        ">= 0": "hmc_burnin sgld_burnin",
+        "> 0": "pretrain_lr sampler_lr map_lr hmc_step_size hmc_inverse_mass sgld_step_size",
+    }
 
-    num_points: int = 5
-    prior_precision: float = 0.1
-    init_std: float = 0.6
-    num_updates: int = 700
-    step_size_inputs: float = 1e-3
-    pairs_per_update: int = 20
-    num_noise: int = 10
-    noise_std: float = 1e-2
-    num_trajectories: int = 100
-    pretrain_steps: int = 400
-    pretrain_batch_size: int | None = None
     pretrain_lr: float = 1e-2
     sampler: str = choice("adam", ("sgd", "adam"))
     sampler_lr: float = 1e-2
-    data_chain_length: int = 150
-    coreset_chain_length: int = 200
-    max_start: int | None = None
-    likelihood_scale: float = 1.0
-    trajectories_per_step: int | None = None
     inference: str = choice("sgd", ("sgd", "adam", "hmc", "sgld"))
     map_lr: float = 2e-2
     map_steps: int = 500
@@ -1121,71 +860,25 @@ class BPCFLConfig(MethodConfig):
     sgld_thinning: int = 10
 
     def check(self) -> None:
-        for name in ("num_points", "num_updates", "pairs_per_update", "num_noise", "num_trajectories"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        for name in ("pretrain_steps", "map_steps", "hmc_integration_steps", "hmc_samples", "sgld_samples"):
-            self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        self.require(self.sgld_thinning >= 1, "sgld_thinning", "must be >= 1")
-        for name in ("coreset_chain_length", "hmc_burnin", "sgld_burnin"):
-            self.require(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("data_chain_length", "max_start"):
-            value = getattr(self, name)
-            self.require(
-                value is None or (value >= 0 and value % 5 == 0), name, "must be a multiple of 5 (>= 0)"
-            )
-        start = self.data_chain_length if self.max_start is None else self.max_start
-        self.require(
-            start + self.data_chain_length <= self.pretrain_steps,
-            "pretrain_steps",
-            "must be >= max_start + data_chain_length (docs/papers/bpcfl.md#t10: r + L_D <= T_pre)",
-        )
-        for name in (
-            "prior_precision",
-            "init_std",
-            "pretrain_lr",
-            "sampler_lr",
-            "likelihood_scale",
-            "map_lr",
-            "hmc_step_size",
-            "hmc_inverse_mass",
-            "sgld_step_size",
-        ):
-            self.require(getattr(self, name) > 0, name, "must be > 0")
-        self.require(self.step_size_inputs >= 0, "step_size_inputs", "must be >= 0")
-        self.require(self.noise_std >= 0, "noise_std", "must be >= 0")
-        for name in ("pretrain_batch_size", "trajectories_per_step"):
-            value = getattr(self, name)
-            self.require(value is None or value >= 1, name, "must be >= 1 (or unset)")
+        """The library's checks of the settings (:func:`sidejax.algorithms.bpcfl.check_settings`)."""
+        try:
+            check_settings(self.settings(None))
+        except ValueError as e:
+            raise ValueError(f"{self.label()}: {e}") from None
 
     def check_data(self, client_sizes) -> None:
         """Refuses a federation in which a client has fewer than ``num_points`` examples, or none at all
         (:func:`sidejax.algorithms.check_client_sizes`), before anything runs."""
         check_client_sizes(self.num_points, client_sizes)
 
-    def settings(self, num_classes: int) -> BPCFLSettings:
+    def settings(self, num_classes: int | None) -> BPCFLSettings:
         """The library's :class:`sidejax.algorithms.BPCFLSettings` (classification with ``num_classes``)."""
-        sampler = make_optimizer(self.sampler, self.sampler_lr)
-        return BPCFLSettings(
-            num_points=self.num_points,
+        return self.library_value(
+            BPCFLSettings,
             num_classes=num_classes,
-            prior_precision=self.prior_precision,
-            init_std=self.init_std,
-            num_updates=self.num_updates,
-            step_size_inputs=self.step_size_inputs,
             step_size_labels=0.0,
-            pairs_per_update=self.pairs_per_update,
-            num_noise=self.num_noise,
-            noise_std=self.noise_std,
-            num_trajectories=self.num_trajectories,
-            pretrain_steps=self.pretrain_steps,
-            pretrain_batch_size=self.pretrain_batch_size,
             pretrain_optimizer=make_optimizer(self.sampler, self.pretrain_lr),
-            chain_optimizer=sampler,
-            data_chain_length=self.data_chain_length,
-            coreset_chain_length=self.coreset_chain_length,
-            max_start=self.max_start,
-            likelihood_scale=self.likelihood_scale,
-            trajectories_per_step=self.trajectories_per_step,
+            chain_optimizer=make_optimizer(self.sampler, self.sampler_lr),
         )
 
     def inference_kernel(self):
@@ -1212,32 +905,19 @@ class BPCFLConfig(MethodConfig):
             thinning=self.sgld_thinning,
         )
 
-    def build(
-        self,
-        loss_fn: Callable,
-        coder: Callable,
-        *,
-        num_clients: int,
-        clients_per_round: int,
-        model: Any = None,
-    ) -> Algorithm:
-        """``coder`` is the pseudocoreset coder config's factory ``coder(num_classes)`` (the stream's label
-        width depends on the dataset); ``model`` the :class:`experiments.algorithms.ModelContext`."""
-        if model is None:
+    def algorithm(self, b: Build) -> Algorithm:
+        """``b.coder`` is the pseudocoreset coder config's factory ``coder(num_classes)`` (the stream's label
+        width depends on the dataset); ``b.model`` the :class:`experiments.algorithms.ModelContext`."""
+        if b.model is None:
             raise ValueError("bpcfl needs the model context (init_fn, input_shape, num_classes) to build")
-        if clients_per_round != num_clients:
-            raise ValueError(
-                f"bpcfl is one-shot: every client uploads once, so data.participation must be 1 (got "
-                f"{clients_per_round} of {num_clients} clients per round)"
-            )
         return bpcfl(
-            loss_fn,
-            model.init_fn,
-            input_shape=model.input_shape,
-            num_clients=num_clients,
-            settings=self.settings(model.num_classes),
+            b.loss_fn,
+            b.model.init_fn,
+            input_shape=b.model.input_shape,
+            num_clients=b.num_clients,
+            settings=self.settings(b.model.num_classes),
             inference=self.inference_kernel(),
-            coder=coder(model.num_classes),
+            coder=b.coder(b.model.num_classes),
         )
 
 

@@ -100,6 +100,8 @@ def _value_parser(base: type, optional: bool):
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, tuple):
+        return " ".join(map(_fmt, value))
     return "unset" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -249,13 +251,13 @@ def _add_field_flag(
     """The flag ``--TABLE.NAME`` of a field that ``owners`` (the methods or coders that have it) share: its
     type, its choices (the union of the owners'), and its help (``doc``, the owners and their defaults)."""
     kinds = [field_type(cls, name) for cls in owners.values()]
-    bases, choices = {b for b, _ in kinds}, [cls.choices(name) for cls in owners.values()]
+    bases, choices = {(k.base, k.many) for k in kinds}, [cls.choices(name) for cls in owners.values()]
     assert len(bases) == 1, f"{table}.{name} has different types in its owners"
     assert len({bool(c) for c in choices}) == 1, f"{table}.{name} is a choice in some owners only"
     # the union of the owners' choices (e.g. client_optimizer: the mask methods also take
     # "mirror"); the chosen section checks its own
     choice = tuple(dict.fromkeys(c for cs in choices if cs for c in cs)) or choices[0]
-    (base,), optional = bases, any(o for _, o in kinds)
+    ((base, many),), optional = bases, any(k.optional for k in kinds)
     owner_names = {k: v for k, v in owners.items() if k} or owners
     text = doc
     if choice and not all(c in text for c in choice):
@@ -265,6 +267,7 @@ def _add_field_flag(
         dest=f"{table}.{name}",
         type=str.lower if choice else _value_parser(base, optional),
         choices=choice,
+        nargs="+" if many else None,
         metavar="{true,false}" if base is bool else "NAME" if choice else base.__name__.upper(),
         default=argparse.SUPPRESS,
         help=argparse.SUPPRESS
@@ -296,7 +299,7 @@ def _help_focus(argv: list[str]) -> dict[str, str]:
     if known.method in METHODS:
         focus["method"] = known.method
         if known.coder is None:
-            focus["coder"] = default_config(known.method).coder.name
+            focus["coder"] = METHODS[known.method].default_coder
     if known.coder in CODERS:
         focus["coder"] = known.coder
     return focus

@@ -46,7 +46,7 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
         0.9,
         0.01,
     )
-    assert (cfg.run.rounds, cfg.coder.lattice, cfg.coder.level, cfg.coder.gamma) == (80, "z3", 0.1, 1.0)
+    assert (cfg.run.rounds, cfg.coder.lattice, cfg.coder.level, cfg.coder.gamma) == (80, "z3", (0.1,), 1.0)
 
 
 def test_privacy_columns_reproduce_the_papers_numbers():
@@ -104,3 +104,61 @@ def test_table_command_runs_the_schemes_and_writes_the_columns(tmp_path, monkeyp
     captured = capsys.readouterr()
     assert f"skipped {run}" in captured.err and "CEPAM-Gaussian" not in (tmp_path / "table.md").read_text()
     assert main(["cepam", "table", str(tmp_path / "nothing")]) == 2
+
+
+def test_the_noise_level_has_one_home_read_by_the_algorithm_and_the_accountant(monkeypatch, capsys):
+    """``[coder] level`` is a list: one value is every client's level (the coder's own, no per-client
+    levels), several are given to the clients in turn; the algorithm's per-client levels and the accountant
+    read that one field, from a preset, the command line (several values after the flag) or TOML."""
+    import functools
+
+    import sidejax.algorithms
+    from experiments.algorithms import build_algorithm
+    from experiments.run import build_parser, resolve
+
+    one = suite_config("mnist_cnn", "cepam_gauss_z1")
+    several = one.override({"coder.level": [0.05, 0.1, 0.2]})
+    assert one.coder.client_levels(30) is None and one.coder.mechanism_noise().sigma == 0.1
+    assert several.coder.client_levels(4) == [0.05, 0.1, 0.2, 0.05]
+    seen = {}
+
+    @functools.wraps(sidejax.algorithms.cepam)
+    def record(loss, **kwargs):
+        seen["levels"] = kwargs["noise_levels"]
+
+    monkeypatch.setattr(sidejax.algorithms, "cepam", record)
+    build_algorithm(several, "loss")
+    assert seen["levels"] == [0.05, 0.1, 0.2] * 10
+    g = guarantee(several.to_dict())
+    assert g.scale == tuple([0.05, 0.1, 0.2] * 10)
+    assert guarantee(one.to_dict()).scale == 0.1
+    args = build_parser().parse_args(
+        ["--preset", "cepam_mnist_cnn_cepam_gauss_z1", "--coder.level", "0.05", "0.1", "0.2"]
+    )
+    assert resolve(args)[0] == several
+    from experiments.run import main
+
+    assert main(["--method.name", "cepam", "--help"]) == 0  # a method without a shortcut: its coder's flags
+    assert "--coder.level FLOAT [FLOAT ...]" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"level must be in \(0, inf\); got \(0.1, -1.0\)"):
+        one.override({"coder.level": [0.1, -1.0]})
+
+
+def test_a_config_json_with_the_old_comma_separated_levels_is_converted_or_refused():
+    """A run folder's config.json from before (``[method] noise_levels = "0.05,0.1,0.2"`` beside a scalar
+    ``[coder] level``) loads with the levels as ``[coder] level`` (so it resumes and is tabulated as before);
+    levels for a coder without noise are refused with what to do."""
+    from experiments.config import config_from_dict
+    from experiments.driver_folder import run_config
+
+    saved = suite_config("mnist_cnn", "cepam_gauss_z1").to_dict()
+    saved["coder"]["level"] = 0.1
+    saved["method"]["noise_levels"] = "0.05,0.1,0.2"
+    assert run_config(saved).coder.level == (0.05, 0.1, 0.2)
+    assert guarantee(saved).scale == tuple([0.05, 0.1, 0.2] * 10)
+    saved["method"]["noise_levels"] = ""
+    assert run_config(saved).coder.level == (0.1,)
+    fl = suite_config("mnist_cnn", "fl").to_dict()
+    fl["method"]["noise_levels"] = "0.1,0.2"
+    with pytest.raises(ValueError, match=r"noise_levels .* is no longer a field.*\[coder\] level"):
+        config_from_dict(fl)

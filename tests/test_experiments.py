@@ -745,6 +745,7 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
     applied; optimizers as (name, lr), coders as their factory and arguments, the KLMSConfig in full), and
     the data and run values, in the format of ``tests/data/preset_equivalence.json``."""
     import dataclasses
+    import functools
     import inspect
 
     import experiments.algorithms as algorithms
@@ -755,8 +756,10 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
     calls = []
 
     def recorder(name):
-        signature = inspect.signature(getattr(sidejax.algorithms, name))
+        real = getattr(sidejax.algorithms, name)
+        signature = inspect.signature(real)
 
+        @functools.wraps(real)  # the builder's signature, which experiments.methods reads
         def record(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -766,7 +769,7 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
 
     with monkeypatch.context() as m:
         for name in ("fedavg", "fedpm", "qsgd", "signsgd", "qlsd", "sgld"):
-            m.setattr(methods, name, recorder(name))
+            m.setattr(sidejax.algorithms, name, recorder(name))
         m.setattr(methods, "make_optimizer", lambda name, lr: {"optimizer": name, "lr": lr})
         m.setattr(coders, "klms_coder", lambda cfg: {"coder": "klms", "config": dataclasses.asdict(cfg)})
         m.setattr(coders, "elias_coder", lambda levels: {"coder": "elias", "max_level": levels})
@@ -871,8 +874,8 @@ def _write_preset(directory, name, text):
         (
             "[method]\nname = 'fedpm'\nserver_lr = 0.1\n",
             r"\[method\] key 'server_lr' is not a field of method 'fedpm' \(methods with it: fedavg, qsgd, "
-            r"signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa\); valid keys: name, local_epochs, "
-            r"local_steps, batch_size, client_optimizer, client_lr, estimator$",
+            r"signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa\); valid keys: name, batch_size, "
+            r"local_epochs, local_steps, client_optimizer, client_lr, estimator$",
         ),
         ("[method]\nname = 'fedpm'\nclient_lrr = 0.1\n", r"\[method\] unknown key 'client_lrr' for method"),
         ("[method]\nname = 'qsgd'\nlevels = 2.0\n", r"\[method\] key 'levels' must be int, got 2.0"),
@@ -1236,9 +1239,9 @@ def test_fedpa_config_defaults_are_table_5_and_its_fields_are_checked(small_mode
     algo = build_algorithm(config, small_model[2])
     assert algo.clients_per_round == config.clients_per_round
     for field, value, rule in [
-        ("shrinkage", 1.5, r"shrinkage must be in \(0, 1\]"),
-        ("num_samples", 0, "num_samples must be >= 1"),
-        ("burn_in_rounds", -1, "burn_in_rounds must be >= 0"),
+        ("shrinkage", 1.5, r"shrinkage must be a number in \(0, 1\]"),
+        ("num_samples", 0, "num_samples must be an integer >= 1"),
+        ("burn_in_rounds", -1, "burn_in_rounds must be an integer >= 0"),
         ("server_lr", 0.0, "server_lr must be > 0"),
     ]:
         with pytest.raises(ValueError, match=rule):
@@ -1397,3 +1400,30 @@ def test_crc32_checks_every_coders_messages_once():
                 coder = config.coder
                 settings = coder.klms_config() if coder.name == "klms" else coder.config()
                 assert settings.crc32 == crc, algorithm
+
+
+def test_method_and_coder_sections_are_generated_from_the_library_settings_types():
+    """A section that fills a library settings type takes its fields, defaults and help from it (stated
+    once, in sidejax) and builds the library value from them; a renamed field maps back; a non-scalar
+    library field must be supplied by hand."""
+    from experiments.coders import KLMSAvgCoderConfig, KLMSCoderConfig
+    from experiments.sections import Section, fills
+    from sidejax.algorithms import FedPASettings, LangevinSettings
+    from sidejax.algorithms.pfedbayes import CoresetSettings, PFedBayesSettings
+    from sidejax.coding import KLMSAvgConfig, KLMSConfig
+
+    assert METHODS["fedpa"]().settings() == FedPASettings()
+    assert METHODS["sgld"]().library_value(LangevinSettings) == LangevinSettings()
+    assert KLMSCoderConfig().klms_config() == KLMSConfig()  # rho_threshold unset: the library's 3.0
+    assert KLMSAvgCoderConfig(crc32=True).config() == KLMSAvgConfig(crc32=True)
+    coreset = METHODS["coreset_pfedbayes"](coreset_every=3, aiht_tol=1e-3, coreset_init="zeros")
+    assert coreset.library_value(CoresetSettings) == CoresetSettings(every=3, tol=1e-3, init="zeros")
+    assert METHODS["fedpa"].field_docs()["num_samples"].startswith("ℓ, local samples per client and round")
+    assert METHODS["coreset_pfedbayes"].field_docs()["aiht_tol"].startswith("A-IHT's iteration cap and")
+    for cls in (*METHODS.values(), *CODERS.values()):
+        for names in cls.libraries.values():
+            assert set(names) <= set(cls.field_names()), cls
+    with pytest.raises(TypeError, match="personal_optimizer is not a scalar; skip it"):
+        fills(PFedBayesSettings)(type("Bad", (Section,), {}))
+    with pytest.raises(ValueError, match=r"method 'fedpa': shrinkage must be a number in \(0, 1\]"):
+        METHODS["fedpa"](shrinkage=2.0)  # the library's own validation, naming the section
