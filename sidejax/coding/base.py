@@ -52,7 +52,10 @@ __all__ = [
     "ERR_PRIOR",
     "ERR_CRC",
     "ERR_INPUT",
+    "WITHHELD_BITS",
     "stream_errors",
+    "withhold",
+    "included",
     "empty_message",
     "concat_messages",
     "split_message",
@@ -96,6 +99,9 @@ ERR_PARSE = 4
 ERR_PRIOR = 8
 ERR_CRC = 16
 ERR_INPUT = 32
+#: The length of a withheld message (:func:`withhold`): no stream was sent, and no decoder's length check
+#: accepts a negative length.
+WITHHELD_BITS = -1
 _ERROR_TEXT = {
     ERR_LENGTH: "the payload is shorter than num_bits claims, or holds set bits past num_bits "
     "(length mismatch: truncated or padded stream)",
@@ -112,6 +118,30 @@ def stream_errors(errors) -> list[str]:
     """Host side: the reasons encoded in a decoded stream's ``errors`` bitmask, as sentences."""
     code = int(errors)
     return [text for bit, text in _ERROR_TEXT.items() if code & bit]
+
+
+def withhold(messages: Message, send: jax.Array) -> Message:
+    """``messages`` with every entry whose ``send`` is False *withheld*: its length becomes
+    :data:`WITHHELD_BITS` (``-1``, "no stream"), its payload is kept as it was (a static buffer).
+
+    This is how what an encoder knows is wrong reaches the receiver: a client whose encoder reported
+    ``valid=False`` (or whose result is not finite) sends no stream, and the receiver reads that from the
+    message itself (:func:`included`), whatever the coder. The round engine applies it to every uplink
+    (:func:`sidejax.fl.build_round_step`); ``messages`` may be one message or stacked (``send`` then has
+    the shape of ``num_bits``)."""
+    bits = as_bits(messages.num_bits)
+    return Message(
+        messages.payload, jnp.where(jnp.asarray(send, bool), bits, WITHHELD_BITS).astype(bits.dtype)
+    )
+
+
+def included(messages: Message, decoded_valid: jax.Array) -> jax.Array:
+    """The aggregation mask of a stacked uplink, the one rule every server applies: participant ``i`` is
+    included iff its stream was sent (not :func:`withhold` -held) and its decoder reported it valid.
+    ``bool[clients]``. An excluded participant contributes nothing to any aggregate (see
+    :func:`sidejax.utils.masked_mean`)."""
+    sent = as_bits(messages.num_bits) >= 0
+    return sent & jnp.broadcast_to(jnp.asarray(decoded_valid, bool), sent.shape)
 
 
 class StreamCheck(NamedTuple):
@@ -373,7 +403,7 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
         return (sample, decode_float32(side_msg)), SideInfoDecoded(decoded, decoded.valid, decoded.errors)
 
     def update(state, decoded):
-        return coder.update(state, decoded.inner)
+        return coder.update(state, decoded.inner._replace(valid=decoded.valid, errors=decoded.errors))
 
     return Coder(
         init=coder.init,
