@@ -14,7 +14,12 @@ Every message in sidejax, uplink or downlink, compressed or not, is built by a :
   cannot see ``q`` or the private key: everything it learns is in the message. ``decoded`` has ``valid``
   and ``errors`` fields (an int32 bitmask of ``ERR_*``; :func:`stream_errors` turns it into sentences).
 - ``update(state, decoded) -> (state, info)``: the protocol step on the server, with every participant's
-  ``decoded`` stacked on axis 0 (identity when stateless).
+  ``decoded`` stacked on axis 0 (identity when stateless). Only the entries whose ``decoded.valid`` is True
+  count (with none, the state is kept): the server passes ``decoded._replace(valid=included(...))`` so that
+  an excluded participant leaves no trace in the protocol either.
+- A sender whose ``info.valid`` is False sends no stream: :func:`withhold` marks its message (length
+  :data:`WITHHELD_BITS`, which every decoder rejects), and :func:`included` is the aggregation mask every
+  server uses (the round engine withholds; :func:`sidejax.fl.build_round_step`).
 - ``downlink(state) -> Message``: the protocol side information the receivers need for the next round
   (a real stream; 0 bits when stateless), and ``receive(state, message) -> state``: the client side of it.
 - ``uses_prior``: whether ``decode`` depends on ``p``. When it does, ``p`` must be known to the receiver,
