@@ -537,8 +537,9 @@ def _gr_receive(coder, num_samples, dkey, keys, server: GRServer, me: GRClient, 
     others, ok = split_stacked(message, _composite_frame(coder, num_samples), me.coder, n - 1, cap)
     # the n - 1 framed streams, then (only when the federator excluded any) its n-bit mask of included ones
     end = jnp.sum(others.num_bits)
-    marked = (as_bits(message.num_bits) == end + n) & jnp.all(others.num_bits <= 32 * cap)
     words = jnp.pad(jnp.asarray(message.payload, jnp.uint32), (0, -(-n // 32) + 1))
+    _, clean_tail = mask_to_length(words, message.num_bits)
+    marked = (as_bits(message.num_bits) == end + n) & jnp.all(others.num_bits <= 32 * cap) & clean_tail
     include = jnp.where(marked, unpack_fixed(words, n, 1, bit_offset=end) == 1, True)
     ok = ok | marked
     idx = jnp.arange(n)
@@ -946,19 +947,14 @@ def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, rece
     return new, message, info
 
 
-def _aggregate(coder, num_samples, server, priors, shared_keys, messages):
-    theta, cstate, errors, include = _uplink_aggregate(
-        coder, num_samples, priors, server.coder, shared_keys, messages
-    )
-    return theta, cstate, errors, include
-
-
 def _reconst_server_update(
     coder, num_samples, rkey, server: ReconstServer, ids, shared_keys, messages, weights
 ):
     del rkey, weights
     priors = jnp.broadcast_to(server.theta_hat, (ids.shape[0], server.theta_hat.shape[0]))
-    theta, cstate, errors, include = _aggregate(coder, num_samples, server, priors, shared_keys, messages)
+    theta, cstate, errors, include = _uplink_aggregate(
+        coder, num_samples, priors, server.coder, shared_keys, messages
+    )
     new = keep_unless_none(
         include, server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True)), server
     )
@@ -968,8 +964,8 @@ def _reconst_server_update(
 def _pr_server_update(coder, num_samples, rkey, server: PRServer, ids, shared_keys, messages, weights):
     """Decode each participant against the federator's copy of its estimate; average over participants."""
     del rkey, weights
-    theta, cstate, errors, include = _aggregate(
-        coder, num_samples, server, server.theta_hat[ids], shared_keys, messages
+    theta, cstate, errors, include = _uplink_aggregate(
+        coder, num_samples, server.theta_hat[ids], server.coder, shared_keys, messages
     )
     new = server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True), round=server.round + 1)
     new = keep_unless_none(include, new, server)

@@ -120,15 +120,22 @@ FAMILIES = [
     "coreset_pfedbayes",
     "bpcfl",
 ]
+
+
+def _start(name: str):
+    """``(algorithm, initial state, federation, rounds key)`` of family ``name`` (run seed 0)."""
+    params, _, algorithms, fed = _setup()
+    algo = algorithms[name]
+    init_key, rounds_key = run_keys(0)
+    return algo, algo.init(init_key, params, NUM_CLIENTS), fed, rounds_key
+
+
 FAMILY_PARAMS = [name if name in FAST else pytest.param(name, marks=pytest.mark.slow) for name in FAMILIES]
 
 
 @pytest.mark.parametrize("name", FAMILY_PARAMS)
 def test_a_poisoned_participant_is_excluded_as_if_removed(name):
-    params, _, algorithms, fed = _setup()
-    algo = algorithms[name]
-    init_key, rounds_key = run_keys(0)
-    state = algo.init(init_key, params, NUM_CLIENTS)
+    algo, state, fed, rounds_key = _start(name)
     rkey = round_key(rounds_key, 0)
     new, info = _round(algo, state, _poison(fed, [BAD]), rkey)
     assert not bool(np.asarray(info.clients.valid)[BAD] & np.asarray(info.clients.finite)[BAD])
@@ -164,10 +171,7 @@ def test_a_poisoned_participant_is_excluded_as_if_removed(name):
 
 @pytest.mark.parametrize("name", FAMILY_PARAMS)
 def test_a_round_with_every_participant_poisoned_keeps_the_server_state(name):
-    params, _, algorithms, fed = _setup()
-    algo = algorithms[name]
-    init_key, rounds_key = run_keys(0)
-    state = algo.init(init_key, params, NUM_CLIENTS)
+    algo, state, fed, rounds_key = _start(name)
     rkey = round_key(rounds_key, 0)
     poisoned = _poison(fed, range(NUM_CLIENTS))
     new, info = _round(algo, state, poisoned, rkey)
