@@ -10,7 +10,16 @@ import numpy as np
 
 from sidejax.types import PyTree
 
-__all__ = ["is_concrete", "tree_all_finite", "check_count", "stack_clients", "enable_x64"]
+__all__ = [
+    "is_concrete",
+    "tree_all_finite",
+    "check_count",
+    "stack_clients",
+    "enable_x64",
+    "masked_mean",
+    "masked_sum",
+    "keep_unless_none",
+]
 
 
 def is_concrete(tree: PyTree) -> bool:
@@ -57,3 +66,47 @@ def enable_x64():
     from jax.experimental import enable_x64 as experimental_enable_x64
 
     return experimental_enable_x64()
+
+
+def _rows(mask: jax.Array, values: jax.Array) -> jax.Array:
+    return jnp.asarray(mask, bool).reshape(mask.shape + (1,) * (values.ndim - 1))
+
+
+def masked_sum(values: jax.Array, include: jax.Array) -> jax.Array:
+    """``sum_i values[i]`` over the rows ``i`` with ``include[i]`` True (axis 0). Excluded rows are replaced
+    by zeros before the sum (never multiplied: a NaN row times 0 is NaN), so the result is the sum over the
+    included rows alone, bit for bit, and equals ``jnp.sum(values, 0)`` when every row is included."""
+    values = jnp.asarray(values)
+    return jnp.sum(jnp.where(_rows(include, values), values, jnp.zeros((), values.dtype)), axis=0)
+
+
+def masked_mean(values: jax.Array, include: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """The aggregate every server takes over its participants (axis 0), renormalised over the included
+    ones: with ``weights`` None the unweighted mean :math:`\\frac{1}{|I|}\\sum_{i \\in I} v_i`, else
+    :math:`\\sum_{i \\in I} w_i v_i / \\sum_{i \\in I} w_i`; ``I = {i : include[i]}``. With every row
+    included it is ``jnp.mean(values, 0)`` / ``tensordot(w / sum(w), values)`` exactly (the same operations),
+    so runs without excluded clients keep their bits. With none included the result is not finite (0/0):
+    callers keep their previous state (:func:`keep_unless_none`)."""
+    values = jnp.asarray(values)
+    include = jnp.asarray(include, bool)
+    if weights is None:
+        return masked_sum(values, include) / jnp.sum(include).astype(values.dtype)
+    w = jnp.where(include, jnp.asarray(weights, values.dtype), 0)
+    w = w / jnp.sum(w)
+    return jnp.tensordot(w, jnp.where(_rows(include, values), values, jnp.zeros((), values.dtype)), axes=1)
+
+
+def keep_unless_none(include: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` if any participant is included, else ``old`` (every leaf): a server none of whose
+    participants is included keeps its previous state."""
+    anyone = jnp.any(jnp.asarray(include, bool))
+
+    def pick(a, b):
+        if not isinstance(a, jax.Array | np.ndarray | np.generic):
+            return a  # a static Python value (a shape, a size): the same in both
+        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            data = jnp.where(anyone, jax.random.key_data(a), jax.random.key_data(b))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
+        return jnp.where(anyone, a, b).astype(jnp.result_type(a))
+
+    return jax.tree.map(pick, new, old)

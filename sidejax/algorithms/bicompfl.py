@@ -80,10 +80,11 @@ from sidejax.coding.base import (
     Message,
     concat_messages,
     concat_stacked,
+    included,
     split_stacked,
     stream_errors,
 )
-from sidejax.coding.bitstream import mask_to_length, unpack_fixed
+from sidejax.coding.bitstream import mask_to_length, pack_fixed, unpack_fixed
 from sidejax.coding.klms import KLMSConfig, KLMSState, klms_coder
 from sidejax.distributions import Bernoulli
 from sidejax.fl.base import Algorithm, ClientInfo, initial_round_state
@@ -96,7 +97,7 @@ from sidejax.keys import (
     draw_key,
 )
 from sidejax.types import Params
-from sidejax.utils import check_count, is_concrete
+from sidejax.utils import check_count, is_concrete, keep_unless_none, masked_sum
 
 __all__ = [
     "CLIP",
@@ -138,6 +139,27 @@ def clip_table(num_samples: int) -> np.ndarray:
 def clipped_mean(counts: jax.Array, num_samples: int) -> jax.Array:
     """:math:`c(\\text{counts} / N)` by table lookup (bit-identical wherever it is computed)."""
     return jnp.asarray(clip_table(num_samples))[counts]
+
+
+@functools.lru_cache(maxsize=16)
+def _clip_rows(num_clients: int, num_samples: int) -> np.ndarray:
+    """``float32[num_clients + 1, num_clients * num_samples + 1]``: row ``m`` is :func:`clip_table` of
+    ``m * num_samples`` samples (padded with its last value; row 0, no sample, is unused)."""
+    width = num_clients * num_samples + 1
+    rows = [np.full(width, 1.0 - CLIP, np.float32)]
+    for m in range(1, num_clients + 1):
+        row = clip_table(m * num_samples)
+        rows.append(np.concatenate([row, np.full(width - row.shape[0], row[-1], np.float32)]))
+    return np.stack(rows)
+
+
+def included_clipped_mean(client_counts: jax.Array, include: jax.Array, num_samples: int) -> jax.Array:
+    """:math:`c(k / N_I)` over the included clients: ``k`` the sum of their ``client_counts[C, d]`` (each
+    of ``num_samples`` samples), :math:`N_I = |I| \\cdot` ``num_samples``, by table lookup (the same table
+    entry as :func:`clipped_mean` when every client is included, so the same bits at every party)."""
+    n = client_counts.shape[0]
+    k = masked_sum(client_counts, include)
+    return jnp.asarray(_clip_rows(n, num_samples))[jnp.sum(include), k]
 
 
 def _counts(samples: jax.Array, axes) -> jax.Array:
@@ -365,16 +387,23 @@ def _where_tree(cond, a, b):
     return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
 
 
-def _uplink_decode(coder, num_samples, priors, cstate, shared_keys, messages):
-    """The federator decodes every participant's stream against that participant's prior
-    (``priors[C, d]``): ``(counts[d], decoded flattened over C * num_samples, errors[C])``."""
+def _uplink_aggregate(coder, num_samples, priors, cstate, shared_keys, messages, include=None):
+    """Decode every participant's stream against that participant's prior (``priors[C, d]``) and aggregate
+    the included ones (``include``, or :func:`sidejax.coding.included` of the streams):
+    ``(theta c(k / N_I), coder_state, errors[C], include[C])``; with none included ``theta`` is not
+    finite and the coder state is kept (the caller keeps its own)."""
     c = messages.num_bits.shape[0]
     p0 = Bernoulli(priors[0])
     cap = _capacity(coder, p0, p0, cstate)
     samples, decoded, errors = jax.vmap(
         lambda k, prior, m: decode_samples(coder, k, Bernoulli(prior), cstate, m, num_samples, cap)
     )(shared_keys, priors, messages)
-    return _counts(samples, (0, 1)), _flat(decoded, c * num_samples), errors
+    include = included(messages, errors == 0) if include is None else include & (errors == 0)
+    decoded = _flat(decoded, c * num_samples)
+    decoded = decoded._replace(valid=decoded.valid & jnp.repeat(include, num_samples))
+    new_coder, _ = coder.update(cstate, decoded)
+    theta = included_clipped_mean(_counts(samples, 1), include, num_samples)
+    return theta, new_coder, errors, include
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,6 +424,10 @@ class GRServer(NamedTuple):
         derives from the global seed, the round and the sender's id (stored so the kernels need not
         re-derive the key schedule).
       has_relay: False in round 0 (nothing to relay yet).
+      relay_included: bool ``[n]``: which of the relayed streams the federator's aggregate counted
+        (:func:`sidejax.coding.included`). When any is excluded, the relay carries this mask after the
+        streams (``n`` bits), so every client rebuilds the same aggregate; with all included it carries
+        nothing more (the same bits as without exclusions).
     """
 
     weights: Params
@@ -404,6 +437,7 @@ class GRServer(NamedTuple):
     relay: Message
     relay_keys: jax.Array
     has_relay: jax.Array
+    relay_included: jax.Array | None = None
 
 
 class GRClient(NamedTuple):
@@ -434,34 +468,47 @@ def _gr_init(coder, num_samples, want_clients, key, params, num_clients):
         jnp.zeros((num_clients, shape.payload.shape[-1]), jnp.uint32), jnp.zeros(num_clients, BITS_DTYPE)
     )
     key_data = jnp.zeros((num_clients, *jax.random.key_data(key).shape), jnp.uint32)
-    server = GRServer(weights, theta, u, cstate, empty, key_data, jnp.asarray(False))
+    server = GRServer(
+        weights, theta, u, cstate, empty, key_data, jnp.asarray(False), jnp.ones(num_clients, bool)
+    )
     ids = jnp.arange(num_clients, dtype=jnp.int32)
     clients = GRClient(ids, _stack(theta, num_clients), _stack(cstate, num_clients), empty)
     return initial_round_state(server, clients, num_clients)
 
 
 def _gr_broadcast(dkey, server: GRServer, client_ids):
-    """Per participant ``j``: the other clients' last uplink streams back to back (no length fields)."""
+    """Per participant ``j``: the other clients' last uplink streams back to back (no length fields), then,
+    only when the federator excluded any of them, the ``n``-bit mask of the included ones
+    (``GRServer.relay_included``; a receiver knows it is there when the message is ``n`` bits longer than
+    its ``n - 1`` framed streams)."""
     del dkey
     n = server.relay.num_bits.shape[0]
+    mask = Message(pack_fixed(server.relay_included.astype(jnp.uint32), 1), as_bits(n))
+    excluded = ~jnp.all(server.relay_included)
 
     def one(j):
-        msg = concat_stacked(server.relay, jnp.arange(n) != j)
-        return Message(msg.payload, jnp.where(server.has_relay, msg.num_bits, 0))
+        streams = concat_stacked(server.relay, jnp.arange(n) != j)
+        marked = concat_messages(streams, mask)
+        words = jnp.pad(streams.payload, (0, marked.payload.shape[0] - streams.payload.shape[0]))
+        payload = jnp.where(excluded, marked.payload, words)
+        num_bits = jnp.where(excluded, marked.num_bits, streams.num_bits)
+        return Message(payload, jnp.where(server.has_relay, num_bits, 0))
 
     return server, jax.vmap(one)(client_ids)
 
 
-def _gr_rebuild(coder, num_samples, theta, cstate, messages: Message, keys_data):
-    """Every party's reconstruction: decode all ``n`` clients' streams against ``theta`` and average;
-    ``(theta_next, coder_state, errors[n])``."""
+def _gr_rebuild(coder, num_samples, theta, cstate, messages: Message, keys_data, include=None):
+    """Every party's reconstruction: decode all ``n`` clients' streams against ``theta`` and average the
+    included ones (``include``: the federator's mask; ``None``: :func:`sidejax.coding.included`);
+    ``((theta_next, coder_state), errors[n], include[n])``, the previous model and coder state when none is
+    included."""
     n = messages.num_bits.shape[0]
     shared = jax.vmap(canonicalize_key)(keys_data)
-    counts, decoded, errors = _uplink_decode(
-        coder, num_samples, jnp.broadcast_to(theta, (n, theta.shape[0])), cstate, shared, messages
+    priors = jnp.broadcast_to(theta, (n, theta.shape[0]))
+    new, new_coder, errors, include = _uplink_aggregate(
+        coder, num_samples, priors, cstate, shared, messages, include
     )
-    new_coder, _ = coder.update(cstate, decoded)
-    return clipped_mean(counts, n * num_samples), new_coder, errors
+    return keep_unless_none(include, (new, new_coder), (theta, cstate)), errors, include
 
 
 def _composite_frame(coder: Coder, num_samples: int):
@@ -488,6 +535,13 @@ def _gr_receive(coder, num_samples, dkey, keys, server: GRServer, me: GRClient, 
     n = server.relay.num_bits.shape[0]
     cap = me.message.payload.shape[-1]
     others, ok = split_stacked(message, _composite_frame(coder, num_samples), me.coder, n - 1, cap)
+    # the n - 1 framed streams, then (only when the federator excluded any) its n-bit mask of included ones
+    end = jnp.sum(others.num_bits)
+    words = jnp.pad(jnp.asarray(message.payload, jnp.uint32), (0, -(-n // 32) + 1))
+    _, clean_tail = mask_to_length(words, message.num_bits)
+    marked = (as_bits(message.num_bits) == end + n) & jnp.all(others.num_bits <= 32 * cap) & clean_tail
+    include = jnp.where(marked, unpack_fixed(words, n, 1, bit_offset=end) == 1, True)
+    ok = ok | marked
     idx = jnp.arange(n)
     src = jnp.clip(jnp.where(idx < me.client_id, idx, idx - 1), 0, max(n - 2, 0))
     mine = idx == me.client_id
@@ -496,8 +550,10 @@ def _gr_receive(coder, num_samples, dkey, keys, server: GRServer, me: GRClient, 
         return jnp.where(mine.reshape((n,) + (1,) * (a.ndim - 1)), own, a[src])
 
     everyone = Message(place(others.payload, me.message.payload), place(others.num_bits, me.message.num_bits))
-    theta, cstate, errors = _gr_rebuild(coder, num_samples, me.theta, me.coder, everyone, server.relay_keys)
-    errors = _or_all(errors) | jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+    (theta, cstate), errors, _ = _gr_rebuild(
+        coder, num_samples, me.theta, me.coder, everyone, server.relay_keys, include
+    )
+    errors = _or_all(jnp.where(include, errors, 0)) | jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
     live = server.has_relay
     return _GRReceived(
         weights=server.weights,
@@ -532,9 +588,22 @@ def _gr_client_update(loss_fn, local, estimator, coder, num_samples, keys, recei
 def _gr_server_update(coder, num_samples, rkey, server: GRServer, client_ids, shared_keys, messages, weights):
     del rkey, client_ids, weights  # unweighted mean [P]
     keys_data = jax.random.key_data(shared_keys)
-    theta, cstate, errors = _gr_rebuild(coder, num_samples, server.theta, server.coder, messages, keys_data)
+    (theta, cstate), errors, include = _gr_rebuild(
+        coder, num_samples, server.theta, server.coder, messages, keys_data
+    )
+    # a withheld stream (no length) is relayed as its bits cut by the coder's frame, so that the receivers
+    # can frame every part; the mask tells them it does not count
+    frame = _composite_frame(coder, num_samples)
+    framed = jax.vmap(lambda w: as_bits(frame(server.coder, w, 0)))(jnp.asarray(messages.payload, jnp.uint32))
+    cap_bits = 32 * messages.payload.shape[-1]
+    lengths = jnp.where(as_bits(messages.num_bits) >= 0, messages.num_bits, jnp.clip(framed, 0, cap_bits))
     new = server._replace(
-        theta=theta, coder=cstate, relay=messages, relay_keys=keys_data, has_relay=jnp.asarray(True)
+        theta=theta,
+        coder=cstate,
+        relay=Message(messages.payload, lengths.astype(BITS_DTYPE)),
+        relay_keys=keys_data,
+        has_relay=jnp.asarray(True),
+        relay_included=include,
     )
     return new, BiServerInfo(jnp.mean(theta), _kl_bits(theta, server.theta)), errors
 
@@ -878,31 +947,29 @@ def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, rece
     return new, message, info
 
 
-def _aggregate(coder, num_samples, server, priors, shared_keys, messages):
-    counts, decoded, errors = _uplink_decode(coder, num_samples, priors, server.coder, shared_keys, messages)
-    cstate, _ = coder.update(server.coder, decoded)
-    theta = clipped_mean(counts, messages.num_bits.shape[0] * num_samples)
-    return theta, cstate, errors
-
-
 def _reconst_server_update(
     coder, num_samples, rkey, server: ReconstServer, ids, shared_keys, messages, weights
 ):
     del rkey, weights
     priors = jnp.broadcast_to(server.theta_hat, (ids.shape[0], server.theta_hat.shape[0]))
-    theta, cstate, errors = _aggregate(coder, num_samples, server, priors, shared_keys, messages)
-    new = server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True))
-    return new, BiServerInfo(jnp.mean(theta), server.downlink_kl_bits), errors
+    theta, cstate, errors, include = _uplink_aggregate(
+        coder, num_samples, priors, server.coder, shared_keys, messages
+    )
+    new = keep_unless_none(
+        include, server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True)), server
+    )
+    return new, BiServerInfo(jnp.mean(new.theta), server.downlink_kl_bits), errors
 
 
 def _pr_server_update(coder, num_samples, rkey, server: PRServer, ids, shared_keys, messages, weights):
     """Decode each participant against the federator's copy of its estimate; average over participants."""
     del rkey, weights
-    theta, cstate, errors = _aggregate(
-        coder, num_samples, server, server.theta_hat[ids], shared_keys, messages
+    theta, cstate, errors, include = _uplink_aggregate(
+        coder, num_samples, server.theta_hat[ids], server.coder, shared_keys, messages
     )
     new = server._replace(theta=theta, coder=cstate, fresh=jnp.asarray(True), round=server.round + 1)
-    return new, BiServerInfo(jnp.mean(theta), server.downlink_kl_bits), errors
+    new = keep_unless_none(include, new, server)
+    return new, BiServerInfo(jnp.mean(new.theta), server.downlink_kl_bits), errors
 
 
 def bicompfl_gr_reconst(

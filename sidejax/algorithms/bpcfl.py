@@ -64,13 +64,13 @@ from sidejax.bayes.pseudocoresets import (
     learn_pseudocoreset,
     trajectory_pairs,
 )
-from sidejax.coding.base import Coder, EmptyState, Message, empty_message
+from sidejax.coding.base import Coder, EmptyState, Message, empty_message, included
 from sidejax.coding.pseudocoreset import pack_pseudocoreset, pseudocoreset_coder, unpack_pseudocoreset
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, Batch, ClientData, ClientInfo, RoundState, initial_round_state
 from sidejax.keys import EXPERTS, PSEUDOCORESET, SERVER, ClientKeys, client_streams, draw_key, stream_key
 from sidejax.types import Params, PRNGKey
-from sidejax.utils import check_count, tree_all_finite
+from sidejax.utils import check_count, keep_unless_none, tree_all_finite
 
 __all__ = [
     "BPCFLSettings",
@@ -541,9 +541,11 @@ def bpcfl_server_update(
     messages: Message,
     weights,
 ):
-    """Decode every upload, aggregate with ``w_m = M n_m / N`` from the decoded counts
-    (docs/papers/bpcfl.md#a4), run the downstream inference on ``log p̃(θ | C)`` (docs/papers/bpcfl.md#a5)
-    with ``stream_key(round_key, SERVER)``."""
+    """Decode every upload, aggregate the included ones (:func:`sidejax.coding.included`) with
+    ``w_m = M n_m / N`` from the decoded counts (docs/papers/bpcfl.md#a4; excluded clients' points weigh 0,
+    ``M`` and ``N`` count the included clients alone; with none included the state is kept), run the
+    downstream inference on ``log p̃(θ | C)`` (docs/papers/bpcfl.md#a5) with ``stream_key(round_key,
+    SERVER)``."""
     del client_ids, weights  # the server uses the counts it received, not the engine's bookkeeping
     k = settings.num_points
     dim = k * (math.prod(input_shape) + 1) + 1
@@ -553,11 +555,12 @@ def bpcfl_server_update(
     inputs, labels, counts = jax.vmap(
         lambda v: unpack_pseudocoreset(v, k, tuple(input_shape), classes=classes)
     )(values)
-    coreset, point_weights = aggregate_pseudocoresets(Pseudocoreset(inputs, labels), counts)
+    include = included(messages, decoded.valid)
+    coreset, point_weights = aggregate_pseudocoresets(Pseudocoreset(inputs, labels), counts, include)
     loss_key = stream_key(round_key, SERVER)
     logdensity = coreset_posterior(loss_fn, settings, coreset, point_weights, loss_key)
     out = inference.run(draw_key(loss_key, 0), logdensity, server.params)
-    new = BPCFLServer(server.params, coreset, point_weights, out.samples)
+    new = keep_unless_none(include, BPCFLServer(server.params, coreset, point_weights, out.samples), server)
     info = BPCFLServerInfo(out.finite, out.num_divergent, out.acceptance)
     return new, info, decoded.errors
 

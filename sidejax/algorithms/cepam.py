@@ -47,13 +47,13 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms.dense import receive_vector, vector_downlink
-from sidejax.coding.base import Coder, EmptyState, Message
+from sidejax.coding.base import Coder, EmptyState, Message, included
 from sidejax.coding.lattice import NoisePrior
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, Batch, ClientInfo, RoundInfo, initial_round_state
 from sidejax.keys import ORDER, ClientKeys, client_streams, epoch_key, step_key, stream_key
 from sidejax.types import Params
-from sidejax.utils import check_count, stack_clients, tree_all_finite
+from sidejax.utils import check_count, keep_unless_none, masked_mean, stack_clients, tree_all_finite
 
 __all__ = [
     "CepamServer",
@@ -195,15 +195,18 @@ def _client_update(train, optimizer, coder, persistent, use_levels, keys: Client
 
 
 def _server_update(coder, use_levels, rkey, server: CepamServer, client_ids, shared_keys, messages, weights):
-    del rkey, weights  # eq. (19): p_k = 1/K over the participants
+    del rkey, weights  # eq. (19): p_k = 1/K over the (included) participants
     flat, unravel = ravel_pytree(server.params)
     priors = _prior(flat, server.levels[client_ids], use_levels)
     axes = NoisePrior(None, 0) if use_levels else None
     decoded, checks = jax.vmap(coder.decode, (0, axes, None, 0))(shared_keys, priors, server.coder, messages)
-    cstate, _ = coder.update(server.coder, checks)
-    new_flat = jnp.mean(decoded, axis=0)
-    info = CepamServerInfo(jnp.linalg.norm(new_flat - flat))
-    return server._replace(params=unravel(new_flat), coder=cstate), info, checks.errors
+    include = included(messages, checks.valid)
+    cstate, _ = coder.update(server.coder, checks._replace(valid=include))
+    new = keep_unless_none(
+        include, server._replace(params=unravel(masked_mean(decoded, include)), coder=cstate), server
+    )
+    info = CepamServerInfo(jnp.linalg.norm(ravel_pytree(new.params)[0] - flat))
+    return new, info, checks.errors
 
 
 def _metrics(info: RoundInfo) -> dict:

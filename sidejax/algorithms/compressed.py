@@ -80,6 +80,7 @@ from sidejax.coding.base import (
     concat_stacked,
     decode_float32,
     encode_float32,
+    included,
 )
 from sidejax.coding.bitstream import mask_to_length, sent_words, unpack_fixed
 from sidejax.coding.compress import scaled_sign_coder
@@ -88,7 +89,7 @@ from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initia
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
-from sidejax.utils import check_count
+from sidejax.utils import check_count, masked_mean
 
 __all__ = [
     "ErrorFeedbackMethod",
@@ -502,7 +503,10 @@ def compressed_client_update(
 def compressed_server_update(
     method: ErrorFeedbackMethod, rkey, server: CompressedState, client_ids, shared_keys, messages, weights
 ):
-    """The server: decode every uplink, take the unweighted mean (docs/papers/bicompfl.md#s8-16), step.
+    """The server: decode every uplink, take the unweighted mean over the included participants
+    (:func:`sidejax.coding.included`; docs/papers/bicompfl.md#s8-16), step. With none included the mean is
+    zero: the model moves only by the server's own compressed memory (DoubleSqueeze, Neolithic), which the
+    clients apply too, so the parties' copies stay bit-identical.
 
     Mem-SGD: :math:`w \\leftarrow w + \\eta_S \\bar c`. DoubleSqueeze, Neolithic: :math:`u = \\eta_S \\bar c +
     e_s`, the next broadcast is :math:`C_R(u)`, :math:`e_s \\leftarrow u - C_R(u)`, :math:`w \\leftarrow w +
@@ -513,18 +517,25 @@ def compressed_server_update(
     flat, unravel = ravel_pytree(server.params)
     dim = flat.shape[0]
     coder = method.coder
+
+    def mean_of(values, include):
+        # over the included participants; nothing received (none included) is a zero mean, so every party
+        # (the clients apply the server's compressed step too) stays bit-identical
+        return jnp.where(jnp.any(include), masked_mean(values, include), jnp.zeros((), values.dtype))
+
     if method.reset_period:
         reset = (server.rounds + 1) % method.reset_period == 0
         expected = message_bits(coder, dim) * (1 + reset.astype(jnp.int32))
         parts, errors = jax.vmap(lambda k, m: _decode_parts(coder, k, m, dim, 2, expected))(
             shared_keys, messages
         )
-        new = flat + jnp.mean(parts[:, 0], axis=0)
-        new = jnp.where(reset, new + jnp.mean(parts[:, 1], axis=0), new)
+        include = included(messages, errors == 0)
+        new = flat + mean_of(parts[:, 0], include)
+        new = jnp.where(reset, new + mean_of(parts[:, 1], include), new)
     else:
         rounds = method.uplink_rounds
         decoded, errors = jax.vmap(lambda k, m: decompress(coder, k, m, dim, rounds))(shared_keys, messages)
-        mean = jnp.mean(decoded, axis=0)
+        mean = mean_of(decoded, included(messages, errors == 0))
     residual, downlink, downlink_valid = server.residual, server.downlink, jnp.asarray(True)
     if method.downlink_rounds:
         u = method.server_lr * mean + server.residual

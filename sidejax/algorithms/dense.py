@@ -32,12 +32,14 @@ from sidejax.coding.base import (
     decode_float32,
     empty_message,
     encode_float32,
+    included,
     split_message,
 )
 from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initial_round_state
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.layout import FlatLayout, flat_layout
 from sidejax.types import Params
+from sidejax.utils import keep_unless_none
 
 __all__ = [
     "DenseState",
@@ -93,9 +95,13 @@ class DenseMethod(NamedTuple):
         side-info coder; ``layout`` is the :class:`sidejax.layout.FlatLayout` of the parameters).
       prior: ``prior(prior_state, layout) -> p``.
       reconstruct: ``reconstruct(samples, layout) -> vhat`` for the stacked decoded samples.
-      server_step: ``server_step(server_key, flat_params, vhat[clients, dim], weights) -> flat_params``.
+      server_step: ``server_step(server_key, flat_params, vhat[clients, dim], include[clients]) ->
+        flat_params``: ``include`` marks the participants that count (:func:`sidejax.coding.included`);
+        the rows of the others are garbage and must not reach the result (renormalise over the included
+        ones, :func:`sidejax.utils.masked_mean`). Not called with none included (the state is kept).
       init_prior: ``init_prior(layout) -> prior_state``.
-      update_prior: ``update_prior(prior_state, samples) -> prior_state`` (after every round).
+      update_prior: ``update_prior(prior_state, samples, include) -> prior_state`` (after every round with a
+        participant included; ``include`` as in ``server_step``).
       prior_downlink: ``prior_downlink(prior_state) -> Message``: what the receivers need to rebuild ``p``
         (sent only when the coder decodes with ``p``); ``prior_bits`` its static length.
       prior_receive: ``prior_receive(prior_state, message) -> prior_state``.
@@ -109,7 +115,7 @@ class DenseMethod(NamedTuple):
     reconstruct: Callable
     server_step: Callable
     init_prior: Callable = lambda layout: EmptyState()
-    update_prior: Callable = lambda prior_state, samples: prior_state
+    update_prior: Callable = lambda prior_state, samples, include: prior_state
     prior_downlink: Callable = lambda prior_state: empty_message()
     prior_receive: Callable = lambda prior_state, message: prior_state
     prior_bits: Callable = lambda prior_state: 0
@@ -170,17 +176,22 @@ def dense_client_update(method: DenseMethod, coder: Coder, keys: ClientKeys, ser
 def dense_server_update(
     method: DenseMethod, coder: Coder, rkey, server: DenseState, shared_keys, messages, weights
 ):
-    """The server: decode each participant with its shared key, reconstruct, step, update prior and coder."""
+    """The server: decode each participant with its shared key, reconstruct, step, update prior and coder,
+    over the included participants (:func:`sidejax.coding.included`); with none included the state is
+    kept."""
+    del weights  # the dense methods average uniformly [P]; server_step sees who is included
     coder, layout = _coder(method, coder, server.params)
     flat, unravel = ravel_pytree(server.params)
     p = method.prior(server.prior, layout)
     samples, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, p, server.coder, messages)
+    include = included(messages, decoded.valid)
     vhat = method.reconstruct(samples, layout)
-    new_flat = method.server_step(stream_key(rkey, SERVER), flat, vhat, weights)
-    prior = method.update_prior(server.prior, samples)
-    cstate, cinfo = coder.update(server.coder, decoded)
-    info = DenseServerInfo(update_norm=jnp.linalg.norm(new_flat - flat), coder=cinfo)
-    return DenseState(unravel(new_flat), prior, cstate), info, decoded.errors
+    new_flat = method.server_step(stream_key(rkey, SERVER), flat, vhat, include)
+    prior = method.update_prior(server.prior, samples, include)
+    cstate, cinfo = coder.update(server.coder, decoded._replace(valid=include))
+    new = keep_unless_none(include, DenseState(unravel(new_flat), prior, cstate), server)
+    info = DenseServerInfo(update_norm=jnp.linalg.norm(ravel_pytree(new.params)[0] - flat), coder=cinfo)
+    return new, info, decoded.errors
 
 
 def coder_metrics(info: RoundInfo) -> dict:

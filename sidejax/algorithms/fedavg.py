@@ -33,12 +33,14 @@ from sidejax.coding.base import (
     EmptyState,
     Message,
     float32_coder,
+    included,
 )
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import ClientKeys, client_streams
 from sidejax.types import Params
+from sidejax.utils import keep_unless_none, masked_mean
 
 __all__ = [
     "FedAvgState",
@@ -68,10 +70,12 @@ class FedAvgServerInfo(NamedTuple):
     update_norm: jax.Array
 
 
-def weighted_mean(values: jax.Array, weights: jax.Array) -> jax.Array:
-    """Mean of ``values[clients, ...]`` with weights normalised to sum to 1 (exact for a single client)."""
-    w = weights / jnp.sum(weights)
-    return jnp.tensordot(w, values, axes=1)
+def weighted_mean(values: jax.Array, weights: jax.Array, include: jax.Array | None = None) -> jax.Array:
+    """Mean of ``values[clients, ...]`` with weights normalised to sum to 1 (exact for a single client), over
+    the ``include``-d clients alone (all by default; :func:`sidejax.utils.masked_mean`)."""
+    values = jnp.asarray(values)
+    include = jnp.ones(values.shape[:1], bool) if include is None else include
+    return masked_mean(values, include, weights)
 
 
 def fedavg_init(server_optimizer, coder: Coder, key, params: Params, num_clients: int) -> RoundState:
@@ -113,20 +117,26 @@ def fedavg_client_update(local_train, coder: Coder, keys: ClientKeys, server: Fe
 def fedavg_server_update(
     server_optimizer, coder: Coder, rkey, server: FedAvgState, client_ids, shared_keys, messages, weights
 ):
-    """The server: decode, example-weighted mean, then plain averaging or a FedOpt step."""
+    """The server: decode, example-weighted mean over the included participants
+    (:func:`sidejax.coding.included`), then plain averaging or a FedOpt step; with none included the state is
+    kept."""
     del rkey, client_ids
     flat, unravel = ravel_pytree(server.params)
     p = PointMass(flat)
     decoded, checks = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, p, server.coder, messages)
-    cstate, _ = coder.update(server.coder, checks)
-    mean = weighted_mean(decoded, weights)
+    include = included(messages, checks.valid)
+    cstate, _ = coder.update(server.coder, checks._replace(valid=include))
+    weights = jnp.ones(include.shape, jnp.float32) if weights is None else weights
+    mean = weighted_mean(decoded, weights, include)
     if server_optimizer is None:
         new_flat, opt_state = mean, server.opt_state
     else:
         updates, opt_state = server_optimizer.update(flat - mean, server.opt_state, flat)
         new_flat = optax.apply_updates(flat, updates)
-    info = FedAvgServerInfo(update_norm=jnp.linalg.norm(new_flat - flat))
-    return FedAvgState(unravel(new_flat), opt_state, cstate), info, checks.errors
+    new = server._replace(params=unravel(new_flat), opt_state=opt_state, coder=cstate)
+    new = keep_unless_none(include, new, server)
+    info = FedAvgServerInfo(update_norm=jnp.linalg.norm(ravel_pytree(new.params)[0] - flat))
+    return new, info, checks.errors
 
 
 def fedavg(

@@ -83,7 +83,7 @@ from sidejax.algorithms.fedavg import (
     fedavg_receive,
     fedavg_server_update,
 )
-from sidejax.coding.base import Coder, float32_coder
+from sidejax.coding.base import Coder, float32_coder, included
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, ClientInfo, RoundState
 from sidejax.fl.local import build_sampling_trainer
@@ -308,11 +308,17 @@ def fedpa_server_update(
 ):
     """FedAvg's server (:func:`sidejax.algorithms.fedavg.fedavg_server_update`: decode, example-weighted mean
     :math:`\\bar s = \\sum_i q_i (x_t - \\Delta_i)`, then plain averaging or a FedOpt step on
-    :math:`x_t - \\bar s = \\sum_i q_i \\Delta_i`), and the round counter advanced."""
+    :math:`x_t - \\bar s = \\sum_i q_i \\Delta_i`, over the included participants), and the round counter
+    advanced (kept, with the rest of the state, when none is included)."""
     new, info, errors = fedavg_server_update(
         server_optimizer, coder, rkey, server, client_ids, shared_keys, messages, weights
     )
-    return FedPAState(new.params, new.opt_state, new.coder, server.round + 1), info, errors
+    anyone = jnp.any(included(messages, errors == 0))
+    return (
+        FedPAState(new.params, new.opt_state, new.coder, server.round + anyone.astype(jnp.int32)),
+        info,
+        errors,
+    )
 
 
 def fedpa(

@@ -55,6 +55,7 @@ from sidejax.coding.base import (
     Coder,
     EmptyState,
     Message,
+    included,
 )
 from sidejax.coding.sample import mask_coder
 from sidejax.distributions import Bernoulli
@@ -63,6 +64,7 @@ from sidejax.fl.local import LocalTraining
 from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, client_streams, leaf_key, stream_key
 from sidejax.layout import flat_layout
 from sidejax.types import Params
+from sidejax.utils import keep_unless_none, masked_sum
 
 __all__ = [
     "MASK_CLIP",
@@ -183,15 +185,19 @@ def masked_network(weights: Params, mask: jax.Array) -> Params:
     return jax.tree.map(lambda w, m: w * m, weights, unravel(mask))
 
 
-def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.0):
+def bayes_agg(alpha, beta, masks: jax.Array, *, reset: bool, lambda0: float = 1.0, include=None):
     """BayesAgg (Alg. 2, typo fixed): clipped masks ``masks[C, d]`` in {0.01, 0.99} update Beta counts;
-    returns ``(alpha, beta, theta)`` with :math:`\\theta = (\\alpha - 1)/(\\alpha + \\beta - 2)`."""
+    returns ``(alpha, beta, theta)`` with :math:`\\theta = (\\alpha - 1)/(\\alpha + \\beta - 2)`. Only the
+    ``include``-d masks count (all by default; :func:`sidejax.coding.included`)."""
     if reset:
         alpha = jnp.full_like(alpha, lambda0)
         beta = jnp.full_like(beta, lambda0)
-    agg = jnp.sum(masks, axis=0)
+    if include is None:
+        agg, num = jnp.sum(masks, axis=0), masks.shape[0]
+    else:
+        agg, num = masked_sum(masks, include), jnp.sum(include).astype(masks.dtype)
     alpha = alpha + agg
-    beta = beta + masks.shape[0] - agg
+    beta = beta + num - agg
     theta = (alpha - 1.0) / (alpha + beta - 2.0)
     return alpha, beta, theta
 
@@ -289,14 +295,19 @@ def fedpm_server_update(
     coder: Coder, reset_priors: bool, rkey, server: FedPMState, client_ids, shared_keys, messages, weights
 ):
     """The server (Alg. 1, step 3): decode every mask with the participant's shared key, clip to
-    {0.01, 0.99}, BayesAgg; the coder's protocol step."""
+    {0.01, 0.99}, BayesAgg over the included participants (:func:`sidejax.coding.included`); the coder's
+    protocol step. With none included the state is kept."""
     del rkey, client_ids, weights  # unweighted 1/C aggregation [P]
     prior = Bernoulli(server.theta)
     masks, decoded = jax.vmap(coder.decode, (0, None, None, 0))(shared_keys, prior, server.coder, messages)
-    cstate, cinfo = coder.update(server.coder, decoded)
+    include = included(messages, decoded.valid)
+    cstate, cinfo = coder.update(server.coder, decoded._replace(valid=include))
     clipped = jnp.where(masks > 0.5, 1.0 - MASK_CLIP, MASK_CLIP)
-    alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors)
-    new = server._replace(theta=theta, alpha=alpha, beta=beta, coder=cstate)
+    alpha, beta, theta = bayes_agg(server.alpha, server.beta, clipped, reset=reset_priors, include=include)
+    new = keep_unless_none(
+        include, server._replace(theta=theta, alpha=alpha, beta=beta, coder=cstate), server
+    )
+    theta = new.theta
     d = masks.shape[1]
     paper = d * binary_entropy_bits(jnp.sum(masks > 0.5, axis=1) / d) + math.log2(d)
     info = FedPMServerInfo(theta_mean=jnp.mean(theta), paper_bits=paper.astype(jnp.float32), coder=cinfo)

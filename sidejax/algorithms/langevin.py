@@ -54,6 +54,7 @@ from sidejax.fl.base import Algorithm, Batch
 from sidejax.fl.local import epoch_order
 from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 from sidejax.types import Params
+from sidejax.utils import masked_sum
 
 __all__ = [
     "LangevinSettings",
@@ -128,6 +129,15 @@ def _check(settings: LangevinSettings | None, num_clients: int, clients_per_roun
     return settings
 
 
+def _scale(step_size: float, num_clients: int, clients_per_round: int, include: jax.Array) -> jax.Array:
+    """:math:`\\gamma a` with :math:`a = N / |I|`, the sum over the included participants ``I`` renormalised
+    to stand for the whole federation's gradient (``N / C`` when every participant is included, the same
+    constant as without exclusions)."""
+    count = jnp.sum(include)
+    renormalised = step_size * num_clients / jnp.maximum(count, 1).astype(jnp.float32)
+    return jnp.where(count == clients_per_round, step_size * (num_clients / clients_per_round), renormalised)
+
+
 def qlsd(
     loss_fn: Callable,
     *,
@@ -148,14 +158,14 @@ def qlsd(
       settings: minibatch, step size and prior (:class:`LangevinSettings`; default ``LangevinSettings()``).
     """
     settings = _check(settings, num_clients, clients_per_round)
-    a = num_clients / clients_per_round
     step_size = settings.step_size
     coder = elias_coder(levels) if coder is None else coder
 
-    def server_step(key, flat, hhat, weights):
-        del weights
+    def server_step(key, flat, hhat, include):
         noise = math.sqrt(2 * step_size) * jax.random.normal(key, flat.shape)
-        return flat + (-step_size * a * jnp.sum(hhat, axis=0) + noise)
+        return flat + (
+            -_scale(step_size, num_clients, clients_per_round, include) * masked_sum(hhat, include) + noise
+        )
 
     method = qsgd_method(
         potential_direction(loss_fn, settings.batch_size, settings.weight_decay),
@@ -187,13 +197,14 @@ def sgld(
       coder: the coder of the Gaussian samples.
     """
     settings = _check(settings, num_clients, clients_per_round)
-    a = num_clients / clients_per_round
     step_size = settings.step_size
     sigma = sgld_klms_sigma(step_size, num_clients, clients_per_round)
 
-    def server_step(key, flat, yhat, weights):
-        del key, weights
-        return flat + (-step_size * a * jnp.sum(yhat, axis=0) + 0.0)
+    def server_step(key, flat, yhat, include):
+        del key
+        return flat + (
+            -_scale(step_size, num_clients, clients_per_round, include) * masked_sum(yhat, include) + 0.0
+        )
 
     method = DenseMethod(
         direction=potential_direction(loss_fn, settings.batch_size, settings.weight_decay),

@@ -78,7 +78,7 @@ from jax.flatten_util import ravel_pytree
 from sidejax.algorithms.dense import receive_vector, vector_downlink
 from sidejax.bayes.coresets import aiht, projected_potentials
 from sidejax.bayes.variational import MeanField, init_mean_field, mean_field_kl, sample
-from sidejax.coding.base import Coder, EmptyState, float32_coder
+from sidejax.coding.base import Coder, EmptyState, float32_coder, included
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, Batch, ClientInfo, RoundInfo, initial_round_state
 from sidejax.fl.local import epoch_order
@@ -95,7 +95,7 @@ from sidejax.keys import (
     stream_key,
     track_key,
 )
-from sidejax.utils import check_count, stack_clients, tree_all_finite
+from sidejax.utils import check_count, keep_unless_none, masked_mean, stack_clients, tree_all_finite
 
 __all__ = [
     "PFedBayesSettings",
@@ -470,15 +470,17 @@ def _upload(coder: Coder, keys: ClientKeys, server: PFedBayesServer, localized: 
 def _server_update(
     settings: PFedBayesSettings, coder: Coder, rkey, server, client_ids, shared, messages, weights
 ):
-    del rkey, client_ids, weights  # Alg. 1: the uniform mean over the participants
+    del rkey, client_ids, weights  # Alg. 1: the uniform mean over the (included) participants
     flat = _flat(server.posterior)
     decoded, checks = jax.vmap(coder.decode, (0, None, None, 0))(
         shared, PointMass(flat), server.coder, messages
     )
-    cstate, _ = coder.update(server.coder, checks)
-    new_flat = (1.0 - settings.beta) * flat + settings.beta * jnp.mean(decoded, axis=0)
-    info = {"global_change": jnp.linalg.norm(new_flat - flat)}
+    include = included(messages, checks.valid)
+    cstate, _ = coder.update(server.coder, checks._replace(valid=include))
+    new_flat = (1.0 - settings.beta) * flat + settings.beta * masked_mean(decoded, include)
     new = server._replace(posterior=_unflat(server.posterior, new_flat), round=server.round + 1, coder=cstate)
+    new = keep_unless_none(include, new, server)  # with none included, the round counter is kept too
+    info = {"global_change": jnp.linalg.norm(_flat(new.posterior) - flat)}
     return new, info, checks.errors
 
 

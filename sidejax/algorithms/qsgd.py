@@ -69,7 +69,7 @@ from sidejax.distributions import StochasticLevels, Ternary
 from sidejax.fl.base import Algorithm
 from sidejax.fl.local import LocalTraining
 from sidejax.layout import FlatLayout, tensor_norms
-from sidejax.utils import is_concrete
+from sidejax.utils import is_concrete, masked_mean
 
 __all__ = [
     "QSGDPrior",
@@ -176,6 +176,13 @@ def qsgd_method(
         num_bits = as_bits(width * state.counts.size)
         return Message(words[: sent_words(num_bits)] if is_concrete(num_bits) else words, num_bits)
 
+    def update_prior(state: QSGDPrior, samples, include) -> QSGDPrior:
+        # the prior's counts are of clients_per_round clients (the zero count is the rest, and the downlink
+        # sends no client count): a round with a participant excluded keeps the previous round's prior
+        full = (include.shape[0] == clients_per_round) & jnp.all(include)
+        new = QSGDPrior(symbol_counts(samples[0]), jnp.asarray(True))
+        return jax.tree.map(lambda a, b: jnp.where(full, a, b), new, state)
+
     def prior_receive(state: QSGDPrior, message: Message) -> QSGDPrior:
         n = state.counts.size
         cap = -(-n * width // 32)
@@ -190,7 +197,7 @@ def qsgd_method(
         reconstruct=lambda samples, layout: qsgd_dequantize(samples[0], samples[1], layout, levels),
         server_step=server_step,
         init_prior=lambda layout: QSGDPrior(jnp.zeros((layout.dim, 2), jnp.int32), jnp.asarray(False)),
-        update_prior=lambda state, samples: QSGDPrior(symbol_counts(samples[0]), jnp.asarray(True)),
+        update_prior=update_prior,
         prior_downlink=prior_downlink,
         prior_receive=prior_receive,
         prior_bits=lambda state: 2 * width * state.counts.shape[0],
@@ -210,11 +217,12 @@ def local_change(trainer: Callable) -> Callable:
 
 
 def mean_step(server_lr: float) -> Callable:
-    """The unweighted server step :math:`w \\leftarrow w + \\eta_S \\frac1C \\sum_c \\hat v^{(c)}` [P]."""
+    """The unweighted server step over the included participants ``I`` [P]:
+    :math:`w \\leftarrow w + \\eta_S \\frac{1}{|I|} \\sum_{c \\in I} \\hat v^{(c)}`."""
 
-    def step(key, flat, vhat, weights):
-        del key, weights  # unweighted 1/C mean [P]
-        return flat + server_lr * jnp.mean(vhat, axis=0)
+    def step(key, flat, vhat, include):
+        del key  # unweighted 1/|I| mean [P]
+        return flat + server_lr * masked_mean(vhat, include)
 
     return step
 

@@ -203,10 +203,16 @@ def init_pseudocoreset(
     return Pseudocoreset(z, labels)
 
 
-def aggregate_pseudocoresets(coresets: Pseudocoreset, num_examples) -> tuple[Pseudocoreset, jax.Array]:
+def aggregate_pseudocoresets(
+    coresets: Pseudocoreset, num_examples, include=None
+) -> tuple[Pseudocoreset, jax.Array]:
     """docs/papers/bpcfl.md#a4: the server's concatenation of ``M`` clients' pseudocoresets (leading
     ``[M, K]`` axes) with per-point weights ``w_m = M n_m / N`` (mean weight 1: equal ``n_m`` is plain
     concatenation).
+
+    ``include`` (bool ``[M]``, all by default) marks the clients that count: the others' points get weight 0
+    and are zeroed (a NaN point would poison the weighted sum), and ``M``, ``N`` are of the included
+    clients alone, ``w_m = |I| n_m / N_I``: the weights of the aggregate without the excluded clients.
 
     Returns ``(Pseudocoreset [M K, ...], weights [M K])``.
 
@@ -223,7 +229,17 @@ def aggregate_pseudocoresets(coresets: Pseudocoreset, num_examples) -> tuple[Pse
     if is_concrete(n) and not np.all(np.asarray(n) > 0):
         raise ValueError(f"num_examples must be > 0 for every client, got {np.asarray(n).tolist()}")
     m, k = coresets.inputs.shape[:2]
-    weights = m * n.astype(jnp.float32) / jnp.sum(n).astype(jnp.float32)
+    if include is None:
+        weights = m * n.astype(jnp.float32) / jnp.sum(n).astype(jnp.float32)
+    else:
+        include = jnp.asarray(include, bool)
+        n = jnp.where(include, n, 0)
+        coresets = jax.tree.map(
+            lambda a: jnp.where(include.reshape((m,) + (1,) * (a.ndim - 1)), a, 0), coresets
+        )
+        weights = (
+            jnp.sum(include).astype(jnp.float32) * n.astype(jnp.float32) / jnp.sum(n).astype(jnp.float32)
+        )
     flat = Pseudocoreset(
         coresets.inputs.reshape(m * k, *coresets.inputs.shape[2:]), coresets.labels.reshape(m * k)
     )

@@ -14,7 +14,12 @@ Every message in sidejax, uplink or downlink, compressed or not, is built by a :
   cannot see ``q`` or the private key: everything it learns is in the message. ``decoded`` has ``valid``
   and ``errors`` fields (an int32 bitmask of ``ERR_*``; :func:`stream_errors` turns it into sentences).
 - ``update(state, decoded) -> (state, info)``: the protocol step on the server, with every participant's
-  ``decoded`` stacked on axis 0 (identity when stateless).
+  ``decoded`` stacked on axis 0 (identity when stateless). Only the entries whose ``decoded.valid`` is True
+  count (with none, the state is kept): the server passes ``decoded._replace(valid=included(...))`` so that
+  an excluded participant leaves no trace in the protocol either.
+- A sender whose ``info.valid`` is False sends no stream: :func:`withhold` marks its message (length
+  :data:`WITHHELD_BITS`, which every decoder rejects), and :func:`included` is the aggregation mask every
+  server uses (the round engine withholds; :func:`sidejax.fl.build_round_step`).
 - ``downlink(state) -> Message``: the protocol side information the receivers need for the next round
   (a real stream; 0 bits when stateless), and ``receive(state, message) -> state``: the client side of it.
 - ``uses_prior``: whether ``decode`` depends on ``p``. When it does, ``p`` must be known to the receiver,
@@ -52,7 +57,10 @@ __all__ = [
     "ERR_PRIOR",
     "ERR_CRC",
     "ERR_INPUT",
+    "WITHHELD_BITS",
     "stream_errors",
+    "withhold",
+    "included",
     "empty_message",
     "concat_messages",
     "split_message",
@@ -96,6 +104,9 @@ ERR_PARSE = 4
 ERR_PRIOR = 8
 ERR_CRC = 16
 ERR_INPUT = 32
+#: The length of a withheld message (:func:`withhold`): no stream was sent, and no decoder's length check
+#: accepts a negative length.
+WITHHELD_BITS = -1
 _ERROR_TEXT = {
     ERR_LENGTH: "the payload is shorter than num_bits claims, or holds set bits past num_bits "
     "(length mismatch: truncated or padded stream)",
@@ -112,6 +123,30 @@ def stream_errors(errors) -> list[str]:
     """Host side: the reasons encoded in a decoded stream's ``errors`` bitmask, as sentences."""
     code = int(errors)
     return [text for bit, text in _ERROR_TEXT.items() if code & bit]
+
+
+def withhold(messages: Message, send: jax.Array) -> Message:
+    """``messages`` with every entry whose ``send`` is False *withheld*: its length becomes
+    :data:`WITHHELD_BITS` (``-1``, "no stream"), its payload is kept as it was (a static buffer).
+
+    This is how what an encoder knows is wrong reaches the receiver: a client whose encoder reported
+    ``valid=False`` (or whose result is not finite) sends no stream, and the receiver reads that from the
+    message itself (:func:`included`), whatever the coder. The round engine applies it to every uplink
+    (:func:`sidejax.fl.build_round_step`); ``messages`` may be one message or stacked (``send`` then has
+    the shape of ``num_bits``)."""
+    bits = as_bits(messages.num_bits)
+    return Message(
+        messages.payload, jnp.where(jnp.asarray(send, bool), bits, WITHHELD_BITS).astype(bits.dtype)
+    )
+
+
+def included(messages: Message, decoded_valid: jax.Array) -> jax.Array:
+    """The aggregation mask of a stacked uplink, the one rule every server applies: participant ``i`` is
+    included iff its stream was sent (not :func:`withhold` -held) and its decoder reported it valid.
+    ``bool[clients]``. An excluded participant contributes nothing to any aggregate (see
+    :func:`sidejax.utils.masked_mean`)."""
+    sent = as_bits(messages.num_bits) >= 0
+    return sent & jnp.broadcast_to(jnp.asarray(decoded_valid, bool), sent.shape)
 
 
 class StreamCheck(NamedTuple):
@@ -373,7 +408,7 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
         return (sample, decode_float32(side_msg)), SideInfoDecoded(decoded, decoded.valid, decoded.errors)
 
     def update(state, decoded):
-        return coder.update(state, decoded.inner)
+        return coder.update(state, decoded.inner._replace(valid=decoded.valid, errors=decoded.errors))
 
     return Coder(
         init=coder.init,

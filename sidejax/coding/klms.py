@@ -97,7 +97,7 @@ from sidejax.coding.bitstream import (
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
 from sidejax.distributions import check_dims, is_valid
 from sidejax.keys import ClientKeys
-from sidejax.utils import is_concrete
+from sidejax.utils import is_concrete, keep_unless_none, masked_mean
 
 __all__ = [
     "TRIGGERS",
@@ -541,13 +541,15 @@ def klms_server_update(
     """
     blocks = state.blocks
     dim, mb = blocks.dim, blocks.max_blocks
-    stat = jnp.mean(decoded.statistic)
     valid, errors = jnp.asarray(decoded.valid, bool), jnp.asarray(decoded.errors, jnp.int32)
     if valid.ndim != 1:
         raise ValueError(
             "decoded must be stacked over the participating clients (axis 0), got valid of shape "
             f"{valid.shape}"
         )
+    # the Coder contract: only the participants whose decoded.valid is True count (the mean statistic and
+    # Alg. 7); with none the protocol state is kept
+    stat = masked_mean(decoded.statistic, valid)
     if not config.adaptive:
         info = KLMSServerInfo(jnp.asarray(False), jnp.asarray(False), stat, blocks.num_blocks, valid, errors)
         return state._replace(changed=jnp.asarray(False)), info
@@ -561,7 +563,7 @@ def klms_server_update(
         state.update,
         lambda: aggregate_block_locations(
             decoded.starts[:, :mb],
-            decoded.num_blocks,
+            jnp.where(valid, decoded.num_blocks, 0),
             dim=dim,
             max_block_size=config.max_block_size,
             max_blocks=mb,
@@ -569,8 +571,8 @@ def klms_server_update(
         lambda: blocks,
     )
     next_update = jnp.where(state.update, False, trigger)
-    new_state = KLMSState(new_blocks, next_update, state.update)
-    info = KLMSServerInfo(state.update, next_update, stat, new_blocks.num_blocks, valid, errors)
+    new_state = keep_unless_none(valid, KLMSState(new_blocks, next_update, state.update), state)
+    info = KLMSServerInfo(state.update, next_update, stat, new_state.blocks.num_blocks, valid, errors)
     return new_state, info
 
 

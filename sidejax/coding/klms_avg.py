@@ -124,7 +124,7 @@ from sidejax.coding.importance import (
 )
 from sidejax.distributions import check_dims, dist_dim, is_valid
 from sidejax.keys import ClientKeys
-from sidejax.utils import is_concrete
+from sidejax.utils import is_concrete, keep_unless_none
 
 __all__ = [
     "KLMSAvgConfig",
@@ -609,10 +609,11 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     return sample, KLMSAvgDecoded(request, proposal, M, valid, errors)
 
 
-def _round_mean(values: jax.Array) -> jax.Array:
-    """``round(mean(values))`` of int32 values, half to even, in exact integer arithmetic."""
-    n = values.shape[0]
-    total = jnp.sum(values.astype(jnp.int32))
+def _round_mean(values: jax.Array, include: jax.Array) -> jax.Array:
+    """``round(mean(values[include]))`` of int32 values, half to even, in exact integer arithmetic (1 when
+    none is included)."""
+    n = jnp.maximum(jnp.sum(include.astype(jnp.int32)), 1)
+    total = jnp.sum(jnp.where(include, values.astype(jnp.int32), 0))
     quot = total // n
     rem = total - quot * n
     up = (2 * rem > n) | ((2 * rem == n) & (quot % 2 == 1))
@@ -636,11 +637,15 @@ def klms_avg_server_update(
         )
     _check_state(state, config)
     update = jnp.asarray(state.update, bool)
-    requests = jnp.asarray(decoded.request, bool)
-    mean_size = jnp.clip(_round_mean(jnp.asarray(decoded.proposal, jnp.int32)), 1, config.max_block_size)
+    # the Coder contract: only the participants whose decoded.valid is True count; with none, the state
+    # is kept
+    requests = jnp.asarray(decoded.request, bool) & valid
+    proposals = jnp.asarray(decoded.proposal, jnp.int32)
+    mean_size = jnp.clip(_round_mean(proposals, valid), 1, config.max_block_size)
     block_size = jnp.where(update, mean_size, state.block_size).astype(jnp.int32)
     next_update = ~update & jnp.any(requests)
-    new_state = KLMSAvgState(block_size, next_update, update, state.dim)
+    new_state = keep_unless_none(valid, KLMSAvgState(block_size, next_update, update, state.dim), state)
+    block_size = new_state.block_size
     info = KLMSAvgServerInfo(
         update, next_update, block_size, jnp.sum(requests).astype(jnp.int32), valid, errors
     )

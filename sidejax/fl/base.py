@@ -141,6 +141,12 @@ class RoundInfo(NamedTuple):
         entry means that client's decoded sample, and everything aggregated from it, is garbage.
       downlink_shared: bool scalar: the round's downlink was one message for every participant (a
         broadcast: on a broadcast channel it is sent once), not one per participant.
+      included: bool ``[clients_per_round]``: the participants the server's aggregates counted. A
+        participant is excluded when its client reported an invalid input or a non-finite result
+        (``clients.valid`` or ``clients.finite`` False: its stream was withheld,
+        :func:`sidejax.coding.withhold`) or its stream decoded invalid (``uplink_errors != 0``); the
+        aggregates are renormalised over the included ones, and with none included the server kept its
+        previous state.
     """
 
     round_index: jax.Array
@@ -152,6 +158,7 @@ class RoundInfo(NamedTuple):
     server_finite: jax.Array
     uplink_errors: jax.Array
     downlink_shared: jax.Array | bool = False
+    included: jax.Array | None = None
 
 
 class BroadcastFn(Protocol):
@@ -202,8 +209,15 @@ class ServerUpdate(Protocol):
         weights: jax.Array,
     ) -> tuple[PyTree, PyTree, jax.Array]:
         """``shared_keys`` ``[clients]`` are the participants' shared keys (from the engine: the server never
-        re-derives the key schedule); ``messages`` leaves have a leading participants axis. Returns
-        ``(server_state, server_info, uplink_errors[clients])``."""
+        re-derives the key schedule); ``messages`` leaves have a leading participants axis; ``weights``
+        ``[clients]`` the participants' example counts (``None``: equal). Returns
+        ``(server_state, server_info, uplink_errors[clients])``.
+
+        The aggregation contract: participant ``i`` counts iff :func:`sidejax.coding.included` (its stream
+        was not withheld, and it decodes valid: ``uplink_errors[i] == 0``). Every aggregate, the coder's
+        protocol step included (``coder.update`` sees the excluded entries as ``valid`` False), is taken
+        over the included participants with their weights renormalised (:func:`sidejax.utils.masked_mean`);
+        with none included the server keeps its previous state (:func:`sidejax.utils.keep_unless_none`)."""
 
 
 EVAL_AXES = (None, "sample", "client")

@@ -20,7 +20,14 @@ One round (:func:`build_round_step`):
 4. **Server.** ``server_update(round_key, server, client_ids, shared_keys, messages, weights)`` with the
    participants' shared keys (derived here, by the engine), the stacked uplink messages and the
    participants' example counts as weights; it returns the new state, its diagnostics and each uplink
-   stream's error bitmask.
+   stream's error bitmask. A participant whose ``ClientInfo`` says its encoder's input was invalid
+   (``valid`` False) or its result not finite (``finite`` False) sends no stream: the engine withholds its
+   message (:func:`sidejax.coding.withhold`, length -1), which the server reads from the message itself.
+   The aggregation contract every ``server_update`` keeps: a participant is included iff its
+   stream was sent and decodes valid (:func:`sidejax.coding.included`); aggregates are taken over the
+   included participants alone, their weights renormalised (:func:`sidejax.utils.masked_mean`), and a
+   server with none included keeps its previous state (:func:`sidejax.utils.keep_unless_none`).
+   ``RoundInfo.included`` (sent and ``uplink_errors == 0``) says who counted in this round.
 5. **Write back** the participants' client states with ``.at[client_ids].set``.
 
 :func:`run_rounds` scans ``round_step`` over rounds under one ``jit``. Round ``t`` uses
@@ -39,6 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from sidejax.bits import as_bits
+from sidejax.coding.base import withhold
 from sidejax.fl.base import Algorithm, ClientData, ClientInfo, RoundInfo, RoundState
 from sidejax.keys import DOWNLINK, SAMPLING, client_keys, round_key, stream_key
 from sidejax.types import PRNGKey, PyTree
@@ -463,9 +471,18 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
     def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
         phase = client_phase(rkey, state, data)
         ids, messages, downlink = phase.client_ids, phase.messages, phase.downlink
+        cinfo = phase.client_info
+        # what a client knows is wrong reaches the server in its message: the stream is withheld
+        sent = cinfo.valid & jnp.broadcast_to(jnp.asarray(cinfo.finite, bool), ids.shape)
         server, sinfo, errors = algorithm.server_update(
-            rkey, phase.sent_server, ids, phase.keys.shared, messages, phase.counts.astype(jnp.float32)
+            rkey,
+            phase.sent_server,
+            ids,
+            phase.keys.shared,
+            withhold(messages, sent),
+            phase.counts.astype(jnp.float32),
         )
+        errors = jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape)
         info = RoundInfo(
             round_index=state.round_index,
             client_ids=ids,
@@ -474,8 +491,9 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
             clients=phase.client_info,
             server=sinfo,
             server_finite=tree_all_finite(server),
-            uplink_errors=jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape),
+            uplink_errors=errors,
             downlink_shared=jnp.asarray(jnp.ndim(downlink.num_bits) == 0),
+            included=sent & (errors == 0),
         )
         clients = _put(state.clients, ids, phase.client_states)
         split = client_state_split(cmap, data.num_examples.shape[0])

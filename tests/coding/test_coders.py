@@ -41,7 +41,7 @@ from sidejax.coding import (
     with_crc,
     with_side_info,
 )
-from sidejax.coding.base import ERR_CRC
+from sidejax.coding.base import ERR_CRC, WITHHELD_BITS, Message, included, withhold
 from sidejax.coding.importance import candidate_uniforms, candidates, encode_bounded, importance_decode
 from sidejax.coding.lattice import (
     additive_noise_coder,
@@ -322,6 +322,22 @@ def test_num_bits_is_the_stream_length(case):
     short = message._replace(num_bits=jnp.float32(nb - 1))
     _, decoded = decode(keys.shared, p, state, short)
     assert int(decoded.errors) != 0
+
+
+def test_a_withheld_message_decodes_invalid(case):
+    """What the encoder knows is wrong reaches the receiver (issue 28): a withheld message
+    (:func:`sidejax.coding.withhold`, length -1: the sender's input was invalid and it sent no stream) is
+    rejected by every decoder, and :func:`sidejax.coding.included` excludes it."""
+    _, coder, make, _, state, encode, decode = case
+    q, p = make(4)
+    keys = _keys(4)
+    message, _ = encode(keys, q, p, state)
+    held = withhold(message, jnp.asarray(False))
+    assert int(held.num_bits) == WITHHELD_BITS
+    _, decoded = decode(keys.shared, p, state, held)
+    assert not bool(decoded.valid) and int(decoded.errors) != 0
+    sent = Message(jnp.stack([message.payload, held.payload]), jnp.stack([message.num_bits, held.num_bits]))
+    np.testing.assert_array_equal(included(sent, jnp.asarray([True, True])), [True, False])
 
 
 def test_outputs_finite(case):
