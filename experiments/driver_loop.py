@@ -48,13 +48,28 @@ class InvalidStreamError(RuntimeError):
     """Raised when the server found a client's KLMS stream malformed; names the first round and clients."""
 
 
+def _included(infos) -> np.ndarray:
+    """``[rounds, clients_per_round]``: the participants the server's aggregates counted
+    (``RoundInfo.included``; diagnostics built without it count the clients whose flags are all good)."""
+    shape = np.shape(infos.client_ids)
+    included = getattr(infos, "included", None)
+    if included is not None:
+        return np.asarray(included).reshape(shape)
+    ok = np.asarray(infos.clients.valid).reshape(shape) & np.asarray(infos.clients.finite).reshape(shape)
+    return ok & (np.asarray(infos.uplink_errors).reshape(shape) == 0)
+
+
 def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
+    """Stops the run at the first round whose server state is not finite or in which every participant was
+    non-finite (no client left to aggregate). A round in which only some clients were non-finite goes on:
+    the engine withheld their streams and the server aggregated the others (:func:`_report_excluded` says
+    which)."""
     client_ok = np.asarray(infos.clients.finite)
     server_ok = np.asarray(infos.server_finite)
-    if client_ok.all() and server_ok.all():
+    stop = ~server_ok | ~client_ok.any(axis=1)
+    if not stop.any():
         return
-    bad_rounds = np.flatnonzero(~(client_ok.all(axis=1) & server_ok))
-    r = int(bad_rounds[0])
+    r = int(np.flatnonzero(stop)[0])
     round_index = int(np.asarray(infos.round_index)[r])
     clients = np.asarray(infos.client_ids)[r][~client_ok[r]].tolist()
     where = f"client(s) {clients}" if clients else "the server update"
@@ -66,42 +81,73 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     )
 
 
-def stream_problems(infos) -> tuple[int, str] | None:
-    """The first round of a chunk in which a stream was invalid, and what was wrong, or ``None``: a client's
-    coder reported an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), the
-    server's decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's
-    reasons), or a client could not decode its downlink (``ClientInfo.downlink_errors``). Returns
-    ``(round_index, "client 3: ...; client 7: ...")``."""
+def _problems(infos, r: int, bad: np.ndarray) -> str:
+    """``"client 3: ...; client 7: ..."``: round ``r``'s flagged participants (``bad[r]``) and why."""
     shape = np.shape(infos.client_ids)
     client_ok = np.asarray(infos.clients.valid).reshape(shape)
+    finite = np.asarray(infos.clients.finite).reshape(shape)
     errors = np.asarray(infos.uplink_errors).reshape(shape)
     down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
-    bad = ~client_ok | (errors != 0) | (down != 0)
-    if not bad.any():
-        return None
-    r = int(np.flatnonzero(bad.any(axis=1))[0])
     ids = np.asarray(infos.client_ids)[r]
     details = []
     for i in np.flatnonzero(bad[r]):
         reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] and not down[r, i] else []
+        reasons += [] if finite[r, i] else ["a non-finite loss or update"]
         reasons += stream_errors(errors[r, i])
         reasons += [f"its downlink: {e}" for e in stream_errors(down[r, i])]
-        details.append(f"client {int(ids[i])}: {', '.join(reasons)}")
-    return int(np.asarray(infos.round_index)[r]), "; ".join(details)
+        details.append(f"client {int(ids[i])}: {', '.join(reasons) or 'excluded by the server'}")
+    return "; ".join(details)
 
 
-def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> None:
-    """Stops the run at the first round in which a stream was invalid (like NaN; see
-    :func:`stream_problems`)."""
-    problem = stream_problems(infos)
-    if problem is None:
-        return
-    round_index, details = problem
-    raise InvalidStreamError(
-        f"an invalid stream in round {round_index} ({details}). Nothing from that round was kept: "
-        f"the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. This is a bug or a "
-        f"corrupted input, not a tuning problem: please report it."
-    )
+def _flagged(infos) -> np.ndarray:
+    """``[rounds, clients_per_round]``: participants with an invalid input, a malformed uplink stream, a
+    downlink they could not decode, or not counted by the server."""
+    shape = np.shape(infos.client_ids)
+    client_ok = np.asarray(infos.clients.valid).reshape(shape)
+    errors = np.asarray(infos.uplink_errors).reshape(shape)
+    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
+    return ~client_ok | (errors != 0) | (down != 0) | ~_included(infos)
+
+
+def stream_problems(infos) -> tuple[int, str] | None:
+    """The first round of a chunk in which a stream was invalid, and what was wrong, or ``None``: a client's
+    coder reported an invalid input (``ClientInfo.valid``: an invalid ``q``/``p`` or a non-finite KL), the
+    server's decoder found a malformed uplink stream (``RoundInfo.uplink_errors``, with the decoder's
+    reasons), a client could not decode its downlink (``ClientInfo.downlink_errors``), or the server left a
+    participant out of its aggregates (``RoundInfo.included``). Returns
+    ``(round_index, "client 3: ...; client 7: ...")``."""
+    bad = _flagged(infos)
+    if not bad.any():
+        return None
+    r = int(np.flatnonzero(bad.any(axis=1))[0])
+    return int(np.asarray(infos.round_index)[r]), _problems(infos, r, bad)
+
+
+def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> list[str]:
+    """The chunk's flagged participants (:func:`stream_problems`). A flagged client was excluded from every
+    aggregate (the engine withholds the stream of a client that reported an invalid input, and the server
+    drops a stream it cannot decode, ``RoundInfo.included``): the round goes on without it and this returns
+    one warning per such round. A round with no participant left, or a client that could not decode its
+    downlink (its next update would start from a model the server does not have), stops the run like NaN
+    (:class:`InvalidStreamError`): nothing from that round is kept."""
+    bad = _flagged(infos)
+    if not bad.any():
+        return []
+    shape = np.shape(infos.client_ids)
+    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
+    stop = ~_included(infos).any(axis=1) | (down != 0).any(axis=1)
+    rounds = np.asarray(infos.round_index)
+    if stop.any():
+        r = int(np.flatnonzero(stop)[0])
+        raise InvalidStreamError(
+            f"an invalid stream in round {int(rounds[r])} ({_problems(infos, r, bad)}). Nothing from that "
+            f"round was kept: the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. "
+            f"This is a bug or a corrupted input, not a tuning problem: please report it."
+        )
+    return [
+        f"warning: round {int(rounds[r]) + 1}: excluded from the server's aggregates: {_problems(infos, r, bad)}"
+        for r in np.flatnonzero(bad.any(axis=1))
+    ]
 
 
 def _warn_divergences(own: dict[str, np.ndarray], done: int, config: ExperimentConfig) -> None:
@@ -202,7 +248,8 @@ def run_chunks(
             rounds.algorithm, rounds.rounds_key, state, rounds.fed, chunk, client_map=rounds.client_map
         )
         _check_finite(infos, records.ckpt_dir, done)
-        _check_streams(infos, records.ckpt_dir, done)
+        for warning in _check_streams(infos, records.ckpt_dir, done):
+            print(warning, file=sys.stderr)
         state = new_state
         view = host_view(config, state)
         scores = evaluator(view)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -668,12 +669,13 @@ def test_a_run_interrupted_before_its_first_checkpoint_says_to_overwrite(tmp_pat
     assert "--overwrite" in err and "--resume" not in err
 
 
-@pytest.mark.slow  # a KLMS run through the driver until it stops
-def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monkeypatch):
+@pytest.mark.slow  # two KLMS runs through the driver
+def test_invalid_klms_stream_excludes_the_client_and_says_so(tmp_path, monkeypatch, capsys):
     """Fault injection on the wire: client 0's message loses its last word in round 0 (garbage there, and a
-    length that no longer covers it). The real decoder flags the stream invalid; the driver must stop (like
-    NaN) naming the round and the client, and keep nothing from that round. Before the driver checked the
-    streams the run finished silently."""
+    length that no longer covers it). The real decoder flags the stream invalid; the server leaves client 0
+    out of its aggregates (``RoundInfo.included``) and the driver says so on stderr, naming the round, the
+    client and the decoder's reason, and goes on. With every participant's stream corrupted there is nothing
+    to aggregate: the run stops like NaN and keeps nothing from that round."""
     import jax
 
     import experiments.coders as coders
@@ -681,34 +683,45 @@ def test_invalid_klms_stream_stops_the_run_with_round_and_client(tmp_path, monke
     from sidejax.keys import client_keys, round_key, run_keys
 
     config = small("fedpm_klms", **{"run.rounds": 2, "run.eval_every": 1})
-    target = jax.random.key_data(client_keys(round_key(run_keys(config.run.seed)[1], 0), 0).shared)
+    key0 = round_key(run_keys(config.run.seed)[1], 0)
+    targets = jnp.stack([jax.random.key_data(client_keys(key0, c).shared) for c in range(4)])
     real_klms_coder = coders.klms_coder
+    hit_clients = [0]
 
     def corrupting_klms_coder(klms_config):
         coder = real_klms_coder(klms_config)
 
         def decode(shared_key, p, state, message):
-            hit = jnp.all(jax.random.key_data(shared_key) == target)  # client 0 in round 0 only
+            data = jax.random.key_data(shared_key)
+            hit = jnp.any(jnp.all(data == targets[jnp.asarray(hit_clients)], axis=-1))  # round 0 only
             last = jnp.ceil(message.num_bits / 32).astype(jnp.int32) - 1
             garbage = hit & (jnp.arange(message.payload.shape[-1]) == last)
             payload = jnp.where(garbage, jnp.uint32(0xFFFFFFFF), message.payload)
-            corrupt = message._replace(payload=payload, num_bits=message.num_bits - 32.0 * hit)
+            corrupt = message._replace(payload=payload, num_bits=message.num_bits - 32 * hit)
             return coder.decode(shared_key, p, state, corrupt)
 
         return coder._replace(decode=decode)
 
     monkeypatch.setattr(coders, "klms_coder", corrupting_klms_coder)
-    with pytest.raises(InvalidStreamError, match=r"round 0 \(client 0: [^;]*length[^;]*\)") as err:
-        run_experiment(config, tmp_path, progress=False, verbose=False)
+    summary = run_experiment(config, tmp_path / "one", progress=False, verbose=False)
+    assert summary.rounds_run == 2
+    err = capsys.readouterr().err
+    assert re.search(r"warning: round 1: excluded from the server's aggregates: client 0: [^;\n]*length", err)
+    assert "round 2:" not in err  # only round 0 (the first) was corrupted
+
+    hit_clients[:] = [0, 1, 2, 3]
+    with pytest.raises(InvalidStreamError, match=r"round 0 \(client 0: [^;]*length[^;]*;") as err:
+        run_experiment(config, tmp_path / "all", progress=False, verbose=False)
     assert "checkpoint" in str(err.value)
-    metrics = tmp_path / "metrics.jsonl"
+    metrics = tmp_path / "all" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # nothing from the bad round was kept
 
 
-def test_client_side_invalid_klms_flag_stops_the_run_naming_the_client(tmp_path):
+def test_flagged_clients_are_reported_and_a_round_without_any_stops(tmp_path):
     """Inside jit a client given an invalid ``q``/``p`` (probability 1.5, NaN) cannot raise; its coder flags
     ``ClientInfo.valid``, and the server's decoder flags a malformed stream in ``RoundInfo.uplink_errors``.
-    The driver's check must stop at the first flagged round and name the client and the reasons
+    The server leaves such a client out (``RoundInfo.included``); the driver returns one warning per round
+    naming the clients and the reasons, and stops only at a round in which no participant was included
     (round-stacked diagnostics as ``run_rounds`` returns them, built by hand)."""
     from types import SimpleNamespace
 
@@ -725,19 +738,26 @@ def test_client_side_invalid_klms_flag_stops_the_run_naming_the_client(tmp_path)
         client_ids=np.array([[0, 2, 7], [1, 3, 8]]),
         clients=ClientInfo(loss=z, finite=np.ones_like(valid), valid=valid),
         uplink_errors=errors,
+        included=valid,
         server=(),
     )
-    with pytest.raises(InvalidStreamError, match=r"round 5 \(client 3: invalid q or p") as err:
-        _check_streams(infos, tmp_path / "checkpoint", 5)
-    assert "round 5)" in str(err.value)  # the last good state
+    warnings_ = _check_streams(infos, tmp_path / "checkpoint", 5)
+    assert warnings_ == [
+        "warning: round 6: excluded from the server's aggregates: client 3: invalid q or p, "
+        "or a non-finite KL"
+    ]
     all_valid = ClientInfo(z, np.ones_like(valid), valid=np.ones_like(valid))
-    _check_streams(SimpleNamespace(**{**vars(infos), "clients": all_valid}), tmp_path, 5)
+    clean = SimpleNamespace(**{**vars(infos), "clients": all_valid, "included": np.ones_like(valid)})
+    assert _check_streams(clean, tmp_path, 5) == []
     errors = errors.copy()
     errors[0, 2] = ERR_LENGTH
-    with pytest.raises(InvalidStreamError, match=r"round 4 \(client 7: [^;]*length"):
-        _check_streams(
-            SimpleNamespace(**{**vars(infos), "clients": all_valid, "uplink_errors": errors}), tmp_path, 4
-        )
+    included = np.array([[True, True, False], [True, True, True]])
+    corrupt = SimpleNamespace(**{**vars(clean), "uplink_errors": errors, "included": included})
+    (only,) = _check_streams(corrupt, tmp_path, 4)
+    assert re.match(r"warning: round 5: [^:]*: client 7: [^;]*length", only)
+    nobody = SimpleNamespace(**{**vars(corrupt), "included": np.array([[False] * 3, [True] * 3])})
+    with pytest.raises(InvalidStreamError, match=r"round 4 \(client 0: excluded by the server; client 2: "):
+        _check_streams(nobody, tmp_path / "checkpoint", 4)
 
 
 def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
