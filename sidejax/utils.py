@@ -77,23 +77,31 @@ def masked_sum(values: jax.Array, include: jax.Array) -> jax.Array:
     by zeros before the sum (never multiplied: a NaN row times 0 is NaN), so the result is the sum over the
     included rows alone, bit for bit, and equals ``jnp.sum(values, 0)`` when every row is included."""
     values = jnp.asarray(values)
-    return jnp.sum(jnp.where(_rows(include, values), values, jnp.zeros((), values.dtype)), axis=0)
+    include = jnp.asarray(include, bool)
+    masked = jnp.sum(jnp.where(_rows(include, values), values, jnp.zeros((), values.dtype)), axis=0)
+    # with every row included, the plain sum itself: XLA may order a reduction fused with the select
+    # differently, and runs without exclusions must keep their bits
+    return jnp.where(jnp.all(include), jnp.sum(values, axis=0), masked)
 
 
 def masked_mean(values: jax.Array, include: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """The aggregate every server takes over its participants (axis 0), renormalised over the included
     ones: with ``weights`` None the unweighted mean :math:`\\frac{1}{|I|}\\sum_{i \\in I} v_i`, else
     :math:`\\sum_{i \\in I} w_i v_i / \\sum_{i \\in I} w_i`; ``I = {i : include[i]}``. With every row
-    included it is ``jnp.mean(values, 0)`` / ``tensordot(w / sum(w), values)`` exactly (the same operations),
-    so runs without excluded clients keep their bits. With none included the result is not finite (0/0):
-    callers keep their previous state (:func:`keep_unless_none`)."""
+    included it is ``jnp.mean(values, 0)`` / ``tensordot(w / sum(w), values)`` themselves (selected, not
+    rewritten), so runs without excluded clients keep their bits. With none included the result is not
+    finite (0/0): callers keep their previous state (:func:`keep_unless_none`)."""
     values = jnp.asarray(values)
     include = jnp.asarray(include, bool)
+    everyone = jnp.all(include)
     if weights is None:
-        return masked_sum(values, include) / jnp.sum(include).astype(values.dtype)
-    w = jnp.where(include, jnp.asarray(weights, values.dtype), 0)
+        masked = masked_sum(values, include) / jnp.sum(include).astype(values.dtype)
+        return jnp.where(everyone, jnp.mean(values, axis=0), masked)
+    weights = jnp.asarray(weights, values.dtype)
+    w = jnp.where(include, weights, 0)
     w = w / jnp.sum(w)
-    return jnp.tensordot(w, jnp.where(_rows(include, values), values, jnp.zeros((), values.dtype)), axes=1)
+    masked = jnp.tensordot(w, jnp.where(_rows(include, values), values, jnp.zeros((), values.dtype)), axes=1)
+    return jnp.where(everyone, jnp.tensordot(weights / jnp.sum(weights), values, axes=1), masked)
 
 
 def keep_unless_none(include: jax.Array, new: PyTree, old: PyTree) -> PyTree:

@@ -129,13 +129,17 @@ def _check(settings: LangevinSettings | None, num_clients: int, clients_per_roun
     return settings
 
 
-def _scale(step_size: float, num_clients: int, clients_per_round: int, include: jax.Array) -> jax.Array:
-    """:math:`\\gamma a` with :math:`a = N / |I|`, the sum over the included participants ``I`` renormalised
-    to stand for the whole federation's gradient (``N / C`` when every participant is included, the same
-    constant as without exclusions)."""
+def _langevin_step(flat, values, include, noise, step_size: float, num_clients: int, clients_per_round: int):
+    """:math:`\\theta - \\gamma \\frac{N}{|I|} \\sum_{c \\in I} v_c + \\text{noise}`: the sum over the
+    included participants ``I`` renormalised to stand for the whole federation's gradient. With every
+    participant included it is the expression :math:`\\theta + (-\\gamma a \\sum_c v_c + \\text{noise})`,
+    :math:`a = N/C`, itself (selected, not rewritten: the same constant and operations, so the same bits)."""
+    a = num_clients / clients_per_round
+    full = flat + (-step_size * a * jnp.sum(values, axis=0) + noise)
     count = jnp.sum(include)
-    renormalised = step_size * num_clients / jnp.maximum(count, 1).astype(jnp.float32)
-    return jnp.where(count == clients_per_round, step_size * (num_clients / clients_per_round), renormalised)
+    scale = step_size * num_clients / jnp.maximum(count, 1).astype(jnp.float32)
+    partial = flat + (-scale * masked_sum(values, include) + noise)
+    return jnp.where(count == clients_per_round, full, partial)
 
 
 def qlsd(
@@ -163,9 +167,7 @@ def qlsd(
 
     def server_step(key, flat, hhat, include):
         noise = math.sqrt(2 * step_size) * jax.random.normal(key, flat.shape)
-        return flat + (
-            -_scale(step_size, num_clients, clients_per_round, include) * masked_sum(hhat, include) + noise
-        )
+        return _langevin_step(flat, hhat, include, noise, step_size, num_clients, clients_per_round)
 
     method = qsgd_method(
         potential_direction(loss_fn, settings.batch_size, settings.weight_decay),
@@ -202,9 +204,7 @@ def sgld(
 
     def server_step(key, flat, yhat, include):
         del key
-        return flat + (
-            -_scale(step_size, num_clients, clients_per_round, include) * masked_sum(yhat, include) + 0.0
-        )
+        return _langevin_step(flat, yhat, include, 0.0, step_size, num_clients, clients_per_round)
 
     method = DenseMethod(
         direction=potential_direction(loss_fn, settings.batch_size, settings.weight_decay),
