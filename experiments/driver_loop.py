@@ -93,7 +93,8 @@ def _problems(infos, r: int, bad: np.ndarray) -> str:
     for i in np.flatnonzero(bad[r]):
         reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] and not down[r, i] else []
         reasons += [] if finite[r, i] else ["a non-finite loss or update"]
-        reasons += stream_errors(errors[r, i])
+        if client_ok[r, i] and finite[r, i]:  # a withheld stream's decoder errors say only that it is absent
+            reasons += stream_errors(errors[r, i])
         reasons += [f"its downlink: {e}" for e in stream_errors(down[r, i])]
         details.append(f"client {int(ids[i])}: {', '.join(reasons) or 'excluded by the server'}")
     return "; ".join(details)
