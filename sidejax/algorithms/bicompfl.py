@@ -238,11 +238,6 @@ def encode_samples(coder: Coder, keys: ClientKeys, q, p, state, num_samples: int
     return concat_stacked(msgs), infos
 
 
-def _capacity(coder: Coder, q, p, state) -> int:
-    keys = ClientKeys(jax.random.key(0), jax.random.key(0))
-    return int(jax.eval_shape(coder.encode, keys, q, p, state)[0].payload.shape[-1])
-
-
 def decode_samples(coder: Coder, shared_key, p, state, message: Message, num_samples: int, capacity: int):
     """The receiver's side of :func:`encode_samples`: ``(samples[num_samples, d], decoded, errors)``.
 
@@ -393,8 +388,7 @@ def _uplink_aggregate(coder, num_samples, priors, cstate, shared_keys, messages,
     ``(theta c(k / N_I), coder_state, errors[C], include[C])``; with none included ``theta`` is not
     finite and the coder state is kept (the caller keeps its own)."""
     c = messages.num_bits.shape[0]
-    p0 = Bernoulli(priors[0])
-    cap = _capacity(coder, p0, p0, cstate)
+    cap = coder.capacity_words(priors.shape[1])  # one message's words, declared by the coder
     samples, decoded, errors = jax.vmap(
         lambda k, prior, m: decode_samples(coder, k, Bernoulli(prior), cstate, m, num_samples, cap)
     )(shared_keys, priors, messages)
@@ -823,7 +817,7 @@ def _cut(message: Message, head_bits, head_words: int) -> tuple[Message, Message
 def _is_bits(config: KLMSConfig, num_samples: int, g: _Group, live) -> jax.Array:
     """Length of ``num_samples`` Fixed-KLMS messages over ``g`` (known to the receiver before parsing)."""
     one = g.num_blocks * config.log2_num_candidates + (32 if config.crc32 else 0)
-    return jnp.where(live, num_samples * one, 0).astype(jnp.float32)
+    return jnp.where(live, num_samples * one, 0).astype(BITS_DTYPE)
 
 
 def _downlink_words(config: KLMSConfig, num_samples: int, width: int) -> int:

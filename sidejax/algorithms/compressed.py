@@ -54,8 +54,9 @@ Compressors: a coder of point masses (:class:`sidejax.distributions.PointMass`) 
 (its message does not depend on the keys: the server compresses in one round's update and the clients
 decode in the next round's broadcast) and writes streams whose length depends only on ``d`` (the receiver
 cuts the ``R`` parts at multiples of it). :func:`sidejax.coding.scaled_sign_coder` (the default) and
-:func:`sidejax.coding.float32_coder` (error feedback without compression) qualify; the builders check both
-properties on a probe vector. Every bit count in :class:`sidejax.fl.RoundInfo` is read from the messages.
+:func:`sidejax.coding.float32_coder` (error feedback without compression) qualify; the builders read both
+properties from the coder's declared fields (``deterministic``, ``fixed_bits``; :func:`check_compressor`).
+Every bit count in :class:`sidejax.fl.RoundInfo` is read from the messages.
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from sidejax.bits import BITS_DTYPE, as_bits
@@ -203,85 +203,41 @@ class CompressedServerInfo(NamedTuple):
 # the compressor C_R as messages
 
 
-def _probe_keys(seed: int) -> ClientKeys:
-    key = jax.random.key(seed)
-    return ClientKeys(key, key)
-
-
-def _run_now(fn, *args):
-    """``fn(*args)`` compiled and run now, also while a caller is being traced (an AOT-compiled program runs
-    on concrete arguments; ``ensure_compile_time_eval`` would run it op by op, ~5x slower)."""
-    return jax.jit(fn).lower(*args).compile()(*args)
-
-
-def _encode_probe(coder: Coder, seed: int, v: jax.Array) -> Message:
-    p = PointMass(jnp.zeros(v.shape[0], jnp.float32))
-    message, _ = coder.encode(_probe_keys(seed), PointMass(v), p, coder.init(v.shape[0]))
-    return message
-
-
-@functools.cache
-def _zero_message(coder: Coder, dim: int) -> tuple[np.ndarray, int, bool]:
-    """The coder's message for the zero vector of ``dim`` coordinates (one compiled call, also while the
-    caller is traced): its words, its length, and whether it is all zero bits and decodes to zero."""
-
-    def probe(zeros):  # an argument, not a constant: XLA would constant-fold the whole coder, slowly
-        message = _encode_probe(coder, 0, zeros)
-        decoded, _ = coder.decode(_probe_keys(0).shared, PointMass(zeros), coder.init(dim), message)
-        return message.payload, message.num_bits, jnp.all(decoded == 0)
-
-    words, bits, decodes_to_zero = _run_now(probe, np.zeros(dim, np.float32))
-    words = np.asarray(words)
-    return words, int(bits), bool(decodes_to_zero) and not words.any()
-
-
 def message_bits(coder: Coder, dim: int) -> int:
-    """The (static) length of one message of ``coder`` for a vector of ``dim`` coordinates, measured from
-    the stream it writes for the zero vector (a compressor's length depends only on ``dim``,
+    """The (static) length of one message of ``coder`` for a vector of ``dim`` coordinates: the coder's
+    declared :attr:`sidejax.coding.Coder.fixed_bits` (a compressor's length depends only on ``dim``,
     :func:`check_compressor`). The scaled-sign coder: ``32 + dim``; float32: ``32 dim``."""
-    return _zero_message(coder, dim)[1]
-
-
-@functools.cache
-def _probe(coder: Coder) -> str | None:
-    dim = 41
-    rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal(dim).astype(np.float32) for _ in range(2))
-
-    def run(a, b):
-        p = PointMass(jnp.zeros(dim, jnp.float32))
-        m1, m2, m3 = _encode_probe(coder, 1, a), _encode_probe(coder, 2, a), _encode_probe(coder, 1, b)
-        x1, _ = coder.decode(_probe_keys(1).shared, p, coder.init(dim), m1)
-        x2, _ = coder.decode(_probe_keys(2).shared, p, coder.init(dim), m1)
-        same = jnp.all(m1.payload == m2.payload) & (m1.num_bits == m2.num_bits) & jnp.all(x1 == x2)
-        return same, m1.num_bits == m3.num_bits
-
-    try:
-        same, fixed = _run_now(run, a, b)
-    except Exception as e:  # e.g. a coder of another law (KLMS needs a KL, the mask coder Bernoulli probs)
-        return f"it cannot code a point mass ({type(e).__name__}: {e})"
-    if not bool(same):
-        return "its messages depend on the keys (a deterministic compressor is needed)"
-    if not bool(fixed):
-        return "its message length depends on the values (a fixed length per dimension is needed)"
-    return None
+    if coder.fixed_bits is None:
+        raise ValueError(
+            f"coder {coder.name!r} declares no fixed_bits: its message length is not fixed by dim"
+        )
+    return int(coder.fixed_bits(dim))
 
 
 def check_compressor(coder: Coder, name: str = "coder") -> Coder:
-    """Returns ``coder`` if it can be an error-feedback compressor: a :class:`sidejax.coding.Coder` of point
-    masses whose messages do not depend on the keys (encode and decode) and whose length does not depend on
-    the values, both checked on a 41-coordinate probe (what the decoded vector means is not checked).
-    Raises ``TypeError``/``ValueError`` naming ``name`` otherwise, also for a coder that cannot code a point
-    mass at all."""
+    """Returns ``coder`` if it can be an error-feedback compressor: a :class:`sidejax.coding.Coder` that
+    declares itself ``deterministic`` (its messages of a point mass do not depend on the keys, encode and
+    decode) and ``fixed_bits`` (its length does not depend on the values). Both are declared fields of the
+    contract, checked against ``encode`` by the family test (tests/coding/test_coders.py); what the decoded
+    vector means is not checked. Raises ``TypeError``/``ValueError`` naming ``name`` otherwise."""
     if not isinstance(coder, Coder):
         raise TypeError(f"{name} must be a sidejax.coding.Coder, got {type(coder).__name__}")
-    problem = _probe(coder)
-    if problem is not None:
-        raise ValueError(
-            f"{name} {coder.name!r} cannot be an error-feedback compressor: {problem}; use "
-            "sidejax.coding.scaled_sign_coder() or float32_coder()"
+    if not coder.deterministic:
+        problem = (
+            "its messages depend on the keys (it declares deterministic=False; a deterministic compressor "
+            "is needed)"
         )
-    return coder
+    elif coder.fixed_bits is None:
+        problem = (
+            "its message length depends on the values (it declares no fixed_bits; a fixed length per "
+            "dimension is needed)"
+        )
+    else:
+        return coder
+    raise ValueError(
+        f"{name} {coder.name!r} cannot be an error-feedback compressor: {problem}; use "
+        "sidejax.coding.scaled_sign_coder() or float32_coder()"
+    )
 
 
 def _fit(words, capacity: int) -> jax.Array:
@@ -389,13 +345,8 @@ def _server_keys(key) -> ClientKeys:
 
 
 def _initial_downlink(coder: Coder, key, dim: int, rounds: int) -> tuple[Message, jax.Array]:
-    """:math:`C_R(0)` and the server memory :math:`0 - C_R(0)`. When the coder's message of the zero vector is
-    all zero bits and decodes to zero (the scaled sign: scale 0, signs +; float32), every part is that
-    message and the stream is ``rounds * bits`` zero bits, so no program is compiled for it."""
-    words, bits, zero = _zero_message(coder, dim)
-    if zero:
-        payload = jnp.zeros(sent_words(rounds * bits), jnp.uint32)
-        return Message(payload, as_bits(rounds * bits)), jnp.zeros(dim, jnp.float32)
+    """:math:`C_R(0)` and the server memory :math:`0 - C_R(0)` (the scaled sign: ``rounds * (32 + d)`` zero
+    bits, scale 0 and signs +, and a zero memory)."""
     zeros = jnp.zeros(dim, jnp.float32)
     message, c, _ = jax.jit(compress, static_argnames=("coder", "rounds"))(
         coder, _server_keys(key), zeros, rounds
@@ -580,7 +531,7 @@ def compressed_algorithm(method: ErrorFeedbackMethod, local: LocalTraining, loss
 # builders
 
 
-_SCALED_SIGN = scaled_sign_coder()  # one instance: its probe and message lengths are computed once
+_SCALED_SIGN = scaled_sign_coder()  # one instance: the compiled programs that take it as static are reused
 
 
 def _method(name: str, coder, server_lr, clients_per_round, **fields) -> ErrorFeedbackMethod:

@@ -24,6 +24,11 @@ Every message in sidejax, uplink or downlink, compressed or not, is built by a :
   (a real stream; 0 bits when stateless), and ``receive(state, message) -> state``: the client side of it.
 - ``uses_prior``: whether ``decode`` depends on ``p``. When it does, ``p`` must be known to the receiver,
   so an algorithm whose ``p`` is built by the server (QSGD-KLMS's symbol frequencies) sends it downlink.
+- What a caller may know before encoding anything (declared, static; the family contract test checks each
+  against what ``encode`` does): ``capacity_words(dim)``, the words of the payload buffer ``encode`` returns
+  inside jit for a ``dim``-coordinate input; ``deterministic``, whether the coder adds no randomness of its
+  own; ``fixed_bits(dim)``, the one length of every message for ``dim`` coordinates, or ``None`` when the
+  length depends on the values or the protocol state (:attr:`Coder.fixed_length`).
 
 A :class:`Message` holds exactly what crosses the wire (``payload``: ``uint32`` words, LSB first) and its
 length in bits (``num_bits``), computed from the payload inside jit. Coders compose the way optax transforms
@@ -168,6 +173,23 @@ class Coder(NamedTuple):
       receive: ``receive(state, message) -> state`` (the receivers' decoding of ``downlink``).
       uses_prior: whether ``decode`` depends on ``p`` (static).
       name: a short name for tables and errors.
+      capacity_words: ``capacity_words(dim) -> int`` (static): the words of the payload buffer that
+        ``encode`` returns inside jit for a ``dim``-coordinate input (``q``'s vector; for
+        :func:`with_side_info`, the inner vector), i.e. the longest message it can write, rounded up to
+        whole words plus any slack its buffers carry. Outside jit the payload is the
+        ``ceil(num_bits / 32) <= capacity_words(dim)`` words sent. Receivers size their buffers with it
+        (e.g. :func:`split_stacked`'s ``capacity_words``).
+      deterministic: the coder adds no randomness of its own: ``encode``'s message depends on the keys only
+        through the sample it draws from ``q`` with ``keys.private`` (for a
+        :class:`sidejax.distributions.PointMass`, not at all) and ``decode`` does not use ``shared_key``.
+        So a point mass gives the same message and the same decoded vector under any keys (what an
+        error-feedback compressor must be, :func:`sidejax.algorithms.compressed.check_compressor`). False
+        for channel simulation (KLMS), dithered quantisation, private noise, and :func:`with_crc` (its
+        checksum covers the shared key). Defaults to False, the safe answer.
+      fixed_bits: ``fixed_bits(dim) -> int``, or ``None``: the length in bits of *every* message for a
+        ``dim``-coordinate input, whatever the values, the keys and the protocol state (scaled sign:
+        ``32 + dim``; float32: ``32 dim``; Fixed-KLMS: ``ceil(dim / b) log2 K``). ``None`` when the length
+        depends on any of them (variable-length codes, adaptive blocks, KLMS-Avg's size field).
       frame: ``frame(state, words, bit_offset) -> num_bits``, or ``None``: the length of the message that
         starts at bit ``bit_offset`` of ``words``, read from the stream and the protocol state alone (the
         receiver's knowledge). A coder with ``frame`` writes *self-delimiting* streams, so several of its
@@ -181,9 +203,17 @@ class Coder(NamedTuple):
     update: Callable[[Any, Any], tuple[Any, Any]]
     downlink: Callable[[Any], Message]
     receive: Callable[[Any, Message], Any]
+    capacity_words: Callable[[int], int]
     uses_prior: bool = True
     name: str = "coder"
     frame: Callable[[Any, jax.Array, Any], jax.Array] | None = None
+    deterministic: bool = False
+    fixed_bits: Callable[[int], int] | None = None
+
+    @property
+    def fixed_length(self) -> bool:
+        """Whether every message has one length per dimension (:attr:`fixed_bits` is declared)."""
+        return self.fixed_bits is not None
 
 
 def empty_message() -> Message:
@@ -292,9 +322,19 @@ def split_stacked(message: Message, frame: Callable, state: Any, num_parts: int,
     return Message(parts, bits), ok
 
 
-def stateless_coder(encode, decode, *, uses_prior: bool, name: str) -> Coder:
+def stateless_coder(
+    encode,
+    decode,
+    *,
+    uses_prior: bool,
+    name: str,
+    capacity_words: Callable[[int], int],
+    deterministic: bool,
+    fixed_bits: Callable[[int], int] | None = None,
+) -> Coder:
     """A :class:`Coder` without protocol state: ``encode(keys, q, p)``, ``decode(shared_key, p, message)``;
-    ``update`` is the identity and ``downlink`` sends nothing."""
+    ``update`` is the identity and ``downlink`` sends nothing. ``capacity_words``, ``deterministic`` and
+    ``fixed_bits`` are declared as :class:`Coder` describes them."""
 
     def update(state, decoded):
         return state, StreamCheck(jnp.asarray(decoded.valid), jnp.asarray(decoded.errors))
@@ -306,8 +346,11 @@ def stateless_coder(encode, decode, *, uses_prior: bool, name: str) -> Coder:
         update=update,
         downlink=lambda state: empty_message(),
         receive=lambda state, message: state,
+        capacity_words=capacity_words,
         uses_prior=uses_prior,
         name=name,
+        deterministic=deterministic,
+        fixed_bits=fixed_bits,
     )
 
 
@@ -369,7 +412,15 @@ def float32_coder() -> Coder:
         errors = jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
         return decode_float32(Message(words, message.num_bits)), StreamCheck(ok, errors)
 
-    return stateless_coder(encode, decode, uses_prior=False, name="float32")
+    return stateless_coder(
+        encode,
+        decode,
+        uses_prior=False,
+        name="float32",
+        capacity_words=lambda dim: int(dim),
+        deterministic=True,
+        fixed_bits=lambda dim: 32 * int(dim),
+    )
 
 
 class SideInfoDecoded(NamedTuple):
@@ -410,6 +461,12 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
     def update(state, decoded):
         return coder.update(state, decoded.inner._replace(valid=decoded.valid, errors=decoded.errors))
 
+    fixed_bits = None
+    if coder.fixed_bits is not None:
+
+        def fixed_bits(dim):
+            return head + coder.fixed_bits(dim)
+
     return Coder(
         init=coder.init,
         encode=encode,
@@ -417,8 +474,12 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
         update=update,
         downlink=coder.downlink,
         receive=coder.receive,
+        # concat_messages' buffer: the side words, the inner buffer and one word for the shift
+        capacity_words=lambda dim: num_values + coder.capacity_words(dim) + 1,
         uses_prior=coder.uses_prior,
         name=f"{coder.name}+side",
+        deterministic=coder.deterministic,
+        fixed_bits=fixed_bits,
     )
 
 
@@ -465,7 +526,8 @@ def with_crc(coder: Coder) -> Coder:
     stream). The receiver recomputes it from what it knows and reports a mismatch as :data:`ERR_CRC`
     (``valid`` False), so a flipped or lost bit, a stream decoded with another shared key, and a receiver
     whose prior has drifted from the sender's are detected instead of decoding to a plausible wrong sample.
-    It costs 32 bits per message, counted in ``num_bits``.
+    It costs 32 bits per message, counted in ``num_bits`` (and in ``fixed_bits``); the coder it returns is
+    not ``deterministic``, since the checksum depends on the shared key.
 
     Everything else is the inner coder's: state, protocol (``update`` sees the inner report with the
     check's verdict in its ``valid`` and ``errors``), downlink, and ``frame`` (plus 32 bits), so a checked
@@ -509,4 +571,20 @@ def with_crc(coder: Coder) -> Coder:
         def frame(state, words, bit_offset):
             return coder.frame(state, words, bit_offset) + 32
 
-    return coder._replace(encode=encode, decode=decode, update=update, frame=frame, name=f"{coder.name}+crc")
+    fixed_bits = None
+    if coder.fixed_bits is not None:
+
+        def fixed_bits(dim):
+            return coder.fixed_bits(dim) + 32
+
+    return coder._replace(
+        encode=encode,
+        decode=decode,
+        update=update,
+        frame=frame,
+        name=f"{coder.name}+crc",
+        # concat_messages' buffer: the inner buffer, the checksum word and one word for the shift
+        capacity_words=lambda dim: coder.capacity_words(dim) + 2,
+        deterministic=False,  # the checksum covers the shared key
+        fixed_bits=fixed_bits,
+    )

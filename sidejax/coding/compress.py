@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from sidejax.bits import as_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
-from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
 from sidejax.distributions import dist_dim, is_valid
 from sidejax.utils import is_concrete
 
@@ -100,4 +100,12 @@ def scaled_sign_coder() -> Coder:
         ).astype(jnp.int32)
         return jnp.where(negative, -scale, scale), StreamCheck(errors == 0, errors)
 
-    return stateless_coder(encode, decode, uses_prior=False, name="scaled-sign")
+    return stateless_coder(
+        encode,
+        decode,
+        uses_prior=False,
+        name="scaled-sign",
+        capacity_words=lambda dim: 1 + num_words(dim, 1),
+        deterministic=True,
+        fixed_bits=scaled_sign_bits,
+    )

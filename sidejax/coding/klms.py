@@ -237,6 +237,13 @@ class KLMSConfig:
             w *= 4
         return (*out, mb)
 
+    def fixed_bits(self, dim: int) -> int:
+        """Fixed mode: the length of every message, ``ceil(dim / block_size) log2 K`` (+ 32 with the CRC);
+        adaptive messages have no fixed length (block lengths in update rounds, a partition of any size)."""
+        if self.adaptive:
+            raise ValueError("adaptive KLMS messages have no fixed length (KLMSConfig(adaptive=True))")
+        return self.num_max_blocks(dim) * self.log2_num_candidates + (32 if self.crc32 else 0)
+
     def capacity_words(self, dim: int) -> int:
         """Words of the message buffer (the longest possible message)."""
         mb = self.num_max_blocks(dim)
@@ -660,7 +667,10 @@ def klms_coder(config: KLMSConfig) -> Coder:
         update=lambda state, decoded: klms_server_update(state, decoded, config),
         downlink=lambda state: klms_downlink(state, config),
         receive=lambda state, message: klms_receive(state, message, config),
+        capacity_words=config.capacity_words,
         uses_prior=True,
         name="klms",
         frame=lambda state, words, bit_offset: klms_frame(state, words, bit_offset, config),
+        deterministic=False,  # the candidates come from the shared key, the choice from the private one
+        fixed_bits=None if config.adaptive else config.fixed_bits,
     )

@@ -708,7 +708,10 @@ def klms_avg_coder(config: KLMSAvgConfig) -> Coder:
         update=lambda state, decoded: klms_avg_server_update(state, decoded, config),
         downlink=lambda state: klms_avg_downlink(state, config),
         receive=lambda state, message: klms_avg_receive(state, message, config),
+        capacity_words=config.capacity_words,
         uses_prior=True,
         name="klms-avg",
         frame=lambda state, words, bit_offset: klms_avg_frame(state, words, bit_offset, config),
+        deterministic=False,  # shared candidates, a private choice
+        fixed_bits=None,  # the block size, hence the index count, and the size field follow the protocol
     )

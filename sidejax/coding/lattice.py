@@ -675,7 +675,10 @@ def _vector_coder(
         out = center + jnp.where(errors == 0, x_hat, 0.0)
         return out, StreamCheck(errors == 0, errors)
 
-    return stateless_coder(encode, decode, uses_prior=True, name=name)
+    # the dithers (and LRSUQ's trials) come from the shared key; the run-length stream has no fixed length
+    return stateless_coder(
+        encode, decode, uses_prior=True, name=name, capacity_words=capacity, deterministic=False
+    )
 
 
 class _Blocks:
@@ -820,8 +823,11 @@ def additive_noise_coder(noise, inner: Coder | None = None) -> Coder:
         update=inner.update,
         downlink=inner.downlink,
         receive=inner.receive,
+        capacity_words=inner.capacity_words,
         uses_prior=True,
         name=f"{kind}+{inner.name}",
+        deterministic=False,  # the private noise
+        fixed_bits=inner.fixed_bits,
     )
 
 
@@ -913,6 +919,17 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
     def update(state, decoded):
         return coder.update(state, decoded.inner)
 
+    capacity_words, fixed_bits = coder.capacity_words, coder.fixed_bits
+    if normalise:  # concat_messages(norm, inner): the norm's word, the inner buffer, one word for the shift
+
+        def capacity_words(dim):
+            return coder.capacity_words(dim) + 2
+
+        if coder.fixed_bits is not None:
+
+            def fixed_bits(dim):
+                return 32 + coder.fixed_bits(dim)
+
     return Coder(
         init=coder.init,
         encode=encode,
@@ -920,6 +937,9 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
         update=update,
         downlink=coder.downlink,
         receive=coder.receive,
+        capacity_words=capacity_words,
         uses_prior=True,
         name=f"{mode}({gamma:g})+{coder.name}",
+        deterministic=coder.deterministic,
+        fixed_bits=fixed_bits,
     )

@@ -39,7 +39,7 @@ from sidejax.coding.base import (
     split_message,
     stateless_coder,
 )
-from sidejax.coding.bitstream import pack_fixed, received_words, unpack_fixed
+from sidejax.coding.bitstream import num_words, pack_fixed, received_words, unpack_fixed
 
 __all__ = ["PseudocoresetInfo", "pseudocoreset_coder", "pack_pseudocoreset", "unpack_pseudocoreset"]
 
@@ -98,15 +98,26 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
     k = int(num_points)
     width = 32 if num_classes is None else max(1, math.ceil(math.log2(num_classes)))
 
+    def num_inputs(dim: int) -> int:
+        """``K·D`` for a vector of ``dim = K·D + K + 1`` values."""
+        if (dim - k - 1) % k or dim < 2 * k + 1:
+            raise ValueError(
+                f"q's vector has {dim} values: expected K·D + K + 1 for K = {k} pseudo-points "
+                "(pack_pseudocoreset)"
+            )
+        return dim - k - 1
+
+    def fixed_bits(dim: int) -> int:
+        return 32 * num_inputs(dim) + width * k + 32
+
+    def capacity_words(dim: int) -> int:
+        # concat_messages(Z, labels, n_m): Z's words, then each later part's words and one for the shift
+        return num_inputs(dim) + (num_words(k, width) + 1) + (1 + 1)
+
     def encode(keys, q, p):
         del p
         v = jnp.asarray(q.sample(keys.private), jnp.float32)
-        if (v.shape[0] - k - 1) % k or v.shape[0] < 2 * k + 1:
-            raise ValueError(
-                f"q's vector has {v.shape[0]} values: expected K·D + K + 1 for K = {k} pseudo-points "
-                f"(pack_pseudocoreset)"
-            )
-        n_inputs = v.shape[0] - k - 1
+        n_inputs = num_inputs(v.shape[0])
         z, labels, n = v[:n_inputs], v[n_inputs:-1], v[-1]
         ok_n = (n >= 1) & (n <= MAX_EXAMPLES) & (n == jnp.round(n))
         head = encode_float32(z)
@@ -129,7 +140,7 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
                 f"p must be a PointMass of length K·D + K + 1 (the receiver knows the shapes), got {dim}"
             )
         n_inputs = dim - k - 1
-        expected = 32 * n_inputs + width * k + 32
+        expected = fixed_bits(dim)
         words, ok_len = received_words(message, -(-expected // 32), "pseudocoreset")
         ok_parse = as_bits(message.num_bits) == expected
         z_msg, label_msg, count_msg = split_message(
@@ -154,4 +165,12 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
         return value, StreamCheck(errors == 0, errors)
 
     name = "pseudocoreset" if num_classes is None else f"pseudocoreset{width}"
-    return stateless_coder(encode, decode, uses_prior=False, name=name)
+    return stateless_coder(
+        encode,
+        decode,
+        uses_prior=False,
+        name=name,
+        capacity_words=capacity_words,
+        deterministic=True,
+        fixed_bits=fixed_bits,
+    )

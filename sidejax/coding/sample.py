@@ -21,8 +21,15 @@ import numpy as np
 
 from sidejax.bits import as_bits, enumerative_mask_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
-from sidejax.coding.bitstream import mask_to_length, pack_fixed, sent_words, unpack_fixed
-from sidejax.coding.lossless import elias_levels_decode, elias_levels_encode, mask_decode, mask_encode
+from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.lossless import (
+    elias_levels_capacity_words,
+    elias_levels_decode,
+    elias_levels_encode,
+    mask_capacity_words,
+    mask_decode,
+    mask_encode,
+)
 from sidejax.distributions import dist_dim, is_valid
 from sidejax.utils import is_concrete
 
@@ -80,7 +87,15 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         x = jnp.asarray(symbols, jnp.float32)[jnp.minimum(index, len(symbols) - 1)]
         return x, StreamCheck(errors == 0, errors)
 
-    return stateless_coder(encode, decode, uses_prior=False, name=f"fixed{width}")
+    return stateless_coder(
+        encode,
+        decode,
+        uses_prior=False,
+        name=f"fixed{width}",
+        capacity_words=lambda dim: num_words(dim, width),
+        deterministic=True,
+        fixed_bits=lambda dim: width * int(dim),
+    )
 
 
 def _n(message: Message) -> int:
@@ -118,7 +133,14 @@ def elias_coder(max_level: int) -> Coder:
         errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
         return levels.astype(jnp.float32), StreamCheck(errors == 0, errors)
 
-    return stateless_coder(encode, decode, uses_prior=False, name="elias")
+    return stateless_coder(
+        encode,
+        decode,
+        uses_prior=False,
+        name="elias",
+        capacity_words=lambda dim: elias_levels_capacity_words(dim, max_level),
+        deterministic=True,
+    )
 
 
 def mask_coder() -> Coder:
@@ -139,4 +161,11 @@ def mask_coder() -> Coder:
         errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
         return mask.astype(jnp.float32), StreamCheck(errors == 0, errors)
 
-    return stateless_coder(encode, decode, uses_prior=False, name="golomb-mask")
+    return stateless_coder(
+        encode,
+        decode,
+        uses_prior=False,
+        name="golomb-mask",
+        capacity_words=mask_capacity_words,
+        deterministic=True,
+    )

@@ -10,7 +10,10 @@ For each coder, on a fixed (q, p) pair:
 4. a second call with other keys and values does not recompile (encode and decode);
 5. ``decode``'s signature is ``(shared_key, p, state, message)``: it cannot see ``q`` or the private key;
 6. the protocol side information round-trips: after ``update``, the receivers' ``receive`` of
-   ``downlink(state)`` rebuilds the state they encode against.
+   ``downlink(state)`` rebuilds the state they encode against;
+7. the declared fields are true: ``capacity_words(dim)`` is the payload of ``encode`` inside jit for
+   several dims, ``deterministic`` and ``fixed_bits`` agree with encoding under other keys, other inputs
+   and another protocol state (what callers used to find out by compiling probe programs).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from sidejax.coding.lattice import (
 )
 from sidejax.coding.lrsuq import GaussianNoise
 from sidejax.distributions import Bernoulli, DiagGaussian, PointMass, Sign, StochasticLevels, Ternary
-from sidejax.keys import client_keys, draw_key, round_key
+from sidejax.keys import ClientKeys, client_keys, draw_key, round_key
 from sidejax.lattices import hexagonal, integer_lattice
 
 DIM = 203  # not a multiple of 32
@@ -389,6 +392,78 @@ def test_protocol_state_round_trips_through_the_downlink(case):
         assert tree_equal(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, new_state))
         state = new_state
         new_state, _ = coder.update(new_state, stacked)
+
+
+def _resized(tree, dim: int):
+    """``tree`` (a case's ``q`` or ``p``) cut to its first ``dim`` coordinates (side information kept)."""
+    return jax.tree.map(lambda a: a[:dim] if a.ndim and a.shape[0] == DIM else a, tree)
+
+
+def test_declared_capacity_is_the_encoders_buffer(case):
+    """``capacity_words(dim)`` is the payload ``encode`` returns inside jit, for several dims (17 and 83
+    are K·D + K + 1 for the pseudocoreset's K = 2, and not multiples of 32), and bounds the words sent."""
+    _, coder, make, _, state, encode, _ = case
+    q, p = make(0)
+    keys = _keys(0)
+    for dim in (DIM, 17, 83):
+        shape = jax.eval_shape(coder.encode, keys, _resized(q, dim), _resized(p, dim), coder.init(dim))
+        assert shape[0].payload.shape == (coder.capacity_words(dim),), dim
+    message, _ = encode(keys, q, p, state)
+    assert message.payload.shape == (coder.capacity_words(DIM),)
+    assert sent_words(int(message.num_bits)) <= coder.capacity_words(DIM)
+
+
+def _fixed_sample(q, key):
+    """``q``'s sample drawn with ``key`` as a point mass (side information kept)."""
+    if type(q) is tuple:  # with_side_info's (q, side); a distribution is a NamedTuple
+        return _fixed_sample(q[0], key), q[1]
+    return PointMass(q.sample(key))
+
+
+def test_declared_determinism_agrees_with_encoding_under_other_keys(case):
+    """``deterministic``: a point mass gives the same message and the same decoded vector under any keys
+    (and ``q`` enters only through its private-key sample); otherwise another shared key with the same
+    private key changes the message or what it decodes to."""
+    _, coder, make, _, state, encode, decode = case
+    q, p = make(8)
+    a, b = _keys(8), _keys(9, client=5)
+    message, _ = encode(a, q, p, state)
+    if coder.deterministic:
+        point = _fixed_sample(q, a.private)
+        for keys in (a, b):
+            other, _ = encode(keys, point, p, state)
+            assert tree_equal(other, message), keys
+            x, _ = decode(keys.shared, p, state, other)
+            y, _ = decode(a.shared, p, state, message)
+            assert tree_equal(x, y)
+    else:
+        c = ClientKeys(b.shared, a.private)
+        other, _ = encode(c, q, p, state)
+        x, _ = decode(a.shared, p, state, message)
+        y, _ = decode(c.shared, p, state, other)
+        assert not (tree_equal(other, message) and tree_equal(x, y))
+
+
+def test_declared_fixed_length_agrees_with_encoding_other_inputs_and_states(case):
+    """``fixed_bits(dim)``: every message is that long, for other inputs, keys and after a protocol update;
+    a coder that declares none writes messages of different lengths among the same."""
+    _, coder, make, _, state, encode, decode = case
+    q0, p = make(10)
+    keys = _keys(10)
+    message, _ = encode(keys, q0, p, state)
+    _, decoded = decode(keys.shared, p, state, message)
+    updated, _ = coder.update(state, jax.tree.map(lambda v: jnp.stack([v, v]), decoded))
+    # three inputs, and one with every parameter scaled by 1/20 (sparser masks and levels, smaller
+    # updates), each in the initial state and after an update round
+    inputs = [make(seed)[0] for seed in (10, 11, 12)] + [jax.tree.map(lambda v: v / 20, q0)]
+    lengths = set()
+    for i, q in enumerate(inputs):
+        for s in (state, updated):
+            lengths.add(int(encode(_keys(10 + i, client=i), q, p, s)[0].num_bits))
+    if coder.fixed_length:
+        assert lengths == {coder.fixed_bits(DIM)}
+    else:
+        assert len(lengths) > 1, lengths
 
 
 def test_klms_downlink_length_matches_the_protocol():
