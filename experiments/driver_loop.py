@@ -146,7 +146,8 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> list[str]:
             f"This is a bug or a corrupted input, not a tuning problem: please report it."
         )
     return [
-        f"warning: round {int(rounds[r]) + 1}: excluded from the server's aggregates: {_problems(infos, r, bad)}"
+        f"warning: round {int(rounds[r]) + 1}: excluded from the server's aggregates: "
+        f"{_problems(infos, r, bad)}"
         for r in np.flatnonzero(bad.any(axis=1))
     ]
 
