@@ -238,6 +238,13 @@ def encode_samples(coder: Coder, keys: ClientKeys, q, p, state, num_samples: int
     return concat_stacked(msgs), infos
 
 
+def samples_words(capacity: int, num_samples: int) -> int:
+    """Static: the payload words of :func:`encode_samples`'s stream, from one message's declared
+    ``capacity`` (``Coder.capacity_words``): the message itself, or ``num_samples`` of them back to back
+    with one word for the bit shift (:func:`sidejax.coding.concat_stacked`)."""
+    return capacity if num_samples == 1 else num_samples * capacity + 1
+
+
 def decode_samples(coder: Coder, shared_key, p, state, message: Message, num_samples: int, capacity: int):
     """The receiver's side of :func:`encode_samples`: ``(samples[num_samples, d], decoded, errors)``.
 
@@ -456,11 +463,8 @@ class _GRReceived(NamedTuple):
 def _gr_init(coder, num_samples, want_clients, key, params, num_clients):
     _check_init_clients("bicompfl_gr", want_clients, num_clients)
     weights, theta, u, cstate = _init_common(coder, key, params)
-    p = Bernoulli(theta)
-    shape = jax.eval_shape(lambda: encode_samples(coder, ClientKeys(key, key), p, p, cstate, num_samples)[0])
-    empty = Message(
-        jnp.zeros((num_clients, shape.payload.shape[-1]), jnp.uint32), jnp.zeros(num_clients, BITS_DTYPE)
-    )
+    words = samples_words(coder.capacity_words(theta.shape[0]), num_samples)
+    empty = Message(jnp.zeros((num_clients, words), jnp.uint32), jnp.zeros(num_clients, BITS_DTYPE))
     key_data = jnp.zeros((num_clients, *jax.random.key_data(key).shape), jnp.uint32)
     server = GRServer(
         weights, theta, u, cstate, empty, key_data, jnp.asarray(False), jnp.ones(num_clients, bool)
@@ -821,8 +825,7 @@ def _is_bits(config: KLMSConfig, num_samples: int, g: _Group, live) -> jax.Array
 
 
 def _downlink_words(config: KLMSConfig, num_samples: int, width: int) -> int:
-    cap = config.capacity_words(width)
-    return cap if num_samples == 1 else num_samples * cap + 1
+    return samples_words(config.capacity_words(width), num_samples)
 
 
 # --------------------------------------------------------------------------------------------------
