@@ -135,15 +135,9 @@ def deferring() -> Iterator[None]:
         handler.deferring -= 1
 
 
-@contextlib.contextmanager
-def writing() -> Iterator[None]:
-    """Files being written: a Ctrl-C that quits waits until the block ends."""
-    handler = _ACTIVE
-    if handler is None:
-        yield
-        return
-    with handler.lock:
-        yield
+def writing() -> contextlib.AbstractContextManager:
+    """Files being written (``with writing(): ...``): a Ctrl-C that quits waits until the block ends."""
+    return contextlib.nullcontext() if _ACTIVE is None else _ACTIVE.lock
 
 
 def stop_point() -> None:

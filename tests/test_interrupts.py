@@ -73,10 +73,21 @@ def _start(code: str) -> subprocess.Popen:
     )
 
 
-def _wait_for(proc: subprocess.Popen, path: Path) -> None:
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+def _ctrl_c(proc: subprocess.Popen, ready, presses: int, *, settle: float = 0.0) -> tuple[str, str]:
+    """Waits until ``ready()`` (the process still running), then ``settle`` seconds, and sends ``presses``
+    SIGINTs 0.3 s apart; returns the process's output. The process is ended on every path."""
+    try:
+        while not ready():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        time.sleep(settle)
+        for i in range(presses):
+            time.sleep(0.3 if i else 0.0)
+            proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_second_ctrl_c_quits_with_130_once_the_write_in_progress_ends(tmp_path):
@@ -96,15 +107,7 @@ def test_second_ctrl_c_quits_with_130_once_the_write_in_progress_ends(tmp_path):
         print("NOT REACHED")
     """
     proc = _start(code)
-    try:
-        _wait_for(proc, tmp_path / "ready")
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.wait()
+    out, err = _ctrl_c(proc, (tmp_path / "ready").exists, 2)
     assert proc.returncode == 130, (out, err)
     assert "RESUME complete" in out and "NOT REACHED" not in out
     assert "Press Ctrl-C again to quit now" in err and "core dumped" not in err
@@ -119,13 +122,7 @@ def test_first_ctrl_c_outside_the_round_loop_quits_at_once(tmp_path):
             time.sleep(600)
     """
     proc = _start(code)
-    try:
-        _wait_for(proc, tmp_path / "ready")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.wait()
+    out, err = _ctrl_c(proc, (tmp_path / "ready").exists, 1)
     assert proc.returncode == 130 and out.strip() == "RESUME", (out, err)
 
 
@@ -209,21 +206,15 @@ def test_ctrl_c_on_the_command_line_stops_in_a_round_and_the_printed_command_res
     )
     assert done.returncode == 0, done.stderr
     out = tmp_path / "run"
+
+    def first_part_checkpointed() -> bool:
+        try:
+            return read_checkpoint_meta(out / "checkpoint").get("clients_done", 0) >= 1
+        except (OSError, ValueError):
+            return False
+
     proc = _run_cli(["--run.clients_per_step", "1", "--output", str(out)])
-    try:
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if read_checkpoint_meta(out / "checkpoint").get("clients_done", 0) >= 1:
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=900)
-    finally:
-        proc.kill()
-        proc.wait()
+    _, stderr = _ctrl_c(proc, first_part_checkpointed, 1)
     assert proc.returncode == 130, stderr
     assert "the run stops at the end of the current step" in stderr and "core dumped" not in stderr
     meta = read_checkpoint_meta(out / "checkpoint")
@@ -240,18 +231,8 @@ def test_ctrl_c_on_the_command_line_stops_in_a_round_and_the_printed_command_res
 
     early = tmp_path / "early"
     proc = _run_cli(["--output", str(early)])
-    try:
-        while not (early / "checkpoint" / "state.ckpt").exists():
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.02)
-        time.sleep(1.0)  # compiling the round now
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=900)
-    finally:
-        proc.kill()
-        proc.wait()
+    # a second after the round-0 checkpoint: compiling the round
+    _, stderr = _ctrl_c(proc, (early / "checkpoint" / "state.ckpt").exists, 2, settle=1.0)
     assert proc.returncode == 130, stderr
     assert f"the last checkpoint in {early} is at round 0 of 1. To continue:" in stderr
     assert read_checkpoint_meta(early / "checkpoint")["round_index"] == 0
