@@ -71,6 +71,11 @@ class RunConfig(Section):
         train_subset draw from it.
       rounds: communication rounds.
       eval_every: rounds per jit call; the test set is evaluated and a checkpoint written after each.
+      clients_per_step: run each round's participants in parts of this many, each part its own jit call
+        followed by a checkpoint of the round so far (sidejax.fl.run_clients): a long client phase (BPC-FL's
+        one round) is then resumed from its last part, not from the round's start. The same keys per
+        client, so the same bits (with client_strategy map, the CPU default). Unset: each chunk of rounds
+        in one call.
       eval_batch_size: batch size of evaluation.
       client_strategy: auto (the library's backend default, sidejax.fl.default_client_strategy: map on CPU,
         vmap on GPU/TPU), or map (sequential) / vmap to force one.
@@ -94,6 +99,7 @@ class RunConfig(Section):
     seed: int = 0
     rounds: int = 20
     eval_every: int = 1
+    clients_per_step: int | None = None
     eval_batch_size: int = 1000
     client_strategy: str = choice("auto", ("auto", "map", "vmap"))
     devices: int = 1
@@ -105,7 +111,7 @@ class RunConfig(Section):
 
     limits: ClassVar = {
         ">= 0": "seed",
-        ">= 1": "rounds eval_every eval_batch_size devices processes",
+        ">= 1": "rounds eval_every clients_per_step eval_batch_size devices processes",
         "in (0, 1]": "stop_at_accuracy",
     }
 

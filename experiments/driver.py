@@ -254,7 +254,8 @@ def run_experiment(
     evaluation = evaluation_of(config, prepared.algorithm, prepared.client_test)
     state, num_params, rounds = start_rounds(config, prepared)
     records = Records(out, config, num_params, writer=writer, t_start=t_start)
-    state = records.open(state, resume=resume, overwrite=overwrite)
+    partial_like = (lambda: rounds.partial_like(state)) if rounds.in_parts() else None
+    state = records.open(state, resume=resume, overwrite=overwrite, partial_like=partial_like)
     # a mesh: the examples and the client state go to the devices that hold them (each process places its
     # own devices' shares); host_view gives the whole state back for evaluation and checkpoints
     state, fed = place_federation(rounds.client_map, state, rounds.fed)

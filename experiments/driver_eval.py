@@ -115,6 +115,11 @@ class Evaluator:
             scores.update(zip(PERSONAL_COLUMNS, (float(pev.accuracy), float(pev.loss)), strict=True))
         return scores
 
+    def unscored(self) -> dict[str, None]:
+        """The columns of :meth:`__call__`, every one ``None``: a round that is not evaluated."""
+        personal = PERSONAL_COLUMNS if self.evaluation.personal else ()
+        return dict.fromkeys(("test_accuracy", "test_loss", "test_ece", *personal))
+
     def final_model(self, state) -> tuple[Any, int | None]:
         """The run's final model (``eval_params``, or its sample ``final_sample``) and that sample index."""
         params = self.algorithm.eval_params(state)

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from experiments import distributed
+from experiments import distributed, interrupts
 from experiments.algorithms import client_map
 from experiments.config import ExperimentConfig
 from experiments.driver_eval import Evaluator
@@ -24,7 +24,7 @@ from experiments.driver_records import (
     load_init_params,
 )
 from sidejax.coding import stream_errors
-from sidejax.fl import build_round_step, gather_to_host, run_rounds
+from sidejax.fl import build_round_step, finish_round, gather_to_host, run_clients, run_rounds, start_round
 from sidejax.keys import round_key, run_keys
 from sidejax.models import count_params, init_params
 
@@ -171,12 +171,28 @@ def _warn_divergences(own: dict[str, np.ndarray], done: int, config: ExperimentC
 class Rounds(NamedTuple):
     """What the rounds run: the algorithm (:class:`sidejax.fl.Algorithm`) on the clients' data ``fed``, with
     the run's round keys (``run_keys(seed)[1]``) and client map
-    (:func:`experiments.algorithms.client_map`)."""
+    (:func:`experiments.algorithms.client_map`); ``clients_per_step`` (``run.clients_per_step``): each
+    round's participants in parts of that many (``None``: chunks of whole rounds)."""
 
     algorithm: Any
     fed: Any
     rounds_key: jax.Array
     client_map: Any
+    clients_per_step: int | None = None
+
+    def in_parts(self) -> bool:
+        """Whether the rounds run in parts: ``clients_per_step`` set and below the participants."""
+        step = self.clients_per_step
+        return step is not None and step < self.algorithm.clients_per_round
+
+    def partial_like(self, state):
+        """A :class:`sidejax.fl.PartialRound` shaped like the ones of ``state``'s rounds (shapes only are
+        computed), the template a checkpoint inside a round is restored into."""
+        shapes = jax.eval_shape(
+            lambda s: start_round(self.algorithm, self.rounds_key, s, self.fed, client_map=self.client_map),
+            state,
+        )
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
 
 
 def start_rounds(config: ExperimentConfig, prepared) -> tuple[Any, int, Rounds]:
@@ -195,7 +211,7 @@ def start_rounds(config: ExperimentConfig, prepared) -> tuple[Any, int, Rounds]:
     state = algorithm.init(init_key, params, int(fed.num_examples.shape[0]))
     cmap = client_map(config)
     jax.eval_shape(build_round_step(algorithm, client_map=cmap), round_key(rounds_key, 0), state, fed)
-    return state, num_params, Rounds(algorithm, fed, rounds_key, cmap)
+    return state, num_params, Rounds(algorithm, fed, rounds_key, cmap, config.run.clients_per_step)
 
 
 def host_view(config: ExperimentConfig, tree):
@@ -243,28 +259,54 @@ def run_chunks(
         )
         print(PERSONAL_TABLE_HEADER if evaluator.evaluation.personal else TABLE_HEADER)
     bar = tqdm(total=target, initial=records.done, disable=not progress, unit="round", leave=False)
-    while records.done < target:
-        done = records.done
-        chunk = min(config.run.eval_every, target - done)
-        new_state, infos = run_rounds(
-            rounds.algorithm, rounds.rounds_key, state, rounds.fed, chunk, client_map=rounds.client_map
-        )
-        _check_finite(infos, records.ckpt_dir, done)
-        for warning in _check_streams(infos, records.ckpt_dir, done):
-            print(warning, file=sys.stderr)
-        state = new_state
-        view = host_view(config, state)
-        scores = evaluator(view)
-        own = algorithm_metrics(rounds.algorithm, infos, records.num_params)
-        _warn_divergences(own, done, config)
-        new_rows = records.record(view, infos, own, scores)
-        if verbose:
-            for r in new_rows:
-                bar.write(format_row(r))
-        bar.update(chunk)
-        if stop_at is not None and scores["test_accuracy"] >= stop_at:
-            if verbose:
-                bar.write(f"reached run.stop_at_accuracy={stop_at} at round {records.done}")
-            break
+    with interrupts.deferring():
+        while records.done < target:
+            done = records.done
+            chunk = min(config.run.eval_every, target - done)
+            for new_state, infos, last in _chunk_steps(config, rounds, state, records, chunk):
+                _check_finite(infos, records.ckpt_dir, records.done)
+                for warning in _check_streams(infos, records.ckpt_dir, records.done):
+                    print(warning, file=sys.stderr)
+                state = new_state
+                view = host_view(config, state)
+                scores = evaluator(view) if last else evaluator.unscored()
+                own = algorithm_metrics(rounds.algorithm, infos, records.num_params)
+                _warn_divergences(own, records.done, config)
+                new_rows = records.record(view, infos, own, scores)
+                if verbose:
+                    for r in new_rows:
+                        bar.write(format_row(r))
+                bar.update(len(new_rows))
+                interrupts.stop_point()
+            if stop_at is not None and scores["test_accuracy"] >= stop_at:
+                if verbose:
+                    bar.write(f"reached run.stop_at_accuracy={stop_at} at round {records.done}")
+                break
     bar.close()
     return state
+
+
+def _chunk_steps(config: ExperimentConfig, rounds: Rounds, state, records: Records, chunk: int):
+    """The steps of a chunk of ``chunk`` rounds from ``state``, each ``(state, infos, last)``: ``infos``
+    stacked over its rounds, ``last`` whether it ends the chunk (then evaluated). Whole rounds: one step,
+    one jit call. In parts (``run.clients_per_step``): one step per round, each round's participants in
+    parts, with a checkpoint of the round so far after every part but the last (a resume runs only the
+    participants not yet run; a Ctrl-C stops there) and the server's update once all have run."""
+    algorithm, fed, key, cmap = rounds.algorithm, rounds.fed, rounds.rounds_key, rounds.client_map
+    if not rounds.in_parts():
+        yield (*run_rounds(algorithm, key, state, fed, chunk, client_map=cmap), True)
+        return
+    total = algorithm.clients_per_round
+    for s in range(chunk):
+        partial, records.partial = records.partial, None  # a resumed round continues where it stopped
+        if partial is None:
+            partial = start_round(algorithm, key, state, fed, client_map=cmap)
+        while int(partial.clients_done) < total:
+            num = min(rounds.clients_per_step, total - int(partial.clients_done))
+            partial = run_clients(algorithm, key, state, fed, partial, num, client_map=cmap)
+            if int(partial.clients_done) < total:
+                records.record_part(host_view(config, state), host_view(config, partial))
+                interrupts.stop_point()
+        new_state, info = finish_round(algorithm, key, state, fed, partial, client_map=cmap)
+        state = new_state
+        yield state, jax.tree.map(lambda a: a[None], info), s == chunk - 1

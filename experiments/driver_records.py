@@ -20,10 +20,17 @@ import jax
 import numpy as np
 
 from experiments import checkpoint, distributed
-from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, save_checkpoint
+from experiments.checkpoint import (
+    CheckpointError,
+    checkpoint_exists,
+    load_checkpoint,
+    read_checkpoint_meta,
+    save_checkpoint,
+)
 from experiments.config import ExperimentConfig
 from experiments.driver_folder import FINAL_PARAMS, log_resume, remove_run, write_config
 from experiments.driver_plots import plot_runs
+from experiments.interrupts import writing
 
 __all__ = [
     "METRIC_COLUMNS",
@@ -157,15 +164,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _checkpoint_meta(
-    round_index: int, rows: list[dict[str, Any]], wall_time_s: float, rounds_target: int
+    round_index: int, rows: list[dict[str, Any]], wall_time_s: float, rounds_target: int, **partial: int
 ) -> dict[str, Any]:
     """The checkpoint's metadata: it carries the metrics rows of every round up to ``round_index``, so the
-    state and the metrics (and with them the cumulative bits) are saved and restored as one unit."""
+    state and the metrics (and with them the cumulative bits) are saved and restored as one unit. A
+    checkpoint inside round ``round_index + 1`` (``run.clients_per_step``) also says how many of its
+    participants have run (``clients_done`` of ``round_clients``)."""
     return {
         "round_index": round_index,
         "wall_time_s": wall_time_s,
         "rows": rows,
         "rounds_target": rounds_target,
+        **partial,
     }
 
 
@@ -269,22 +279,34 @@ class Records:
         self.ckpt_dir = out / "checkpoint"
         self.t_start = t_start
         self.rows: list[dict[str, Any]] = []
+        #: the round in parts a resume continues (:meth:`open`), else ``None``
+        self.partial = None
 
     @property
     def done(self) -> int:
         """The rounds done (recorded)."""
         return len(self.rows)
 
-    def open(self, state, *, resume: bool, overwrite: bool):
+    def open(self, state, *, resume: bool, overwrite: bool, partial_like=None):
         """Starts the records; returns the state to run from. ``resume``: the checkpointed state and rows
         (the target ``run.rounds`` must not be below the rounds done), a line in ``resume_log.jsonl``; else
         the folder (emptied of a run first if ``overwrite``), ``config.json`` and the round-0 checkpoint of
         ``state``. ``metrics.jsonl`` is a log for watching a run; the checkpoint holds the authoritative
         rows, so on resume the file is rewritten from them (rows written after the checkpointed round are
-        dropped, none are lost)."""
+        dropped, none are lost). A checkpoint inside a round (:meth:`record_part`) also restores the round's
+        :class:`sidejax.fl.PartialRound` into :attr:`partial`, shaped like ``partial_like()``."""
         rounds = self.config.run.rounds
+        self.partial = None
         if resume:
-            state, meta = load_checkpoint(self.ckpt_dir, state)
+            if "clients_done" in read_checkpoint_meta(self.ckpt_dir):
+                if partial_like is None:
+                    raise CheckpointError(
+                        f"checkpoint in {self.ckpt_dir} is inside a round, and this run does not run rounds "
+                        f"in parts (run.clients_per_step)"
+                    )
+                (state, self.partial), meta = load_checkpoint(self.ckpt_dir, (state, partial_like()))
+            else:
+                state, meta = load_checkpoint(self.ckpt_dir, state)
             self.rows = _checkpointed_rows(meta, int(state.round_index), self.ckpt_dir)
             if rounds < self.done:
                 raise ValueError(
@@ -294,14 +316,16 @@ class Records:
                 )
             self.t_start -= float(meta.get("wall_time_s", 0.0))
             if self.writer:
-                log_resume(self.out, self.done, rounds)
+                with writing():
+                    log_resume(self.out, self.done, rounds)
         elif self.writer:
-            if overwrite:
-                remove_run(self.out)
-            write_config(self.out, self.config, self.num_params)
-            save_checkpoint(self.ckpt_dir, state, _checkpoint_meta(0, [], 0.0, rounds))
+            with writing():
+                if overwrite:
+                    remove_run(self.out)
+                write_config(self.out, self.config, self.num_params)
+                save_checkpoint(self.ckpt_dir, state, _checkpoint_meta(0, [], 0.0, rounds))
         if self.writer:
-            with (self.out / "metrics.jsonl").open("w") as f:
+            with writing(), (self.out / "metrics.jsonl").open("w") as f:
                 for r in self.rows:
                     f.write(json.dumps(r) + "\n")
         return state
@@ -314,13 +338,33 @@ class Records:
         new_rows = self._chunk_rows(infos, own, scores)
         self.rows.extend(new_rows)
         if self.writer:
-            with (self.out / "metrics.jsonl").open("a") as f:
-                for r in new_rows:
-                    f.write(json.dumps(r) + "\n")
-            meta = _checkpoint_meta(self.done, self.rows, time.perf_counter() - self.t_start, self._target)
-            save_checkpoint(self.ckpt_dir, view, meta)
-            _write_csv(self.out / "metrics.csv", self.rows)
+            with writing():
+                with (self.out / "metrics.jsonl").open("a") as f:
+                    for r in new_rows:
+                        f.write(json.dumps(r) + "\n")
+                meta = _checkpoint_meta(
+                    self.done, self.rows, time.perf_counter() - self.t_start, self._target
+                )
+                save_checkpoint(self.ckpt_dir, view, meta)
+                _write_csv(self.out / "metrics.csv", self.rows)
         return new_rows
+
+    def record_part(self, view, partial_view) -> None:
+        """Checkpoints a round in parts (``run.clients_per_step``) after a part: the state ``view`` of the
+        rounds done, with the round's :class:`sidejax.fl.PartialRound` ``partial_view`` (both on the host),
+        so that a resume runs only the participants not yet run."""
+        if self.writer:
+            done, total = int(partial_view.clients_done), int(np.shape(partial_view.phase.client_ids)[0])
+            meta = _checkpoint_meta(
+                self.done,
+                self.rows,
+                time.perf_counter() - self.t_start,
+                self._target,
+                clients_done=done,
+                round_clients=total,
+            )
+            with writing():
+                save_checkpoint(self.ckpt_dir, (view, partial_view), meta)
 
     @property
     def _target(self) -> int:
@@ -364,11 +408,12 @@ class Records:
         """Writes the final model (:data:`FINAL_PARAMS`; also on a resume of a finished run, so an interrupt
         while writing it loses nothing); ``sample``: which posterior sample of an ensemble it is."""
         if self.writer:
-            checkpoint.save_checkpoint(
-                self.out / FINAL_PARAMS,
-                params,
-                {"algorithm": self.config.algorithm, "round": self.done, "sample": sample},
-            )
+            with writing():
+                checkpoint.save_checkpoint(
+                    self.out / FINAL_PARAMS,
+                    params,
+                    {"algorithm": self.config.algorithm, "round": self.done, "sample": sample},
+                )
 
     def finish(self, *, personal: bool, label: str | None) -> RunSummary:
         """The run's :class:`RunSummary`; the writer also writes the plots (the run named ``label``, default
@@ -376,12 +421,13 @@ class Records:
         summary = _summary(self.out, self.rows, personal=personal)
         if self.writer:
             data = self.config.data
-            plot_runs(
-                {label or self.config.algorithm: self.rows},
-                self.out,
-                title=f"{data.dataset} / {data.model}, {data.num_clients} clients ({data.partition})",
-            )
-            (self.out / "summary.json").write_text(json.dumps(self._summary_json(summary), indent=2))
+            with writing():
+                plot_runs(
+                    {label or self.config.algorithm: self.rows},
+                    self.out,
+                    title=f"{data.dataset} / {data.model}, {data.num_clients} clients ({data.partition})",
+                )
+                (self.out / "summary.json").write_text(json.dumps(self._summary_json(summary), indent=2))
         return summary
 
     def _summary_json(self, summary: RunSummary) -> dict[str, Any]:

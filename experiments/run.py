@@ -25,8 +25,10 @@ Rules for the results folder:
   agree with it) and fails before any work if there is no run there; ``--run.rounds N`` extends the run to
   N rounds without rewriting ``config.json`` (each resume is logged in ``resume_log.jsonl``), and without
   it the last target is kept; a folder written before the sectioned config cannot be resumed;
-- Ctrl-C stops the run, prints the round of the last checkpoint and the command that continues it, and
-  exits with status 130.
+- Ctrl-C stops the run at the end of the current step (a chunk of ``run.eval_every`` rounds, or a part of
+  ``run.clients_per_step`` clients of a round), once its checkpoint is written; a second Ctrl-C quits at
+  once, from the last checkpoint written (:mod:`experiments.interrupts`). Either way it prints the round of
+  the last checkpoint and the command that continues it, and exits with status 130.
 
 Several processes (hosts) run one experiment with ``--run.processes P --run.devices D --run.coordinator
 HOST:PORT --run.process_id I`` (the same command in each, ``I = 0..P-1``; see :mod:`experiments.distributed`).
@@ -47,6 +49,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from experiments import interrupts
 from experiments.checkpoint import read_checkpoint_meta
 from experiments.coders import CODERS
 from experiments.config import (
@@ -390,9 +393,10 @@ def _resume_command(out: Path, rounds: int) -> str:
 def _interrupted(out: Path, rounds: int) -> int:
     """Ctrl-C: say where the run stopped and how to continue it; exit status 130 (128 + SIGINT)."""
     try:
-        done = read_checkpoint_meta(out / "checkpoint")["round_index"]
-    except (OSError, ValueError):
-        done = None
+        meta = read_checkpoint_meta(out / "checkpoint")
+        done = meta["round_index"]
+    except (OSError, ValueError, KeyError):
+        meta, done = {}, None
     if done is None or not (out / "config.json").is_file():
         print(
             f"\ninterrupted before the first checkpoint of {out}: nothing to resume; run the same command "
@@ -400,8 +404,12 @@ def _interrupted(out: Path, rounds: int) -> int:
             file=sys.stderr,
         )
     else:
+        inside = ""
+        if "clients_done" in meta:
+            inside = f" and {meta['clients_done']} of the {meta['round_clients']} clients of round {done + 1}"
         print(
-            f"\ninterrupted: the last checkpoint in {out} is at round {done} of {rounds}. To continue:\n"
+            f"\ninterrupted: the last checkpoint in {out} is at round {done} of {rounds}{inside}. To "
+            f"continue:\n"
             f"    {_resume_command(out, rounds)}",
             file=sys.stderr,
         )
@@ -445,6 +453,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    with interrupts.handle_ctrl_c(lambda: _interrupted(out, config.run.rounds)) as ctrl_c:
+        status = _run(args, config, out)
+        if status == 130:  # the message once (the Ctrl-C watcher may be printing it too)
+            return ctrl_c.report() if ctrl_c else _interrupted(out, config.run.rounds)
+    return status
+
+
+def _run(args: argparse.Namespace, config: ExperimentConfig, out: Path) -> int:
+    """Runs the experiment and prints its outcome; the command's exit status."""
     try:
         summary = run_experiment(
             config,
@@ -454,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             verbose=not args.quiet,
         )
-    except KeyboardInterrupt:
-        return _interrupted(out, config.run.rounds)
+    except KeyboardInterrupt:  # stopped at a safe point (interrupts.stop_point), or no Ctrl-C handler
+        return 130
     except (NonFiniteError, InvalidStreamError) as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
@@ -488,4 +505,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if hasattr(signal, "SIGPIPE"):  # `--list-presets | head` ends quietly, as other command-line tools do
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    sys.exit(main())
+    interrupts.exit_process(main())

@@ -394,20 +394,29 @@ def run_configs(directory: Path, runs, *, force: bool, resume_command: str, runn
             return 2
     if start:
         start()
-    for name, config, label, action, why in plans:
-        if action == "skip":
-            print(f"{name}: {why}")
-            continue
-        print(f"\n=== {name}" + (f" {why}" if why else ""))
-        try:
-            runner.execute(config, directory / name, resume=action == "resume", label=label)
-        except KeyboardInterrupt:
-            print(
-                f"\ninterrupted in {directory / name}; this resumes it from its last checkpoint (and skips "
-                f"finished runs):\n    {resume_command}",
-                file=sys.stderr,
-            )
-            return 130
+    from experiments import interrupts
+
+    current = [directory]
+
+    def interrupted() -> int:
+        print(
+            f"\ninterrupted in {current[0]}; this resumes it from its last checkpoint (and skips finished "
+            f"runs):\n    {resume_command}",
+            file=sys.stderr,
+        )
+        return 130
+
+    with interrupts.handle_ctrl_c(interrupted) as ctrl_c:
+        for name, config, label, action, why in plans:
+            if action == "skip":
+                print(f"{name}: {why}")
+                continue
+            print(f"\n=== {name}" + (f" {why}" if why else ""))
+            current[0] = directory / name
+            try:
+                runner.execute(config, directory / name, resume=action == "resume", label=label)
+            except KeyboardInterrupt:  # stopped at a safe point (interrupts.stop_point), or no handler
+                return ctrl_c.report() if ctrl_c else interrupted()
     return 0
 
 
@@ -578,8 +587,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def alias(name: str) -> None:
     """``python -m experiments.<paper> ARGS`` is ``python -m experiments.suite <paper> ARGS``."""
-    sys.exit(main([name, *sys.argv[1:]]))
+    from experiments.interrupts import exit_process
+
+    exit_process(main([name, *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from experiments.interrupts import exit_process
+
+    exit_process(main())

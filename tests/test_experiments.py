@@ -831,8 +831,8 @@ def _effective_run(config: ExperimentConfig, monkeypatch) -> dict:
                     "partition_kwargs": data.partition_kwargs(),
                     "train_subset": data.train_subset,
                 },
-                # fields added since, at the defaults that keep the run as it was: run.init_from, run.devices
-                # and the process settings
+                # fields added since, at the defaults that keep the run as it was: run.init_from, run.devices,
+                # the process settings and run.clients_per_step
                 "run": {k: v for k, v in config.run.to_dict().items() if (k, v) not in ADDED_RUN_DEFAULTS},
             }
         )
@@ -845,6 +845,7 @@ ADDED_RUN_DEFAULTS = {
     ("processes", 1),
     ("coordinator", None),
     ("process_id", 0),
+    ("clients_per_step", None),
 }
 
 

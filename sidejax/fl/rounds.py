@@ -62,11 +62,15 @@ __all__ = [
     "mesh_client_map",
     "as_client_map",
     "ClientPhase",
+    "PartialRound",
     "build_round_step",
     "client_state_split",
     "place_federation",
     "gather_to_host",
     "run_rounds",
+    "start_round",
+    "run_clients",
+    "finish_round",
 ]
 
 CLIENT_STRATEGIES = ("vmap", "map")
@@ -399,6 +403,20 @@ class ClientPhase(NamedTuple):
     counts: jax.Array
 
 
+class PartialRound(NamedTuple):
+    """A round whose participants run in parts (:func:`start_round`, :func:`run_clients`,
+    :func:`finish_round`): the round's sampling and downlink, done once, and the participants' results so far.
+
+    Attributes:
+      clients_done: int32 ``[]``, how many participants (the first ones, in ``client_ids`` order) have run.
+      phase: the round's :class:`ClientPhase` with ``keys=None`` (they are derived again at the end); the
+        rows of the participants not yet run are zeros.
+    """
+
+    clients_done: jax.Array
+    phase: ClientPhase
+
+
 def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None = None):
     """Builds ``round_step(round_key, state, data) -> (state, info)`` from the algorithm's role kernels.
 
@@ -411,29 +429,38 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
       The round step (its ``client_map`` attribute is the resolved map). It is not jitted: jit it, or call
       it through :func:`run_rounds`. Its ``client_phase(round_key, state, data)`` attribute runs steps 1-3
       alone and returns the :class:`ClientPhase` (the participants' messages themselves, e.g. to compare
-      two client maps message by message).
+      two client maps message by message). The same round in parts (what :func:`start_round`,
+      :func:`run_clients` and :func:`finish_round` jit): ``start(round_key, state, data)`` runs steps 1-2 and
+      returns an empty :class:`PartialRound`; ``clients(round_key, state, data, partial, num)`` runs the
+      next ``num`` participants; ``finish(round_key, state, data, partial)`` runs steps 4-5. A participant's
+      work depends only on its own id, keys, state and data, so the parts give the messages of the whole
+      round.
     """
     cmap = as_client_map(client_map)
     clients_per_round = algorithm.clients_per_round
     if clients_per_round < 1:
         raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}")
 
-    def client_phase(rkey: PRNGKey, state: RoundState, data) -> ClientPhase:
+    def open_round(rkey: PRNGKey, state: RoundState, data):
+        """Steps 1-2: the participants, the server after its broadcast, the downlink."""
         check_federation(state, data)
         num_clients = data.num_examples.shape[0]
         ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, clients_per_round)
+        sent_server, downlink = algorithm.broadcast(stream_key(rkey, DOWNLINK), state.server, ids)
+        return ids, sent_server, downlink
+
+    def participants(rkey: PRNGKey, state: RoundState, data, ids, downlink, message):
+        """Step 3 for the participants ``ids`` (``message``: their own downlinks, stacked, when the downlink
+        is per participant, else ``None``): ``(client states, messages, ClientInfo, keys, counts)``."""
         dkey = stream_key(rkey, DOWNLINK)
-        sent_server, downlink = algorithm.broadcast(dkey, state.server, ids)
-        per_client = jnp.ndim(downlink.num_bits) == 1
         # with a mesh, the participants are padded to a multiple of the devices; the padding is dropped below
         pids = _pad_participants(cmap, ids)
         extra = pids.shape[0] - ids.shape[0]
         keys = jax.vmap(client_keys, (None, 0))(rkey, pids)
         cstates = _take(state.clients, pids)
         counts = data.num_examples[pids]
-        message = downlink if per_client else None
-        if per_client and extra:
-            message = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], extra, 0)]), downlink)
+        if message is not None and extra:
+            message = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], extra, 0)]), message)
         # A client reads ClientData(x, y, indices): each of the three is either its own (mapped over the
         # participants) or shared by all, the other slot None.
         idx = data.client_indices[pids]
@@ -465,11 +492,21 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
             downlink_errors=jnp.broadcast_to(jnp.asarray(cinfo.downlink_errors, jnp.int32), ids.shape),
         )
         keys = jax.tree.map(lambda a: a[: ids.shape[0]], keys)
-        counts = counts[: ids.shape[0]]
+        return new_cstates, messages, cinfo, keys, counts[: ids.shape[0]]
+
+    def own_downlinks(downlink):
+        """The downlink when it is one message per participant (``num_bits[C]``), else ``None``."""
+        return downlink if jnp.ndim(downlink.num_bits) == 1 else None
+
+    def client_phase(rkey: PRNGKey, state: RoundState, data) -> ClientPhase:
+        ids, sent_server, downlink = open_round(rkey, state, data)
+        new_cstates, messages, cinfo, keys, counts = participants(
+            rkey, state, data, ids, downlink, own_downlinks(downlink)
+        )
         return ClientPhase(ids, keys, sent_server, downlink, messages, new_cstates, cinfo, counts)
 
-    def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
-        phase = client_phase(rkey, state, data)
+    def finish_phase(rkey: PRNGKey, state: RoundState, data, phase: ClientPhase):
+        """Steps 4-5: the server's update from the participants' messages, and the round's record."""
         ids, messages, downlink = phase.client_ids, phase.messages, phase.downlink
         cinfo = phase.client_info
         # what a client knows is wrong reaches the server in its message: the stream is withheld
@@ -506,7 +543,53 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
         # with a mesh, the round's record is replicated: every process can read it
         return new_state, _constrain(cmap, info, False)
 
+    def round_step(rkey: PRNGKey, state: RoundState, data) -> tuple[RoundState, RoundInfo]:
+        return finish_phase(rkey, state, data, client_phase(rkey, state, data))
+
+    def start(rkey: PRNGKey, state: RoundState, data) -> PartialRound:
+        ids, sent_server, downlink = open_round(rkey, state, data)
+        shapes = jax.eval_shape(
+            lambda: participants(rkey, state, data, ids, downlink, own_downlinks(downlink))
+        )
+        new_cstates, messages, cinfo, _, counts = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        phase = ClientPhase(ids, None, sent_server, downlink, messages, new_cstates, cinfo, counts)
+        return PartialRound(jnp.zeros((), jnp.int32), phase)
+
+    def clients(rkey: PRNGKey, state: RoundState, data, partial: PartialRound, num: int) -> PartialRound:
+        first, phase = partial.clients_done, partial.phase
+
+        def part(a):
+            return jax.lax.dynamic_slice_in_dim(a, first, num)
+
+        own = own_downlinks(phase.downlink)
+        results = participants(
+            rkey,
+            state,
+            data,
+            part(phase.client_ids),
+            phase.downlink,
+            None if own is None else jax.tree.map(part, own),
+        )
+        new_cstates, messages, cinfo, _, counts = results
+        buffers = (phase.client_states, phase.messages, phase.client_info, phase.counts)
+        filled = jax.tree.map(
+            lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new, first, 0),
+            buffers,
+            (new_cstates, messages, cinfo, counts),
+        )
+        phase = phase._replace(
+            client_states=filled[0], messages=filled[1], client_info=filled[2], counts=filled[3]
+        )
+        return PartialRound(first + num, phase)
+
+    def finish(rkey: PRNGKey, state: RoundState, data, partial: PartialRound):
+        keys = jax.vmap(client_keys, (None, 0))(rkey, partial.phase.client_ids)
+        return finish_phase(rkey, state, data, partial.phase._replace(keys=keys))
+
     round_step.client_phase = client_phase
+    round_step.start = start
+    round_step.clients = clients
+    round_step.finish = finish
     round_step.client_map = cmap
     return round_step
 
@@ -558,3 +641,104 @@ def run_rounds(
 
 
 run_rounds._cache_size = _run_rounds._cache_size  # compilations so far (tests check chunks do not recompile)
+
+
+# --- one round in parts -------------------------------------------------------------------------------------
+
+
+def _step_of(algorithm: Algorithm, base_key: PRNGKey, state: RoundState, client_map: ClientMap):
+    return build_round_step(algorithm, client_map=client_map), round_key(base_key, state.round_index)
+
+
+@functools.partial(jax.jit, static_argnames=("algorithm", "client_map"))
+def _start_round(algorithm, base_key, state, data, client_map):
+    step, rkey = _step_of(algorithm, base_key, state, client_map)
+    return step.start(rkey, state, data)
+
+
+@functools.partial(jax.jit, static_argnames=("algorithm", "num_clients", "client_map"))
+def _run_clients(algorithm, base_key, state, data, partial, num_clients, client_map):
+    step, rkey = _step_of(algorithm, base_key, state, client_map)
+    return step.clients(rkey, state, data, partial, num_clients)
+
+
+@functools.partial(jax.jit, static_argnames=("algorithm", "client_map"))
+def _finish_round(algorithm, base_key, state, data, partial, client_map):
+    step, rkey = _step_of(algorithm, base_key, state, client_map)
+    return step.finish(rkey, state, data, partial)
+
+
+def start_round(
+    algorithm: Algorithm, base_key: PRNGKey, state: RoundState, data, *, client_map=None
+) -> PartialRound:
+    """Starts round ``state.round_index`` in parts: samples its participants and runs its downlink
+    (steps 1-2 of :func:`build_round_step`); no participant has run yet.
+
+    A long client phase (BPC-FL's one round: every client pretrains expert trajectories and learns its
+    pseudocoreset) then runs in parts of a few participants (:func:`run_clients`), each part's
+    :class:`PartialRound` a value the caller may checkpoint and resume from, and :func:`finish_round` runs
+    the server's update once every participant has run. The parts give the round of :func:`run_rounds`:
+    every participant's keys derive from its global id and the round key, as in one go, so its messages are
+    the same bits (with ``"map"``, the CPU default, each client runs alone either way; with ``"vmap"`` a
+    part changes the batch width, which on an accelerator may change the last bits of a client's floats).
+    The arguments are those of :func:`run_rounds`.
+    """
+    check_federation(state, data)
+    return _start_round(algorithm, base_key, state, data, as_client_map(client_map))
+
+
+def run_clients(
+    algorithm: Algorithm,
+    base_key: PRNGKey,
+    state: RoundState,
+    data,
+    partial: PartialRound,
+    num_clients: int,
+    *,
+    client_map=None,
+) -> PartialRound:
+    """Runs the next ``num_clients`` participants of the round that ``partial`` holds
+    (:func:`start_round`), from participant ``partial.clients_done`` on, and returns the partial round with
+    their results in place. ``num_clients`` is static (each value compiles once).
+
+    Raises:
+      ValueError: ``num_clients`` is not in ``[1, participants left]`` (checked when ``partial`` is
+        concrete), or ``data`` is not ``state``'s federation.
+    """
+    check_federation(state, data)
+    total = int(partial.phase.client_ids.shape[0])
+    left = total - int(partial.clients_done) if is_concrete(partial.clients_done) else total
+    if not isinstance(num_clients, int | np.integer) or not 1 <= num_clients <= left:
+        raise ValueError(
+            f"num_clients must be an int in [1, {left}] (the round's participants not yet run), got "
+            f"{num_clients!r}"
+        )
+    return _run_clients(
+        algorithm, base_key, state, data, partial, int(num_clients), as_client_map(client_map)
+    )
+
+
+def finish_round(
+    algorithm: Algorithm,
+    base_key: PRNGKey,
+    state: RoundState,
+    data,
+    partial: PartialRound,
+    *,
+    client_map=None,
+) -> tuple[RoundState, RoundInfo]:
+    """Ends the round that ``partial`` holds once every participant has run (:func:`run_clients`): the
+    server's update and the write-back, steps 4-5 of :func:`build_round_step`. Returns ``(state, info)``
+    like one round of :func:`run_rounds` (``info`` without the rounds axis).
+
+    Raises:
+      ValueError: some participants have not run (checked when ``partial`` is concrete).
+    """
+    check_federation(state, data)
+    total = int(partial.phase.client_ids.shape[0])
+    if is_concrete(partial.clients_done) and int(partial.clients_done) != total:
+        raise ValueError(
+            f"finish_round: {int(partial.clients_done)} of the round's {total} participants have run; run "
+            f"the rest with run_clients first"
+        )
+    return _finish_round(algorithm, base_key, state, data, partial, as_client_map(client_map))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close_across_programs
 
 from sidejax.algorithms import (
     BPCFLSettings,
@@ -26,7 +27,7 @@ from sidejax.bayes import DivergenceWarning, cycled_labels
 from sidejax.coding import pack_pseudocoreset, pseudocoreset_coder
 from sidejax.data import load_dataset, make_federated_data
 from sidejax.distributions import PointMass
-from sidejax.fl import classification_loss, run_rounds
+from sidejax.fl import classification_loss, finish_round, run_clients, run_rounds, start_round
 from sidejax.keys import client_keys, round_key, run_keys
 from sidejax.models import get_model, init_params
 
@@ -122,6 +123,27 @@ def test_same_keys_same_bits(one_round):
     _, _, [(s1, i1), (s2, i2)] = one_round
     for a, b in zip(jax.tree.leaves((s1, i1)), jax.tree.leaves((s2, i2)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_client_phase_in_parts_gives_the_same_uploads_and_posterior(one_round, moons):
+    """docs/papers/bpcfl.md#a1's one round with one client per part (sidejax.fl.run_clients, a
+    checkpointable PartialRound after each): every client's keys derive from its id as in one go, so the
+    same pseudocoreset streams bit for bit, and the same posterior (its update is another compiled
+    program: within a few ULP, bit-equal on this machine)."""
+    _, fed, _ = moons
+    algo, state0, [(state, info), _] = one_round
+    _, rounds_key = run_keys(0)
+    partial = start_round(algo, rounds_key, state0, fed, client_map="map")
+    for _ in SIZES:  # one client per part: one program (tests/fl/test_rounds.py runs parts of two sizes)
+        partial = run_clients(algo, rounds_key, state0, fed, partial, 1, client_map="map")
+    parts_state, parts_info = finish_round(algo, rounds_key, state0, fed, partial, client_map="map")
+    np.testing.assert_array_equal(np.asarray(parts_info.uplink_bits), np.asarray(info.uplink_bits[0]))
+    # the server's coreset and weights are the decoded uploads: the same streams
+    for a, b in zip(
+        jax.tree.leaves(parts_state.server[1:3]), jax.tree.leaves(state.server[1:3]), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_close_across_programs(parts_state, state, ulps=16)
 
 
 def test_eval_params_are_the_posterior_samples(one_round):

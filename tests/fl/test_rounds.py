@@ -25,9 +25,12 @@ from sidejax.fl import (
     as_client_map,
     build_round_step,
     default_client_strategy,
+    finish_round,
     initial_round_state,
+    run_clients,
     run_rounds,
     sample_clients,
+    start_round,
 )
 from sidejax.keys import client_keys, round_key
 
@@ -86,6 +89,38 @@ def test_same_seed_same_bits_and_second_chunk_does_not_recompile(fedavg_map, dig
     assert run_rounds._cache_size() == before
     other, _ = run_rounds(fedavg_map, jax.random.key(7), state0, digits_fed, 10, client_map="map")
     assert not tree_equal(other.server.params, final10.server.params)
+
+
+def test_a_round_in_parts_equals_the_round_in_one_go(fedavg_map, digits_fed, fedavg_ten_rounds):
+    """start_round, run_clients in parts of 3 and 1 participants (the second size compiles once more),
+    finish_round: the round of run_rounds. Every participant's messages and client info are the same bits
+    (each client runs alone under "map", with its own keys); the server's update is another compiled program,
+    within a few ULP (bit-equal on this machine)."""
+    state0, _ = fedavg_ten_rounds
+    one, one_info = run_rounds(fedavg_map, BASE, state0, digits_fed, 1, client_map="map")
+    phase = jax.jit(build_round_step(fedavg_map, client_map="map").client_phase)(
+        round_key(BASE, 0), state0, digits_fed
+    )
+    partial = start_round(fedavg_map, BASE, state0, digits_fed, client_map="map")
+    assert int(partial.clients_done) == 0
+    for num in (3, 1):
+        partial = run_clients(fedavg_map, BASE, state0, digits_fed, partial, num, client_map="map")
+    assert int(partial.clients_done) == 4
+    assert tree_equal(partial.phase._replace(keys=None), phase._replace(keys=None))
+    state, info = finish_round(fedavg_map, BASE, state0, digits_fed, partial, client_map="map")
+    assert_trees_close_across_programs(state, one, ulps=16)
+    assert_trees_close_across_programs(jax.tree.map(lambda a: a[None], info), one_info, ulps=16)
+    np.testing.assert_array_equal(info.uplink_bits, one_info.uplink_bits[0])
+
+
+def test_a_round_in_parts_refuses_a_bad_part(fedavg_map, digits_fed, fedavg_ten_rounds):
+    state0, _ = fedavg_ten_rounds
+    partial = start_round(fedavg_map, BASE, state0, digits_fed, client_map="map")
+    for bad in (0, 5, 2.0):
+        with pytest.raises(ValueError, match="num_clients must be an int in \\[1, 4\\]"):
+            run_clients(fedavg_map, BASE, state0, digits_fed, partial, bad, client_map="map")
+    with pytest.raises(ValueError, match="0 of the round's 4 participants have run"):
+        finish_round(fedavg_map, BASE, state0, digits_fed, partial, client_map="map")
 
 
 def test_client_maps_agree(fedavg_map, small_model, digits_fed):
