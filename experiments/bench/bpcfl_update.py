@@ -99,15 +99,44 @@ METHODS = ("sidejax", "unrolled", "per_chain", "through_chain")
 # ----------------------------------------------------------------------------------------------- problem
 
 
+def _pretrain(args, init_fn, pretrain_loss, key, x, y, valid):
+    """``(trajectories, seconds)``: the expert trajectories (full-batch Adam, a checkpoint every 5 steps)."""
+    import jax
+    import optax
+
+    from sidejax.bayes import expert_trajectories
+    from sidejax.keys import draw_key
+
+    t0 = time.perf_counter()
+    trajectories = jax.block_until_ready(
+        jax.jit(
+            lambda k1, k2: expert_trajectories(
+                init_fn,
+                pretrain_loss,
+                k1,
+                k2,
+                x,
+                y,
+                valid,
+                num_trajectories=args.trajectories,
+                num_steps=args.pretrain_steps,
+                save_interval=5,
+                batch_size=None,
+                optimizer=optax.adam(1e-2),
+            )
+        )(draw_key(key, 0), draw_key(key, 1))
+    )
+    return trajectories, time.perf_counter() - t0
+
+
 def build_problem(args):
     """The moons client: data, loss, expert trajectories, pair sampler and initial pseudocoreset."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.flatten_util import ravel_pytree
 
-    from sidejax.bayes import expert_trajectories, init_pseudocoreset, trajectory_pairs
+    from sidejax.bayes import init_pseudocoreset, trajectory_pairs
     from sidejax.data import load_dataset
     from sidejax.fl import Batch, classification_loss
     from sidejax.keys import draw_key
@@ -141,26 +170,7 @@ def build_problem(args):
         return ce(params, Batch(c.inputs, c.labels, ones), None) + 0.5 * lam * sq_norm(params)
 
     key = jax.random.key(args.seed)
-    t0 = time.perf_counter()
-    trajectories = jax.block_until_ready(
-        jax.jit(
-            lambda k1, k2: expert_trajectories(
-                init_fn,
-                pretrain_loss,
-                k1,
-                k2,
-                x,
-                y,
-                valid,
-                num_trajectories=args.trajectories,
-                num_steps=args.pretrain_steps,
-                save_interval=5,
-                batch_size=None,
-                optimizer=optax.adam(1e-2),
-            )
-        )(draw_key(key, 0), draw_key(key, 1))
-    )
-    pretrain_s = time.perf_counter() - t0
+    trajectories, pretrain_s = _pretrain(args, init_fn, pretrain_loss, key, x, y, valid)
     pairs = trajectory_pairs(
         trajectories, data_offset=args.data_chain_length, save_interval=5, num_pairs=args.pairs
     )
