@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
+from test_bench_common import run_quick
 
 
 @pytest.mark.slow  # a benchmark script end to end
 def test_aiht_bench_quick(tmp_path, capsys):
     from experiments.bench import aiht as bench
 
-    out = tmp_path / "aiht.json"
-    report = bench.main(["--quick", "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert "A-IHT" in printed and f"wrote {out}" in printed
-    saved = json.loads(out.read_text())
-    assert saved == json.loads(json.dumps(report))
-    machine = saved["machine"]
-    assert machine["cpu_count"] >= 1 and len(machine["devices"]) >= 1 and machine["backend"]
+    saved = run_quick(bench, tmp_path, capsys, "A-IHT")
     s = saved["settings"]
     assert s["quick"] and s["n"] == 60 and s["ks"] == [12] and s["clients"] == 3 and s["repeats"] == 1
     assert "not synthetic" in saved["problem"]["phi"]

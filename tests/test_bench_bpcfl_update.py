@@ -4,24 +4,17 @@ asserted."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
+from test_bench_common import run_quick
 
 
 @pytest.mark.slow  # a benchmark script end to end
 def test_bpcfl_update_bench_quick(tmp_path, capsys):
     from experiments.bench import bpcfl_update as bench
 
-    out = tmp_path / "bpcfl_update.json"
-    report = bench.main(["--quick", "--out", str(out)])
-    printed = capsys.readouterr().out
-    assert "BPC-fKL update" in printed and f"wrote {out}" in printed
-    saved = json.loads(out.read_text())
-    assert saved == json.loads(json.dumps(report))
-    machine = saved["machine"]
-    assert machine["cpu_count"] >= 1 and len(machine["devices"]) >= 1 and machine["backend"]
+    saved = run_quick(bench, tmp_path, capsys, "BPC-fKL update")
     s = saved["settings"]
     assert s["quick"] and s["skip_through"] and s["repeats"] == 1 and s["updates"] == 3
     assert (s["pairs"], s["chain_length"], s["num_noise"], s["num_points"]) == (3, 5, 2, 5)

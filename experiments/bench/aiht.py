@@ -73,11 +73,9 @@ single-client solve 0.49-0.95x.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
+
+from experiments.bench.common import fill_defaults, machine_record, write_report
 
 DEFAULT_KS = (500, 300, 150, 100)
 METHODS = ("sidejax_vmap", "sidejax_loop", "numpy")
@@ -233,26 +231,38 @@ def _stats(values) -> dict:
     return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
 
 
-def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
-    """Every measurement of one ``k`` over the clients' log-likelihoods ``ll64 [C, J_max, n]``."""
-    import functools
-
+def _inputs(k, ll64) -> dict:
+    """The first ``J = num_samples(k)`` draws' projections in float64 (numpy's) and float32 (sidejax's)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from scipy.optimize import nnls
 
-    from sidejax.bayes import aiht, projected_potentials
+    from sidejax.bayes import projected_potentials
 
-    clients, _, n = ll64.shape
     j = num_samples(k)
     ll = ll64[:, :j, :]
     y64, phi64 = projections64(ll)
     y32, phi32 = jax.vmap(projected_potentials)(jnp.asarray(ll, jnp.float32))
     proj_err = float(np.max(np.abs(np.asarray(phi32, np.float64) - phi64)) / np.max(np.abs(phi64)))
     ynorm2 = np.einsum("cj,cj->c", y64, y64)
+    return {
+        "J": j,
+        "y64": y64,
+        "phi64": phi64,
+        "y32": y32,
+        "phi32": phi32,
+        "proj_err": proj_err,
+        "ynorm2": ynorm2,
+    }
 
-    solve = functools.partial(aiht, k=k, max_iter=max_iter, tol=tol)
+
+def _time_solvers(solve, p, k, *, repeats, max_iter, tol):
+    """Compiles the looped and vmapped solves, then times the three methods interleaved ``repeats`` times.
+    Returns ``(compile seconds, best [wall, cpu] per method, each method's last result)``."""
+    import jax
+
+    y32, phi32, y64, phi64 = p["y32"], p["phi32"], p["y64"], p["phi64"]
+    clients = y64.shape[0]
     single = jax.jit(solve)
     batch = jax.jit(jax.vmap(solve))
     t0 = time.perf_counter()
@@ -277,24 +287,28 @@ def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
         for m, fn in calls.items():
             out[m], wall, cpu = _clock(fn)
             best[m] = [min(best[m][0], wall), min(best[m][1], cpu)]
+    return compile_s, best, out
+
+
+def _float64_solve(solve, y64, phi64):
+    """Cross-check of the algorithm: sidejax in float64 (untimed). Returns ``(weights, iterations)``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
     from sidejax.utils import enable_x64
 
-    # cross-check of the algorithm itself: sidejax in float64 (untimed) against numpy float64
     with enable_x64():
         r64 = jax.jit(jax.vmap(solve))(jnp.asarray(y64, jnp.float64), jnp.asarray(phi64, jnp.float64))
-        w64 = np.asarray(r64.weights, np.float64)
-        it64 = np.asarray(r64.iterations).tolist()
-    vm = out["sidejax_vmap"]
-    w_vm = np.asarray(vm.weights, np.float64)
-    w_loop = np.stack([np.asarray(r.weights, np.float64) for r in out["sidejax_loop"]])
-    w_np = np.stack([r[0] for r in out["numpy"]])
-    f_vm = np.array([_objective64(y64[c], phi64[c], w_vm[c]) for c in range(clients)])
-    f_np = np.array([r[1] for r in out["numpy"]])
-    rel_vm, rel_np = f_vm / ynorm2, f_np / ynorm2
-    f64 = np.array([_objective64(y64[c], phi64[c], w64[c]) for c in range(clients)])
-    same_support = [bool(np.array_equal(w_vm[c] > 0, w_np[c] > 0)) for c in range(clients)]
+        return np.asarray(r64.weights, np.float64), np.asarray(r64.iterations).tolist()
 
+
+def _nnls_context(k, y64, phi64, ynorm2) -> dict:
+    """Untimed context: ``scipy.optimize.nnls`` per client, its objective and its top-``k`` entries'."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    clients, _, n = phi64.shape
     nnls_rel, nnls_topk_rel, nnls_support, nnls_s = [], [], [], 0.0
     for c in range(clients):
         t0 = time.perf_counter()
@@ -306,7 +320,19 @@ def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
         top = np.argsort(-x)[:k]
         xk[top] = x[top]
         nnls_topk_rel.append(_objective64(y64[c], phi64[c], xk) / ynorm2[c])
+    return {
+        "relative_objective": nnls_rel,
+        "support_size": nnls_support,
+        "top_k_relative_objective": nnls_topk_rel,
+        "total_seconds": nnls_s,
+    }
 
+
+def _random_context(k, y64, phi64, ynorm2, *, random_draws, seed) -> list:
+    """Untimed context: per client, the mean relative objective of uniform ``k``-subsets weighted ``n/k``."""
+    import numpy as np
+
+    clients, _, n = phi64.shape
     rng = np.random.default_rng(seed + k)
     rand_rel = []
     for c in range(clients):
@@ -316,23 +342,37 @@ def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
             wr[rng.choice(n, k, replace=False)] = n / k
             vals.append(_objective64(y64[c], phi64[c], wr) / ynorm2[c])
         rand_rel.append(float(np.mean(vals)))
+    return rand_rel
 
-    wall = {m: best[m][0] for m in METHODS}
-    cpu = {m: best[m][1] for m in METHODS}
+
+def _rel_diff(f, ref):
+    import numpy as np
+
+    return np.abs(f - ref) / np.maximum(ref, 1e-300)
+
+
+def _weights_diff(w, ref):
+    import numpy as np
+
+    return (np.max(np.abs(w - ref), axis=1) / np.maximum(np.max(ref, axis=1), 1e-300)).tolist()
+
+
+def _quality(out, p, w64, it64) -> dict:
+    """The ``sidejax``, ``numpy``, ``cross_check`` and ``sidejax_float64`` entries of a ``k``'s result."""
+    import numpy as np
+
+    y64, phi64, ynorm2 = p["y64"], p["phi64"], p["ynorm2"]
+    clients = y64.shape[0]
+    vm = out["sidejax_vmap"]
+    w_vm = np.asarray(vm.weights, np.float64)
+    w_loop = np.stack([np.asarray(r.weights, np.float64) for r in out["sidejax_loop"]])
+    w_np = np.stack([r[0] for r in out["numpy"]])
+    f_vm = np.array([_objective64(y64[c], phi64[c], w_vm[c]) for c in range(clients)])
+    f_np = np.array([r[1] for r in out["numpy"]])
+    rel_vm, rel_np = f_vm / ynorm2, f_np / ynorm2
+    f64 = np.array([_objective64(y64[c], phi64[c], w64[c]) for c in range(clients)])
+    same_support = [bool(np.array_equal(w_vm[c] > 0, w_np[c] > 0)) for c in range(clients)]
     return {
-        "k": k,
-        "J": j,
-        "n": n,
-        "clients": clients,
-        "projection_float32_max_rel_error": proj_err,
-        "compile_seconds": compile_s,
-        "wall_seconds": wall,
-        "cpu_seconds": cpu,
-        "wall_seconds_per_client": {m: wall[m] / clients for m in METHODS},
-        "ratio_sidejax_over_numpy": {
-            "batch_vmap": wall["sidejax_vmap"] / wall["numpy"],
-            "per_client_loop": wall["sidejax_loop"] / wall["numpy"],
-        },
         "sidejax": {
             "relative_objective": rel_vm.tolist(),
             "relative_objective_float32": (np.asarray(vm.objective, np.float64) / ynorm2).tolist(),
@@ -351,49 +391,82 @@ def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
             "min_weight": float(w_np.min()),
         },
         "cross_check": {
-            "objective_rel_diff": (np.abs(f_vm - f_np) / np.maximum(f_np, 1e-300)).tolist(),
+            "objective_rel_diff": _rel_diff(f_vm, f_np).tolist(),
             "objective_diff_over_ynorm2": (np.abs(rel_vm - rel_np)).tolist(),
             "same_support": same_support,
-            "weights_max_abs_diff_over_max_weight": (
-                np.max(np.abs(w_vm - w_np), axis=1) / np.maximum(np.max(w_np, axis=1), 1e-300)
-            ).tolist(),
+            "weights_max_abs_diff_over_max_weight": _weights_diff(w_vm, w_np),
         },
         "sidejax_float64": {
             "relative_objective": (f64 / ynorm2).tolist(),
             "iterations": it64,
-            "objective_rel_diff_vs_numpy": (np.abs(f64 - f_np) / np.maximum(f_np, 1e-300)).tolist(),
-            "weights_max_abs_diff_over_max_weight_vs_numpy": (
-                np.max(np.abs(w64 - w_np), axis=1) / np.maximum(np.max(w_np, axis=1), 1e-300)
-            ).tolist(),
+            "objective_rel_diff_vs_numpy": _rel_diff(f64, f_np).tolist(),
+            "weights_max_abs_diff_over_max_weight_vs_numpy": _weights_diff(w64, w_np),
             "same_support_as_numpy": [bool(np.array_equal(w64[c] > 0, w_np[c] > 0)) for c in range(clients)],
         },
-        "nnls": {
-            "relative_objective": nnls_rel,
-            "support_size": nnls_support,
-            "top_k_relative_objective": nnls_topk_rel,
-            "total_seconds": nnls_s,
+    }
+
+
+def _summary(q, nnls_ctx, rand_rel) -> dict:
+    """Means/extremes over clients of the objectives, iterations and context numbers."""
+    import numpy as np
+
+    sj, nps = q["sidejax"], q["numpy"]
+    return {
+        "sidejax_rel_objective": _stats(sj["relative_objective"]),
+        "numpy_rel_objective": _stats(nps["relative_objective"]),
+        "sidejax_iterations": _stats(sj["iterations"]),
+        "numpy_iterations": _stats(nps["iterations"]),
+        "objective_rel_diff": _stats(q["cross_check"]["objective_rel_diff"]),
+        "float64_objective_rel_diff": _stats(q["sidejax_float64"]["objective_rel_diff_vs_numpy"]),
+        "sidejax_converged_fraction": float(np.mean(np.asarray(sj["converged"]))),
+        "nnls_rel_objective": _stats(nnls_ctx["relative_objective"]),
+        "nnls_support_size": _stats(nnls_ctx["support_size"]),
+        "nnls_top_k_rel_objective": _stats(nnls_ctx["top_k_relative_objective"]),
+        "random_rel_objective": _stats(rand_rel),
+    }
+
+
+def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
+    """Every measurement of one ``k`` over the clients' log-likelihoods ``ll64 [C, J_max, n]``."""
+    import functools
+
+    from sidejax.bayes import aiht
+
+    clients, _, n = ll64.shape
+    p = _inputs(k, ll64)
+    solve = functools.partial(aiht, k=k, max_iter=max_iter, tol=tol)
+    compile_s, best, out = _time_solvers(solve, p, k, repeats=repeats, max_iter=max_iter, tol=tol)
+    w64, it64 = _float64_solve(solve, p["y64"], p["phi64"])
+    q = _quality(out, p, w64, it64)
+    nnls_ctx = _nnls_context(k, p["y64"], p["phi64"], p["ynorm2"])
+    rand_rel = _random_context(k, p["y64"], p["phi64"], p["ynorm2"], random_draws=random_draws, seed=seed)
+    wall = {m: best[m][0] for m in METHODS}
+    cpu = {m: best[m][1] for m in METHODS}
+    return {
+        "k": k,
+        "J": p["J"],
+        "n": n,
+        "clients": clients,
+        "projection_float32_max_rel_error": p["proj_err"],
+        "compile_seconds": compile_s,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "wall_seconds_per_client": {m: wall[m] / clients for m in METHODS},
+        "ratio_sidejax_over_numpy": {
+            "batch_vmap": wall["sidejax_vmap"] / wall["numpy"],
+            "per_client_loop": wall["sidejax_loop"] / wall["numpy"],
         },
+        **q,
+        "nnls": nnls_ctx,
         "random_subset": {"draws": random_draws, "mean_relative_objective": rand_rel},
-        "summary": {
-            "sidejax_rel_objective": _stats(rel_vm),
-            "numpy_rel_objective": _stats(rel_np),
-            "sidejax_iterations": _stats(np.asarray(vm.iterations)),
-            "numpy_iterations": _stats([r[2] for r in out["numpy"]]),
-            "objective_rel_diff": _stats(np.abs(f_vm - f_np) / np.maximum(f_np, 1e-300)),
-            "float64_objective_rel_diff": _stats(np.abs(f64 - f_np) / np.maximum(f_np, 1e-300)),
-            "sidejax_converged_fraction": float(np.mean(np.asarray(vm.converged))),
-            "nnls_rel_objective": _stats(nnls_rel),
-            "nnls_support_size": _stats(nnls_support),
-            "nnls_top_k_rel_objective": _stats(nnls_topk_rel),
-            "random_rel_objective": _stats(rand_rel),
-        },
+        "summary": _summary(q, nnls_ctx, rand_rel),
     }
 
 
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def main(argv=None) -> dict:
+def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m experiments.bench.aiht", description=__doc__.split("\n\n")[0]
     )
@@ -410,18 +483,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench/aiht.json", help="JSON output path")
     args = parser.parse_args(argv)
-    quick = {"n": 60, "ks": [12], "clients": 3, "repeats": 1}
-    full = {"n": 1000, "ks": list(DEFAULT_KS), "clients": 10, "repeats": 3}
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(
+        args,
+        quick={"n": 60, "ks": [12], "clients": 3, "repeats": 1},
+        full={"n": 1000, "ks": list(DEFAULT_KS), "clients": 10, "repeats": 3},
+    )
     if args.n < 2 or args.clients < 1 or args.repeats < 1 or args.random_draws < 1 or args.max_iter < 1:
         parser.error("--n >= 2, --clients, --repeats, --random-draws and --max-iter >= 1 required")
     if any(not 1 <= k <= args.n for k in args.ks):
         parser.error(f"every k must be in [1, n = {args.n}], got {args.ks}")
+    return args
 
-    import jax
-    import numpy as np
+
+def main(argv=None) -> dict:
+    args = _parse_args(argv)
     import scipy
 
     t0 = time.perf_counter()
@@ -440,16 +515,7 @@ def main(argv=None) -> dict:
             seed=args.seed,
         )
     result = {
-        "machine": {
-            "devices": [str(dev) for dev in jax.devices()],
-            "backend": jax.default_backend(),
-            "cpu_count": os.cpu_count(),
-            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "platform": platform.platform(),
-            "jax_version": jax.__version__,
-            "numpy_version": np.__version__,
-            "scipy_version": scipy.__version__,
-        },
+        "machine": machine_record(scipy_version=scipy.__version__),
         "problem": {
             "phi": "digits softmax regression (65x10), per-point log-likelihoods at diagonal-Laplace "
             "posterior draws, projected_potentials (not synthetic)",
@@ -473,11 +539,7 @@ def main(argv=None) -> dict:
         },
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result))
-    print(f"wrote {out}")
+    write_report(result, args.out, table=format_table(result))
     return result
 
 

@@ -89,11 +89,9 @@ Adam steps gives exploding gradients, besides being biased.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
+
+from experiments.bench.common import fill_defaults, machine_record, write_report
 
 METHODS = ("sidejax", "unrolled", "per_chain", "through_chain")
 
@@ -101,15 +99,44 @@ METHODS = ("sidejax", "unrolled", "per_chain", "through_chain")
 # ----------------------------------------------------------------------------------------------- problem
 
 
+def _pretrain(args, init_fn, pretrain_loss, key, x, y, valid):
+    """``(trajectories, seconds)``: the expert trajectories (full-batch Adam, a checkpoint every 5 steps)."""
+    import jax
+    import optax
+
+    from sidejax.bayes import expert_trajectories
+    from sidejax.keys import draw_key
+
+    t0 = time.perf_counter()
+    trajectories = jax.block_until_ready(
+        jax.jit(
+            lambda k1, k2: expert_trajectories(
+                init_fn,
+                pretrain_loss,
+                k1,
+                k2,
+                x,
+                y,
+                valid,
+                num_trajectories=args.trajectories,
+                num_steps=args.pretrain_steps,
+                save_interval=5,
+                batch_size=None,
+                optimizer=optax.adam(1e-2),
+            )
+        )(draw_key(key, 0), draw_key(key, 1))
+    )
+    return trajectories, time.perf_counter() - t0
+
+
 def build_problem(args):
     """The moons client: data, loss, expert trajectories, pair sampler and initial pseudocoreset."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.flatten_util import ravel_pytree
 
-    from sidejax.bayes import expert_trajectories, init_pseudocoreset, trajectory_pairs
+    from sidejax.bayes import init_pseudocoreset, trajectory_pairs
     from sidejax.data import load_dataset
     from sidejax.fl import Batch, classification_loss
     from sidejax.keys import draw_key
@@ -143,26 +170,7 @@ def build_problem(args):
         return ce(params, Batch(c.inputs, c.labels, ones), None) + 0.5 * lam * sq_norm(params)
 
     key = jax.random.key(args.seed)
-    t0 = time.perf_counter()
-    trajectories = jax.block_until_ready(
-        jax.jit(
-            lambda k1, k2: expert_trajectories(
-                init_fn,
-                pretrain_loss,
-                k1,
-                k2,
-                x,
-                y,
-                valid,
-                num_trajectories=args.trajectories,
-                num_steps=args.pretrain_steps,
-                save_interval=5,
-                batch_size=None,
-                optimizer=optax.adam(1e-2),
-            )
-        )(draw_key(key, 0), draw_key(key, 1))
-    )
-    pretrain_s = time.perf_counter() - t0
+    trajectories, pretrain_s = _pretrain(args, init_fn, pretrain_loss, key, x, y, valid)
     pairs = trajectory_pairs(
         trajectories, data_offset=args.data_chain_length, save_interval=5, num_pairs=args.pairs
     )
@@ -185,25 +193,22 @@ def build_problem(args):
 # ----------------------------------------------------------------------------------------------- variants
 
 
-def make_variants(problem, args):
-    """``{name: (compile_fn, run_fn)}``: ``compile_fn()`` compiles the variant's jitted functions and returns
-    ``(compile seconds, temp bytes)``; ``run_fn()`` runs ``args.updates`` updates and returns the final
-    pseudo-inputs."""
-    import functools
+def _pieces(problem, args):
+    """The jitted pieces the variants share (a namespace): the loss, pair sampler, initial pseudocoreset and
+    key, the inner optimizer and :func:`fkl_gradient`'s shared keywords, the SGD step on the pseudo-inputs,
+    and the per-chain loop's ``sample``, ``pick``, ``chain``, ``pair_surrogate`` and ``pair_grad``."""
+    import types
 
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.flatten_util import ravel_pytree
 
-    from sidejax.bayes import fkl_gradient, inner_chain, learn_pseudocoreset
+    from sidejax.bayes import inner_chain
     from sidejax.bayes.pseudocoresets import _perturb
     from sidejax.keys import draw_key
 
     loss = problem["loss"]
     pairs = problem["pairs"]
-    c0 = problem["coreset"]
-    key = problem["key"]
     opt = optax.adam(args.chain_lr)
     common = {
         "optimizer": opt,
@@ -212,30 +217,10 @@ def make_variants(problem, args):
         "num_noise": args.num_noise,
     }
     psi = args.step_size
-    updates = args.updates
     S = args.num_noise
 
     def sgd(c, g_inputs):
         return c._replace(inputs=c.inputs - psi * g_inputs)
-
-    # sidejax: the library's scan over updates
-    learn = jax.jit(
-        lambda c, k: learn_pseudocoreset(
-            loss, c, k, sample_pairs=pairs, num_updates=updates, step_size_inputs=psi, **common
-        )[0]
-    )
-
-    # one update, vmapped chains (unrolled loop over updates)
-    @jax.jit
-    def one_update(c, k, u):
-        theta_data, theta_start = pairs(draw_key(k, 2 * u), c)
-        out = fkl_gradient(loss, c, theta_data, theta_start, draw_key(k, 2 * u + 1), **common)
-        return sgd(c, out.grad.inputs)
-
-    # per chain: the authors' loop structure
-    sample = jax.jit(lambda c, k, u: pairs(draw_key(k, 2 * u), c))
-    pick = jax.jit(lambda tree, b: jax.tree.map(lambda a: a[b], tree))
-    chain = jax.jit(lambda c, th: inner_chain(loss, c, th, opt, args.chain_length))
 
     def pair_surrogate(c, th_d, th_c, nkey, b):  # fkl_surrogate's term for pair b (its noise keys)
         def one(s):
@@ -246,9 +231,112 @@ def make_variants(problem, args):
 
         return jnp.mean(jax.vmap(one)(jnp.arange(S)))
 
-    pair_grad = jax.jit(
-        lambda c, th_d, th_c, nkey, b: jax.grad(pair_surrogate, allow_int=True)(c, th_d, th_c, nkey, b).inputs
+    return types.SimpleNamespace(
+        loss=loss,
+        pairs=pairs,
+        c0=problem["coreset"],
+        key=problem["key"],
+        opt=opt,
+        common=common,
+        sgd=sgd,
+        pair_surrogate=pair_surrogate,
+        sample=jax.jit(lambda c, k, u: pairs(draw_key(k, 2 * u), c)),
+        pick=jax.jit(lambda tree, b: jax.tree.map(lambda a: a[b], tree)),
+        chain=jax.jit(lambda c, th: inner_chain(loss, c, th, opt, args.chain_length)),
+        pair_grad=jax.jit(
+            lambda c, th_d, th_c, nkey, b: (
+                jax.grad(pair_surrogate, allow_int=True)(c, th_d, th_c, nkey, b).inputs
+            )
+        ),
     )
+
+
+def _temp_bytes(compiled):
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def _sidejax_variant(ps, args):
+    """sidejax: the library's scan over updates, :func:`learn_pseudocoreset`."""
+    import jax
+
+    from sidejax.bayes import learn_pseudocoreset
+
+    learn = jax.jit(
+        lambda c, k: learn_pseudocoreset(
+            ps.loss,
+            c,
+            k,
+            sample_pairs=ps.pairs,
+            num_updates=args.updates,
+            step_size_inputs=args.step_size,
+            **ps.common,
+        )[0]
+    )
+    c0, key = ps.c0, ps.key
+    compiled = {}
+
+    def compile_fn():
+        t0 = time.perf_counter()
+        compiled["learn"] = learn.lower(c0, key).compile()
+        return time.perf_counter() - t0, _temp_bytes(compiled["learn"])
+
+    def run_fn():
+        return compiled["learn"](c0, key).inputs
+
+    return compile_fn, run_fn
+
+
+def _jitted_update_variant(ps, args, update):
+    """A variant whose jitted ``update(c, key, u)`` is one whole update, looped over updates on the host."""
+    import jax
+
+    c0, key, updates = ps.c0, ps.key, args.updates
+
+    def compile_fn():
+        t0 = time.perf_counter()
+        comp = update.lower(c0, key, 0).compile()
+        jax.block_until_ready(update(c0, key, 0))  # the jit cache the loop uses
+        return time.perf_counter() - t0, _temp_bytes(comp)
+
+    def run_fn():
+        c = c0
+        for u in range(updates):
+            c = update(c, key, u)
+        return c.inputs
+
+    return compile_fn, run_fn
+
+
+def _unrolled_variant(ps, args):
+    """One update, vmapped chains (:func:`fkl_gradient`), in a host loop over updates."""
+    import jax
+
+    from sidejax.bayes import fkl_gradient
+    from sidejax.keys import draw_key
+
+    @jax.jit
+    def one_update(c, k, u):
+        theta_data, theta_start = ps.pairs(draw_key(k, 2 * u), c)
+        out = fkl_gradient(ps.loss, c, theta_data, theta_start, draw_key(k, 2 * u + 1), **ps.common)
+        return ps.sgd(c, out.grad.inputs)
+
+    return _jitted_update_variant(ps, args, one_update)
+
+
+def _per_chain_variant(ps, args):
+    """The authors' loop structure: one jitted chain and pair gradient per pair, averaged on the host."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from sidejax.keys import draw_key
+
+    c0, key, updates = ps.c0, ps.key, args.updates
+    sample, pick, chain, pair_grad, sgd = ps.sample, ps.pick, ps.chain, ps.pair_grad, ps.sgd
 
     def per_chain_update(c, u):
         theta_data, theta_start = sample(c, key, u)
@@ -261,9 +349,34 @@ def make_variants(problem, args):
         g = functools.reduce(jnp.add, grads) / args.pairs  # host-side average (eager JAX)
         return sgd(c, g)
 
-    # through the chain (a different estimator: no stop_gradient on the inner chain)
+    def compile_fn():
+        t0 = time.perf_counter()
+        jax.block_until_ready(per_chain_update(c0, 0))  # traces and compiles sample, pick, chain, pair_grad
+        th = pick(sample(c0, key, 0), 0)
+        comp = chain.lower(c0, th[1]).compile()
+        return time.perf_counter() - t0, _temp_bytes(comp)
+
+    def run_fn():
+        c = c0
+        for u in range(updates):
+            c = per_chain_update(c, u)
+        return c.inputs
+
+    return compile_fn, run_fn
+
+
+def _through_variant(ps, args):
+    """Through the chain (a different estimator: no stop_gradient on the inner chain)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from sidejax.keys import draw_key
+
+    opt = ps.opt
+
     def chain_through(c, th):
-        g = jax.grad(lambda t: loss(c, t))
+        g = jax.grad(lambda t: ps.loss(c, t))
 
         def step(carry, _):
             t, st = carry
@@ -275,115 +388,80 @@ def make_variants(problem, args):
 
     @jax.jit
     def through_update(c, k, u):
-        theta_data, theta_start = pairs(draw_key(k, 2 * u), c)
+        theta_data, theta_start = ps.pairs(draw_key(k, 2 * u), c)
         nkey = draw_key(k, 2 * u + 1)
         theta_data = jax.lax.stop_gradient(theta_data)
 
         def objective(inputs):
             cc = c._replace(inputs=inputs)
             theta_c = jax.vmap(lambda th: chain_through(cc, th))(theta_start)
-            terms = jax.vmap(lambda b, d, t: pair_surrogate(cc, d, t, nkey, b))(
+            terms = jax.vmap(lambda b, d, t: ps.pair_surrogate(cc, d, t, nkey, b))(
                 jnp.arange(args.pairs), theta_data, theta_c
             )
             return jnp.mean(terms)
 
-        return sgd(c, jax.grad(objective)(c.inputs))
+        return ps.sgd(c, jax.grad(objective)(c.inputs))
 
-    def temp_bytes(compiled):
-        try:
-            return int(compiled.memory_analysis().temp_size_in_bytes)
-        except Exception:  # noqa: BLE001 - not every backend reports it
-            return None
+    return _jitted_update_variant(ps, args, through_update)
 
-    compiled = {}
 
-    def compile_sidejax():
-        t0 = time.perf_counter()
-        compiled["learn"] = learn.lower(c0, key).compile()
-        return time.perf_counter() - t0, temp_bytes(compiled["learn"])
+def _first_update_check(ps, args, dtype_name):
+    """The first update in ``dtype_name``: sidejax's :func:`fkl_gradient` (vmapped chains) against the
+    per-chain loop (single chains, host-side average), and the per-chain gradient at sidejax's own chain
+    end points (the surrogate-gradient math alone). Returns relative max abs differences."""
+    import functools
 
-    def compile_unrolled():
-        t0 = time.perf_counter()
-        comp = one_update.lower(c0, key, 0).compile()
-        jax.block_until_ready(one_update(c0, key, 0))  # the jit cache the loop uses
-        return time.perf_counter() - t0, temp_bytes(comp)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.flatten_util import ravel_pytree
 
-    def compile_per_chain():
-        t0 = time.perf_counter()
-        jax.block_until_ready(per_chain_update(c0, 0))  # traces and compiles sample, pick, chain, pair_grad
-        th = pick(sample(c0, key, 0), 0)
-        comp = chain.lower(c0, th[1]).compile()
-        return time.perf_counter() - t0, temp_bytes(comp)
+    from sidejax.bayes import fkl_gradient
+    from sidejax.keys import draw_key
 
-    def compile_through():
-        t0 = time.perf_counter()
-        comp = through_update.lower(c0, key, 0).compile()
-        jax.block_until_ready(through_update(c0, key, 0))
-        return time.perf_counter() - t0, temp_bytes(comp)
-
-    def run_sidejax():
-        return compiled["learn"](c0, key).inputs
-
-    def run_unrolled():
-        c = c0
-        for u in range(updates):
-            c = one_update(c, key, u)
-        return c.inputs
-
-    def run_per_chain():
-        c = c0
-        for u in range(updates):
-            c = per_chain_update(c, u)
-        return c.inputs
-
-    def run_through():
-        c = c0
-        for u in range(updates):
-            c = through_update(c, key, u)
-        return c.inputs
-
-    variants = {
-        "sidejax": (compile_sidejax, run_sidejax),
-        "unrolled": (compile_unrolled, run_unrolled),
-        "per_chain": (compile_per_chain, run_per_chain),
-        "through_chain": (compile_through, run_through),
+    dtype = jnp.dtype(dtype_name)
+    theta_data, theta_start = ps.pairs(draw_key(ps.key, 0), ps.c0)
+    cast = functools.partial(jax.tree.map, lambda a: a.astype(dtype))
+    theta_data, theta_start = cast(theta_data), cast(theta_start)
+    c = ps.c0._replace(inputs=ps.c0.inputs.astype(dtype))
+    nkey = draw_key(ps.key, 1)
+    ref = jax.jit(lambda c, d, t: fkl_gradient(ps.loss, c, d, t, nkey, **ps.common))(
+        c, theta_data, theta_start
+    )
+    grads, grads_given, chain_diff = [], [], []
+    for b in range(args.pairs):
+        th_d, th_s = ps.pick((theta_data, theta_start), b)
+        th_c = ps.chain(c, th_s)
+        grads.append(ps.pair_grad(c, th_d, th_c, nkey, b))
+        ref_c = ps.pick(ref.theta_coreset, b)
+        grads_given.append(ps.pair_grad(c, th_d, ref_c, nkey, b))
+        a, r = ravel_pytree(th_c)[0], ravel_pytree(ref_c)[0]
+        chain_diff.append(_rel_diff(a, r))
+    g_ref = ref.grad.inputs
+    g_loop = functools.reduce(jnp.add, grads) / args.pairs
+    g_given = functools.reduce(jnp.add, grads_given) / args.pairs
+    assert g_ref.dtype == dtype and g_loop.dtype == dtype
+    return {
+        "gradient_rel_diff": _rel_diff(g_loop, g_ref),
+        "gradient_at_same_chain_ends_rel_diff": _rel_diff(g_given, g_ref),
+        "chain_ends_rel_diff_max": float(np.max(chain_diff)),
+        "chain_ends_rel_diff_median": float(np.median(chain_diff)),
+        "gradient_norm": float(np.linalg.norm(np.asarray(g_ref, np.float64))),
     }
 
-    def first_update_check(dtype_name):
-        """The first update in ``dtype_name``: sidejax's :func:`fkl_gradient` (vmapped chains) against the
-        per-chain loop (single chains, host-side average), and the per-chain gradient at sidejax's own chain
-        end points (the surrogate-gradient math alone). Returns relative max abs differences."""
-        import numpy as np
 
-        dtype = jnp.dtype(dtype_name)
-        theta_data, theta_start = pairs(draw_key(key, 0), c0)
-        cast = functools.partial(jax.tree.map, lambda a: a.astype(dtype))
-        theta_data, theta_start = cast(theta_data), cast(theta_start)
-        c = c0._replace(inputs=c0.inputs.astype(dtype))
-        nkey = draw_key(key, 1)
-        ref = jax.jit(lambda c, d, t: fkl_gradient(loss, c, d, t, nkey, **common))(c, theta_data, theta_start)
-        grads, grads_given, chain_diff = [], [], []
-        for b in range(args.pairs):
-            th_d, th_s = pick((theta_data, theta_start), b)
-            th_c = chain(c, th_s)
-            grads.append(pair_grad(c, th_d, th_c, nkey, b))
-            ref_c = pick(ref.theta_coreset, b)
-            grads_given.append(pair_grad(c, th_d, ref_c, nkey, b))
-            a, r = ravel_pytree(th_c)[0], ravel_pytree(ref_c)[0]
-            chain_diff.append(_rel_diff(a, r))
-        g_ref = ref.grad.inputs
-        g_loop = functools.reduce(jnp.add, grads) / args.pairs
-        g_given = functools.reduce(jnp.add, grads_given) / args.pairs
-        assert g_ref.dtype == dtype and g_loop.dtype == dtype
-        return {
-            "gradient_rel_diff": _rel_diff(g_loop, g_ref),
-            "gradient_at_same_chain_ends_rel_diff": _rel_diff(g_given, g_ref),
-            "chain_ends_rel_diff_max": float(np.max(chain_diff)),
-            "chain_ends_rel_diff_median": float(np.median(chain_diff)),
-            "gradient_norm": float(np.linalg.norm(np.asarray(g_ref, np.float64))),
-        }
-
-    return variants, first_update_check
+def make_variants(problem, args):
+    """``{name: (compile_fn, run_fn)}``: ``compile_fn()`` compiles the variant's jitted functions and returns
+    ``(compile seconds, temp bytes)``; ``run_fn()`` runs ``args.updates`` updates and returns the final
+    pseudo-inputs. Also returns ``first_update_check(dtype_name)`` (see :func:`_first_update_check`)."""
+    ps = _pieces(problem, args)
+    variants = {
+        "sidejax": _sidejax_variant(ps, args),
+        "unrolled": _unrolled_variant(ps, args),
+        "per_chain": _per_chain_variant(ps, args),
+        "through_chain": _through_variant(ps, args),
+    }
+    return variants, lambda dtype_name: _first_update_check(ps, args, dtype_name)
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -468,7 +546,7 @@ def run(args) -> dict:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
-def main(argv=None) -> dict:
+def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m experiments.bench.bpcfl_update", description=__doc__.split("\n\n")[0]
     )
@@ -519,9 +597,7 @@ def main(argv=None) -> dict:
         "repeats": 3,
         "skip_through": False,
     }
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, quick, full)
     for name in ("updates", "pairs", "num_noise", "trajectories", "pretrain_steps", "repeats", "num_points"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -531,25 +607,16 @@ def main(argv=None) -> dict:
         parser.error("--pretrain-steps must be a multiple of 5 and > --data-chain-length")
     if args.num_points > args.points:
         parser.error("--num-points (K) must not exceed --points")
+    return args
 
-    import jax
-    import numpy as np
+
+def main(argv=None) -> dict:
+    args = _parse_args(argv)
     import optax
 
     res = run(args)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
     result = {
-        "machine": {
-            "devices": [str(dev) for dev in jax.devices()],
-            "backend": jax.default_backend(),
-            "cpu_count": os.cpu_count(),
-            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "load_average_after": list(load) if load else None,
-            "platform": platform.platform(),
-            "jax_version": jax.__version__,
-            "numpy_version": np.__version__,
-            "optax_version": optax.__version__,
-        },
+        "machine": machine_record(load_average=True, optax_version=optax.__version__),
         "settings": {
             "model": "moons_mlp",
             "dataset": "moons train",
@@ -560,11 +627,7 @@ def main(argv=None) -> dict:
         },
         **res,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result))
-    print(f"wrote {out}")
+    write_report(result, args.out, table=format_table(result))
     return result
 
 

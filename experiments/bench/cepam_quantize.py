@@ -79,12 +79,10 @@ The costs of the earlier profile and what was done about them (each change measu
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import time
-from pathlib import Path
+
+from experiments.bench.common import machine_record, write_report
 
 DEFAULT_DIM = 25_818  # the CEPAM MLP
 LATTICES = ("z1", "z2", "z3", "a2", "d4", "e8")
@@ -157,7 +155,7 @@ def _case_fns(lattice, noise, d: int, sigma_or_b: float, family: str):
     }
 
 
-def main(argv=None) -> dict:
+def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m experiments.bench.cepam_quantize", description=__doc__.split("\n\n")[0]
     )
@@ -182,13 +180,100 @@ def main(argv=None) -> dict:
         parser.error(f"--dim must be >= 1, got {args.dim}")
     if not (math.isfinite(args.sigma) and args.sigma > 0 and math.isfinite(args.b) and args.b > 0):
         parser.error("--sigma and --b must be finite and > 0")
+    return args
 
-    import jax
+
+def _first_calls(f, keys, noise_key, x):
+    """Times each step's first call (compilation included) and runs it again for its outputs; returns
+    ``(first-call wall seconds, outputs)``."""
+    first, o = {}, {}
+    first["quantize"], _ = _timed(f["quantize"], keys.shared, x)
+    o["h"], o["coords"] = f["quantize"](keys.shared, x)
+    first["reconstruct"], _ = _timed(f["reconstruct"], keys.shared, o["h"], o["coords"])
+    o["x_hat"] = f["reconstruct"](keys.shared, o["h"], o["coords"])
+    first["encode"], _ = _timed(f["encode"], keys, x)
+    o["message"], o["info"] = f["encode"](keys, x)
+    first["decode"], _ = _timed(f["decode"], keys.shared, o["message"])
+    o["y"], o["decoded"] = f["decode"](keys.shared, o["message"])
+    first["baseline"], _ = _timed(f["baseline"], noise_key, x)
+    o["z"] = f["baseline"](noise_key, x)
+    return first, o
+
+
+def _case(cname, lattice, noise, family, level, d, f, keys, noise_key, x) -> dict:
+    """One case's checked quality numbers and first-call times, plus ``_args`` (each step's arguments for
+    the timed calls, removed before the report)."""
     import jax.numpy as jnp
-    import numpy as np
 
     from sidejax.coding.lattice import num_blocks
-    from sidejax.coding.lrsuq import GaussianNoise, LaplaceNoise, acceptance_probability
+    from sidejax.coding.lrsuq import acceptance_probability
+
+    first, o = _first_calls(f, keys, noise_key, x)
+    h, info, decoded, message = o["h"], o["info"], o["decoded"], o["message"]
+    if not (bool(jnp.all(h > 0)) and bool(info.valid) and bool(decoded.valid)):
+        raise RuntimeError(
+            f"{cname}: invalid encoding (all h > 0: {bool(jnp.all(h > 0))}, encoder valid "
+            f"{bool(info.valid)}, decoder valid {bool(decoded.valid)}, errors {int(decoded.errors)})"
+        )
+    q_mean, q_std, target = _check_error(f"{cname} quantize/reconstruct", o["x_hat"] - x, family, level)
+    _, c_std, _ = _check_error(f"{cname} coder round trip", o["y"] - x, family, level)
+    _, b_std, _ = _check_error(f"{cname} baseline", o["z"] - x, family, level)
+    p = acceptance_probability(lattice, noise)
+    return {
+        "lattice": lattice.name,
+        "lattice_dim": lattice.dim,
+        "noise": family,
+        "level": level,
+        "blocks": num_blocks(d, lattice),
+        "acceptance_probability": p,
+        "expected_mean_trials": 1.0 / p,
+        "mean_trials": float(info.inner.mean_trials),
+        "max_trials": int(jnp.max(h)),
+        "bits_per_coordinate": float(message.num_bits) / d,
+        "expected_error_std": target,
+        "error_mean": q_mean,
+        "error_std": q_std,
+        "round_trip_error_std": c_std,
+        "baseline_error_std": b_std,
+        "first_call_wall_seconds": first,
+        "_args": {
+            "quantize": (keys.shared, x),
+            "reconstruct": (keys.shared, h, o["coords"]),
+            "encode": (keys, x),
+            "decode": (keys.shared, message),
+            "baseline": (noise_key, x),
+        },
+    }
+
+
+def _time_cases(cases, fns, repeats: int, d: int) -> None:
+    """Best-of-``repeats`` wall and CPU seconds of every step, cases interleaved; adds them, the coordinates
+    per second and the slowdowns against noise addition to each case (and drops its ``_args``)."""
+    inf = (float("inf"), float("inf"))
+    best = {c: {s: inf for s in STEPS if s != "round_trip"} for c in cases}
+    for _ in range(repeats):
+        for cname, case in cases.items():  # interleaved, so load changes hit every case alike
+            for step, step_args in case["_args"].items():
+                best[cname][step] = tuple(map(min, best[cname][step], _timed(fns[cname][step], *step_args)))
+    for cname, case in cases.items():
+        del case["_args"]
+        for i, clock in enumerate(("wall", "cpu")):
+            sec = {s: v[i] for s, v in best[cname].items()}
+            sec["round_trip"] = sec["encode"] + sec["decode"]
+            case[f"{clock}_seconds"] = sec
+            case[f"{clock}_coords_per_second"] = {s: d / t if t > 0 else None for s, t in sec.items()}
+            case[f"{clock}_slowdown_vs_baseline"] = {
+                s: sec[s] / sec["baseline"] if sec["baseline"] > 0 else None
+                for s in ("quantize", "reconstruct", "round_trip")
+            }
+
+
+def main(argv=None) -> dict:
+    args = _parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from sidejax.coding.lrsuq import GaussianNoise, LaplaceNoise
     from sidejax.keys import client_keys, draw_key, round_key
 
     keys = client_keys(round_key(jax.random.key(0), 0), 0)
@@ -208,83 +293,13 @@ def main(argv=None) -> dict:
         for lname, family, noise, level in specs:
             lattice = _lattice(lname)
             cname = f"{lattice.name}-{family}"
-            f = fns[cname] = _case_fns(lattice, noise, d, level, family)
-            first = {}
-            first["quantize"], _ = _timed(f["quantize"], keys.shared, x)
-            h, coords = f["quantize"](keys.shared, x)
-            first["reconstruct"], _ = _timed(f["reconstruct"], keys.shared, h, coords)
-            x_hat = f["reconstruct"](keys.shared, h, coords)
-            first["encode"], _ = _timed(f["encode"], keys, x)
-            message, info = f["encode"](keys, x)
-            first["decode"], _ = _timed(f["decode"], keys.shared, message)
-            y, decoded = f["decode"](keys.shared, message)
-            first["baseline"], _ = _timed(f["baseline"], noise_key, x)
-            z = f["baseline"](noise_key, x)
-            if not (bool(jnp.all(h > 0)) and bool(info.valid) and bool(decoded.valid)):
-                raise RuntimeError(
-                    f"{cname}: invalid encoding (all h > 0: {bool(jnp.all(h > 0))}, encoder valid "
-                    f"{bool(info.valid)}, decoder valid {bool(decoded.valid)}, errors {int(decoded.errors)})"
-                )
-            q_mean, q_std, target = _check_error(f"{cname} quantize/reconstruct", x_hat - x, family, level)
-            _, c_std, _ = _check_error(f"{cname} coder round trip", y - x, family, level)
-            _, b_std, _ = _check_error(f"{cname} baseline", z - x, family, level)
-            p = acceptance_probability(lattice, noise)
-            cases[cname] = {
-                "lattice": lattice.name,
-                "lattice_dim": lattice.dim,
-                "noise": family,
-                "level": level,
-                "blocks": num_blocks(d, lattice),
-                "acceptance_probability": p,
-                "expected_mean_trials": 1.0 / p,
-                "mean_trials": float(info.inner.mean_trials),
-                "max_trials": int(jnp.max(h)),
-                "bits_per_coordinate": float(message.num_bits) / d,
-                "expected_error_std": target,
-                "error_mean": q_mean,
-                "error_std": q_std,
-                "round_trip_error_std": c_std,
-                "baseline_error_std": b_std,
-                "first_call_wall_seconds": first,
-                "_args": {
-                    "quantize": (keys.shared, x),
-                    "reconstruct": (keys.shared, h, coords),
-                    "encode": (keys, x),
-                    "decode": (keys.shared, message),
-                    "baseline": (noise_key, x),
-                },
-            }
-        inf = (float("inf"), float("inf"))
-        best = {c: {s: inf for s in STEPS if s != "round_trip"} for c in cases}
-        for _ in range(args.repeats):
-            for cname, case in cases.items():  # interleaved, so load changes hit every case alike
-                for step, step_args in case["_args"].items():
-                    best[cname][step] = tuple(
-                        map(min, best[cname][step], _timed(fns[cname][step], *step_args))
-                    )
-        for cname, case in cases.items():
-            del case["_args"]
-            for i, clock in enumerate(("wall", "cpu")):
-                sec = {s: v[i] for s, v in best[cname].items()}
-                sec["round_trip"] = sec["encode"] + sec["decode"]
-                case[f"{clock}_seconds"] = sec
-                case[f"{clock}_coords_per_second"] = {s: d / t if t > 0 else None for s, t in sec.items()}
-                case[f"{clock}_slowdown_vs_baseline"] = {
-                    s: sec[s] / sec["baseline"] if sec["baseline"] > 0 else None
-                    for s in ("quantize", "reconstruct", "round_trip")
-                }
+            fns[cname] = _case_fns(lattice, noise, d, level, family)
+            cases[cname] = _case(cname, lattice, noise, family, level, d, fns[cname], keys, noise_key, x)
+        _time_cases(cases, fns, args.repeats, d)
         results[str(d)] = cases
 
     result = {
-        "machine": {
-            "devices": [str(dev) for dev in jax.devices()],
-            "backend": jax.default_backend(),
-            "cpu_count": os.cpu_count(),
-            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "platform": platform.platform(),
-            "jax_version": jax.__version__,
-            "numpy_version": np.__version__,
-        },
+        "machine": machine_record(),
         "dims": list(args.dim),
         "sigma": args.sigma,
         "b": args.b,
@@ -293,11 +308,7 @@ def main(argv=None) -> dict:
         "lattices": list(args.lattices),
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result))
-    print(f"wrote {out}")
+    write_report(result, args.out, table=format_table(result))
     return result
 
 

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.bench.common import write_report
+
 
 def _best_time(fn, *args, repeats: int):
     import jax
@@ -150,9 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target_ratio_to_floor": 2.0,
         "results": rows,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.output}")
+    write_report(report, args.output, trailing_newline=False)
     return report
 
 

@@ -33,9 +33,9 @@ compilation of the round (first call 12.2 -> 14.1 s).
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
+
+from experiments.bench.common import write_json
 
 
 def _timed(fn, *args):
@@ -48,7 +48,7 @@ def _timed(fn, *args):
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def main(argv=None) -> dict:
+def _parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="klms_fmnist_fedpm_klms", help="experiment preset (FedPM-KLMS)")
     parser.add_argument("--warmup-rounds", type=int, default=4, help="rounds run before timing (>= 1)")
@@ -57,28 +57,22 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.warmup_rounds < 1 or args.repeats < 1:
         parser.error("--warmup-rounds and --repeats must be >= 1")
-
-    import jax
-    import jax.numpy as jnp
-
-    from experiments.algorithms import klms_config, resolve_client_strategy
     from experiments.config import load_preset
-    from experiments.driver import prepare
-    from experiments.methods import make_optimizer
-    from sidejax.algorithms import fedpm
-    from sidejax.coding import klms_coder, klms_decode, klms_encode, klms_server_update
-    from sidejax.distributions import Bernoulli
-    from sidejax.fl import LocalTraining, build_round_step, classification_loss, run_rounds
-    from sidejax.keys import client_keys, round_key, run_keys
-    from sidejax.models import init_params
 
     config = load_preset(args.preset)
     if config.algorithm != "fedpm_klms":
         parser.error(f"--preset must be a fedpm_klms preset, got algorithm {config.algorithm!r}")
-    _, spec, fed, _, _ = prepare(config)
-    loss_fn = classification_loss(spec.module.apply)
-    strategy = resolve_client_strategy(config)
-    per_client = strategy == "map"  # update rounds bucketed too when clients run one at a time
+    return args, config
+
+
+def _algorithms(config, loss_fn, per_client: bool):
+    """``(cfgs, algos)``: the KLMS configurations before and after bucketing, and their FedPM-KLMS."""
+    from experiments.algorithms import klms_config
+    from experiments.methods import make_optimizer
+    from sidejax.algorithms import fedpm
+    from sidejax.coding import klms_coder
+    from sidejax.fl import LocalTraining
+
     cfgs = {
         "before": klms_config(config, bucketed=False),
         "after": klms_config(config, bucketed=True, bucket_update_rounds=per_client),
@@ -98,6 +92,108 @@ def main(argv=None) -> dict:
         )
         for name, cfg in cfgs.items()
     }
+    return cfgs, algos
+
+
+def _coder_fn(cfg, rkey, ids):
+    """The jitted coder alone: every client's :func:`klms_encode` (``lax.map``), the decodes and the server
+    update."""
+    import jax
+
+    from sidejax.coding import klms_decode, klms_encode, klms_server_update
+    from sidejax.distributions import Bernoulli
+    from sidejax.keys import client_keys
+
+    def coder(kstate, theta, qs):
+        p = Bernoulli(theta)
+
+        def one(args):
+            cid, q = args
+            return klms_encode(client_keys(rkey, cid), Bernoulli(q), p, kstate, cfg)[0]
+
+        messages = jax.lax.map(one, (ids, qs))
+        shared = jax.vmap(lambda cid: client_keys(rkey, cid).shared)(ids)
+        decode = lambda key, msg: klms_decode(key, p, kstate, msg, cfg)  # noqa: E731
+        _, decoded = jax.vmap(decode)(shared, messages)
+        new, info = klms_server_update(kstate, decoded, cfg)
+        return messages, new, info
+
+    return jax.jit(coder)
+
+
+def _time_case(update: bool, state, fed, rkey, rounds, coders, theta, qs, repeats: int) -> dict:
+    """One case (an update round or not): first calls, then the best of ``repeats`` interleaved calls of the
+    round and of the coder, before and after; speed-ups and coder shares, wall and CPU."""
+    import jax.numpy as jnp
+
+    kstate = state.server.coder._replace(update=jnp.asarray(update))
+    rstate = state._replace(server=state.server._replace(coder=kstate))
+    names = list(rounds)
+    compile_s = {}
+    outputs = {}
+    for name in names:  # compile + warm up
+        compile_s[name] = {
+            "round": _timed(rounds[name], rkey, rstate, fed),
+            "coder": _timed(coders[name], kstate, theta, qs),
+        }
+        outputs[name] = coders[name](kstate, theta, qs)[0]
+    same = bool(
+        jnp.all(outputs["before"].num_bits == outputs["after"].num_bits)
+        and jnp.all(outputs["before"].payload == outputs["after"].payload)
+    )
+    inf = (float("inf"), float("inf"))
+    best = {name: {"round": inf, "coder": inf} for name in names}
+    for _ in range(repeats):
+        for name in names:  # interleaved, so load changes hit both alike
+            r, c = _timed(rounds[name], rkey, rstate, fed), _timed(coders[name], kstate, theta, qs)
+            best[name]["round"] = tuple(map(min, best[name]["round"], r))
+            best[name]["coder"] = tuple(map(min, best[name]["coder"], c))
+    case = {"first_call_wall_seconds": {n: {k: v[0] for k, v in compile_s[n].items()} for n in names}}
+    for i, clock in enumerate(("wall", "cpu")):
+        sec = {n: {k: v[i] for k, v in best[n].items()} for n in names}
+        case[clock] = {
+            "seconds": sec,
+            "coder_share_of_round": {n: sec[n]["coder"] / sec[n]["round"] for n in names},
+            "coder_speedup": sec["before"]["coder"] / sec["after"]["coder"],
+            "round_speedup": sec["before"]["round"] / sec["after"]["round"],
+        }
+    case["same_messages_before_and_after"] = same
+    return case
+
+
+def _print_summary(result: dict, out) -> None:
+    for kind, case in result["cases"].items():
+        for clock in ("cpu", "wall"):
+            c = case[clock]
+            share = c["coder_share_of_round"]
+            print(
+                f"{kind} ({clock} time): coder share of a round "
+                f"{share['before']:.1%} -> {share['after']:.1%}; "
+                f"coder {c['coder_speedup']:.2f}x faster, round {c['round_speedup']:.2f}x faster"
+            )
+        print(f"{kind}: same messages before and after: {case['same_messages_before_and_after']}")
+    print(
+        f"live blocks {result['num_blocks_after_warmup']} of max_blocks {result['dim']}; "
+        f"buckets {result['work_buckets']}; wrote {out}"
+    )
+
+
+def main(argv=None) -> dict:
+    args, config = _parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.algorithms import resolve_client_strategy
+    from experiments.driver import prepare
+    from sidejax.fl import build_round_step, classification_loss, run_rounds
+    from sidejax.keys import round_key, run_keys
+    from sidejax.models import init_params
+
+    _, spec, fed, _, _ = prepare(config)
+    loss_fn = classification_loss(spec.module.apply)
+    strategy = resolve_client_strategy(config)
+    per_client = strategy == "map"  # update rounds bucketed too when clients run one at a time
+    cfgs, algos = _algorithms(config, loss_fn, per_client)
     init_key, rounds_key = run_keys(config.run.seed)
     params = init_params(init_key, spec)
     state = algos["after"].init(init_key, params, int(fed.num_examples.shape[0]))
@@ -116,60 +212,12 @@ def main(argv=None) -> dict:
     noise = 0.05 * jax.random.normal(jax.random.key(0), (C, dim))
     qs = jnp.clip(theta[None, :] + noise, 0.01, 0.99)
 
-    def coder_fn(cfg):
-        def coder(kstate, theta, qs):
-            p = Bernoulli(theta)
-
-            def one(args):
-                cid, q = args
-                return klms_encode(client_keys(rkey, cid), Bernoulli(q), p, kstate, cfg)[0]
-
-            messages = jax.lax.map(one, (ids, qs))
-            shared = jax.vmap(lambda cid: client_keys(rkey, cid).shared)(ids)
-            decode = lambda key, msg: klms_decode(key, p, kstate, msg, cfg)  # noqa: E731
-            _, decoded = jax.vmap(decode)(shared, messages)
-            new, info = klms_server_update(kstate, decoded, cfg)
-            return messages, new, info
-
-        return jax.jit(coder)
-
     rounds = {name: jax.jit(build_round_step(algo, client_map=strategy)) for name, algo in algos.items()}
-    coders = {name: coder_fn(cfg) for name, cfg in cfgs.items()}
+    coders = {name: _coder_fn(cfg, rkey, ids) for name, cfg in cfgs.items()}
     cases = {}
     for update in (False, True):
-        kstate = state.server.coder._replace(update=jnp.asarray(update))
-        rstate = state._replace(server=state.server._replace(coder=kstate))
         kind = "update_round" if update else "broadcast_partition_round"
-        compile_s = {}
-        outputs = {}
-        for name in cfgs:  # compile + warm up
-            compile_s[name] = {
-                "round": _timed(rounds[name], rkey, rstate, fed),
-                "coder": _timed(coders[name], kstate, theta, qs),
-            }
-            outputs[name] = coders[name](kstate, theta, qs)[0]
-        same = bool(
-            jnp.all(outputs["before"].num_bits == outputs["after"].num_bits)
-            and jnp.all(outputs["before"].payload == outputs["after"].payload)
-        )
-        inf = (float("inf"), float("inf"))
-        best = {name: {"round": inf, "coder": inf} for name in cfgs}
-        for _ in range(args.repeats):
-            for name in cfgs:  # interleaved, so load changes hit both alike
-                r, c = _timed(rounds[name], rkey, rstate, fed), _timed(coders[name], kstate, theta, qs)
-                best[name]["round"] = tuple(map(min, best[name]["round"], r))
-                best[name]["coder"] = tuple(map(min, best[name]["coder"], c))
-        case = {"first_call_wall_seconds": {n: {k: v[0] for k, v in compile_s[n].items()} for n in cfgs}}
-        for i, clock in enumerate(("wall", "cpu")):
-            sec = {n: {k: v[i] for k, v in best[n].items()} for n in cfgs}
-            case[clock] = {
-                "seconds": sec,
-                "coder_share_of_round": {n: sec[n]["coder"] / sec[n]["round"] for n in cfgs},
-                "coder_speedup": sec["before"]["coder"] / sec["after"]["coder"],
-                "round_speedup": sec["before"]["round"] / sec["after"]["round"],
-            }
-        case["same_messages_before_and_after"] = same
-        cases[kind] = case
+        cases[kind] = _time_case(update, state, fed, rkey, rounds, coders, theta, qs, args.repeats)
     after_cfg = cfgs["after"]
     result = {
         "preset": args.preset,
@@ -186,20 +234,8 @@ def main(argv=None) -> dict:
         "backend": jax.default_backend(),
         "cases": cases,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    for kind, case in cases.items():
-        for clock in ("cpu", "wall"):
-            c = case[clock]
-            share = c["coder_share_of_round"]
-            print(
-                f"{kind} ({clock} time): coder share of a round "
-                f"{share['before']:.1%} -> {share['after']:.1%}; "
-                f"coder {c['coder_speedup']:.2f}x faster, round {c['round_speedup']:.2f}x faster"
-            )
-        print(f"{kind}: same messages before and after: {case['same_messages_before_and_after']}")
-    print(f"live blocks {num_blocks} of max_blocks {dim}; buckets {result['work_buckets']}; wrote {out}")
+    out = write_json(result, args.out)
+    _print_summary(result, out)
     return result
 
 

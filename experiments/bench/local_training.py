@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import time
@@ -33,6 +32,7 @@ import jax
 import numpy as np
 import optax
 
+from experiments.bench.common import write_report
 from sidejax.algorithms import fedavg
 from sidejax.data import dataset_available, iid_partition, load_dataset, make_federated_data
 from sidejax.fl import LocalTraining, classification_loss, run_rounds
@@ -48,7 +48,7 @@ _CONVS = {
 }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.bench.local_training", description=__doc__)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--examples-per-client", type=int, default=6000)
@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> dict:
     bad = sorted(set(args.convs.split(",")) - set(_CONVS))
     if bad:
         p.error(f"--convs takes sidejax, kernel_only and/or lax, got {','.join(bad)}")
+    return args
 
+
+def _federated_data(args):
+    """``(fed, real)``: the clients' Fashion-MNIST (or same-shape random images when it is not installed)."""
     real = dataset_available("fashion_mnist")
     n = args.clients * args.examples_per_client
     if real:
@@ -76,7 +80,57 @@ def main(argv: list[str] | None = None) -> dict:
         rng = np.random.default_rng(0)
         x = rng.random((n, 28, 28, 1), dtype=np.float32)
         y = rng.integers(0, 10, n).astype(np.int32)
-    fed = make_federated_data(x, y, iid_partition(len(y), args.clients, seed=0))
+    return make_federated_data(x, y, iid_partition(len(y), args.clients, seed=0)), real
+
+
+def _time_strategy(args, strategy, conv, fed, loss, init_key, rounds_key, params) -> dict:
+    """Compiles and warms up ``--rounds`` FedAvg rounds with ``strategy`` and convolution ``conv``, then
+    times ``--repeats`` calls."""
+    local = LocalTraining(optax.sgd(0.05, momentum=0.9), batch_size=args.batch_size, num_epochs=1)
+    algo = fedavg(loss, local, clients_per_round=args.clients)
+    state = algo.init(init_key, params, args.clients)
+    trace_ctx = _CONVS[conv]()
+    t0 = time.perf_counter()
+    with trace_ctx:  # tracing and compilation happen in this first call
+        warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
+        jax.block_until_ready(warm)
+    compile_and_first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    best = min(times)
+    return {
+        "strategy": strategy,
+        "conv": conv,
+        "client_epochs_per_s": args.clients * args.rounds / best,
+        "examples_per_s": args.clients * args.rounds * args.examples_per_client / best,
+        "seconds_per_round_best": best / args.rounds,
+        "seconds_per_round_all": [t / args.rounds for t in times],
+        "first_call_s_incl_compile": compile_and_first,
+    }
+
+
+def _add_speedups(report: dict, results: dict, args) -> None:
+    """Adds (and prints) the ``map / vmap`` and ``sidejax / <baseline> conv`` throughput ratios."""
+    rate = {k: v["client_epochs_per_s"] for k, v in results.items()}
+    for conv in args.convs.split(","):
+        if f"vmap/{conv}" in rate and f"map/{conv}" in rate:
+            report[f"map_over_vmap_speedup_{conv}"] = rate[f"map/{conv}"] / rate[f"vmap/{conv}"]
+            print(f"map / vmap throughput ratio ({conv} conv): {report[f'map_over_vmap_speedup_{conv}']:.2f}")
+    for strategy in args.strategies.split(","):
+        for base in ("lax", "kernel_only", "no_banded"):
+            if f"{strategy}/sidejax" in rate and f"{strategy}/{base}" in rate:
+                ratio = rate[f"{strategy}/sidejax"] / rate[f"{strategy}/{base}"]
+                report[f"sidejax_over_{base}_conv_speedup_{strategy}"] = ratio
+                print(f"sidejax / {base} conv throughput ({strategy}): {ratio:.2f}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
+    fed, real = _federated_data(args)
     spec = get_model("lenet5")
     init_key, rounds_key = run_keys(0)
     params = init_params(init_key, spec)
@@ -86,34 +140,10 @@ def main(argv: list[str] | None = None) -> dict:
     for strategy in args.strategies.split(","):
         for conv in args.convs.split(","):
             name = f"{strategy}/{conv}"
-            local = LocalTraining(optax.sgd(0.05, momentum=0.9), batch_size=args.batch_size, num_epochs=1)
-            algo = fedavg(loss, local, clients_per_round=args.clients)
-            state = algo.init(init_key, params, args.clients)
-            trace_ctx = _CONVS[conv]()
-            t0 = time.perf_counter()
-            with trace_ctx:  # tracing and compilation happen in this first call
-                warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
-                jax.block_until_ready(warm)
-            compile_and_first = time.perf_counter() - t0
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
-                jax.block_until_ready(out)
-                times.append(time.perf_counter() - t0)
-            best = min(times)
-            results[name] = {
-                "strategy": strategy,
-                "conv": conv,
-                "client_epochs_per_s": args.clients * args.rounds / best,
-                "examples_per_s": args.clients * args.rounds * args.examples_per_client / best,
-                "seconds_per_round_best": best / args.rounds,
-                "seconds_per_round_all": [t / args.rounds for t in times],
-                "first_call_s_incl_compile": compile_and_first,
-            }
+            results[name] = _time_strategy(args, strategy, conv, fed, loss, init_key, rounds_key, params)
             print(
                 f"{name:>12}: {results[name]['client_epochs_per_s']:.3f} client-epochs/s "
-                f"({best / args.rounds:.2f} s/round)",
+                f"({results[name]['seconds_per_round_best']:.2f} s/round)",
                 flush=True,
             )
     report = {
@@ -131,20 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         "jax_version": jax.__version__,
         "results": results,
     }
-    rate = {k: v["client_epochs_per_s"] for k, v in results.items()}
-    for conv in args.convs.split(","):
-        if f"vmap/{conv}" in rate and f"map/{conv}" in rate:
-            report[f"map_over_vmap_speedup_{conv}"] = rate[f"map/{conv}"] / rate[f"vmap/{conv}"]
-            print(f"map / vmap throughput ratio ({conv} conv): {report[f'map_over_vmap_speedup_{conv}']:.2f}")
-    for strategy in args.strategies.split(","):
-        for base in ("lax", "kernel_only", "no_banded"):
-            if f"{strategy}/sidejax" in rate and f"{strategy}/{base}" in rate:
-                ratio = rate[f"{strategy}/sidejax"] / rate[f"{strategy}/{base}"]
-                report[f"sidejax_over_{base}_conv_speedup_{strategy}"] = ratio
-                print(f"sidejax / {base} conv throughput ({strategy}): {ratio:.2f}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.output}")
+    _add_speedups(report, results, args)
+    write_report(report, args.output, trailing_newline=False)
     return report
 
 

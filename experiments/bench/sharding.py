@@ -35,29 +35,24 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.bench.common import write_json
+
 METHODS = ("fedavg", "fedpm_klms")
 
 
-def _child(args) -> dict:
-    import jax
+def _problem(args):
+    """The federation (random images of Fashion-MNIST's shape), LeNet5's keys and parameters, and a builder
+    per method."""
     import numpy as np
     import optax
 
     from sidejax.algorithms import fedavg, fedpm
     from sidejax.coding import KLMSConfig, klms_coder
     from sidejax.data import make_federated_data
-    from sidejax.fl import (
-        ClientMap,
-        LocalTraining,
-        classification_loss,
-        mesh_client_map,
-        place_federation,
-        run_rounds,
-    )
+    from sidejax.fl import LocalTraining, classification_loss
     from sidejax.keys import run_keys
     from sidejax.models import get_model, init_params
 
-    n = args.child
     rng = np.random.default_rng(0)
     total = args.clients * args.examples
     x = rng.uniform(0, 1, (total, 28, 28, 1)).astype(np.float32)
@@ -77,18 +72,32 @@ def _child(args) -> dict:
             coder=klms_coder(KLMSConfig(log2_num_candidates=6, max_block_size=64)),
         ),
     }
+    return fed, init_key, rounds_key, params, builders
+
+
+def _resident(tree, device) -> int:
+    """Bytes of ``tree``'s shards held by ``device``."""
+    import jax
+
+    return sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves(tree)
+        for shard in getattr(leaf, "addressable_shards", [])
+        if shard.device == device
+    )
+
+
+def _child(args) -> dict:
+    import jax
+    import numpy as np
+
+    from sidejax.fl import ClientMap, mesh_client_map, place_federation, run_rounds
+
+    n = args.child
+    fed, init_key, rounds_key, params, builders = _problem(args)
     cmap = ClientMap("map") if n == 1 else mesh_client_map(n, strategy="map")
     out = {"devices": n, "jax_devices": len(jax.devices()), "methods": {}}
     first = jax.devices()[0]
-
-    def resident(tree) -> int:
-        return sum(
-            shard.data.nbytes
-            for leaf in jax.tree.leaves(tree)
-            for shard in getattr(leaf, "addressable_shards", [])
-            if shard.device == first
-        )
-
     for name in args.methods:
         algo = builders[name]()
         state, data = place_federation(
@@ -117,12 +126,12 @@ def _child(args) -> dict:
             "round_s": walls[best],
             "round_cpu_s": cpus[best],
             "per_device_bytes": per_device,
-            "resident_bytes_per_device": resident((state, data)),
+            "resident_bytes_per_device": _resident((state, data), first),
         }
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m experiments.bench.sharding", description=__doc__)
     p.add_argument("--devices", default="1,2,4,8")
     p.add_argument("--methods", default=",".join(METHODS))
@@ -142,36 +151,35 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
     if args.quick:
         args.clients, args.participants, args.examples, args.calls, args.repeats = 8, 4, 16, 1, 1
-    if args.child is not None:
-        print("CHILD " + json.dumps(_child(args)), flush=True)
-        return {}
-    counts = [int(c) for c in args.devices.split(",") if c]
-    if not counts or min(counts) < 1 or max(counts) > args.participants:
-        p.error(f"--devices must be between 1 and --participants={args.participants}, got {args.devices}")
-    runs: dict[int, list[dict]] = {n: [] for n in counts}
-    for _ in range(args.repeats):
-        for n in counts:
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-            cmd = [sys.executable, "-m", "experiments.bench.sharding", "--child", str(n)]
-            forwarded = ["--methods", ",".join(args.methods), "--clients", str(args.clients)]
-            forwarded += ["--participants", str(args.participants), "--examples", str(args.examples)]
-            forwarded += ["--rounds", str(args.rounds), "--calls", str(args.calls)]
-            proc = subprocess.run(cmd + forwarded, env=env, capture_output=True, text=True, timeout=1800)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"the {n}-device run failed:\n{proc.stderr[-3000:]}")
-            runs[n].append(json.loads(lines[-1][len("CHILD ") :]))
-            print(
-                f"devices {n}: "
-                + ", ".join(
-                    f"{m} {r['round_s'] * 1e3:.0f} ms/round" for m, r in runs[n][-1]["methods"].items()
-                ),
-                flush=True,
-            )
+    counts = None
+    if args.child is None:
+        counts = [int(c) for c in args.devices.split(",") if c]
+        if not counts or min(counts) < 1 or max(counts) > args.participants:
+            p.error(f"--devices must be between 1 and --participants={args.participants}, got {args.devices}")
+    return args, counts
+
+
+def _run_child(args, n: int) -> dict:
+    """One ``n``-device subprocess's measurements (its ``CHILD`` line)."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+    cmd = [sys.executable, "-m", "experiments.bench.sharding", "--child", str(n)]
+    forwarded = ["--methods", ",".join(args.methods), "--clients", str(args.clients)]
+    forwarded += ["--participants", str(args.participants), "--examples", str(args.examples)]
+    forwarded += ["--rounds", str(args.rounds), "--calls", str(args.calls)]
+    proc = subprocess.run(cmd + forwarded, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the {n}-device run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("CHILD ") :])
+
+
+def _aggregate(runs: dict, counts, methods) -> tuple[dict, dict]:
+    """``(results, ratios)``: per count and method the best round times over the repeats, the median compile
+    time and the bytes, and their ratios to the first count."""
     results = {}
     for n in counts:
         results[str(n)] = {}
-        for m in args.methods:
+        for m in methods:
             rows = [r["methods"][m] for r in runs[n]]
             results[str(n)][m] = {
                 "round_s": min(r["round_s"] for r in rows),
@@ -189,10 +197,30 @@ def main(argv: list[str] | None = None) -> dict:
                 "resident_bytes": results[str(n)][m]["resident_bytes_per_device"]
                 / results[base][m]["resident_bytes_per_device"],
             }
-            for m in args.methods
+            for m in methods
         }
         for n in counts
     }
+    return results, ratios
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, counts = _parse_args(argv)
+    if args.child is not None:
+        print("CHILD " + json.dumps(_child(args)), flush=True)
+        return {}
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    for _ in range(args.repeats):
+        for n in counts:
+            runs[n].append(_run_child(args, n))
+            print(
+                f"devices {n}: "
+                + ", ".join(
+                    f"{m} {r['round_s'] * 1e3:.0f} ms/round" for m, r in runs[n][-1]["methods"].items()
+                ),
+                flush=True,
+            )
+    results, ratios = _aggregate(runs, counts, args.methods)
     report = {
         "benchmark": "sharding",
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "child")},
@@ -206,8 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
         "ratio_to_first_count": ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(report, args.out, trailing_newline=False)
     for n in counts:
         parts = []
         for m in args.methods:

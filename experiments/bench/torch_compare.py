@@ -48,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.bench.common import write_report
+
 _SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
@@ -201,10 +203,8 @@ def _torch_trainer(torch, data: _Data, batch_size: int, params, spec):
     return epoch
 
 
-def _run(args: argparse.Namespace) -> dict:
-    import jax
-    import numpy as np
-
+def _setup_torch(args):
+    """PyTorch (or ``None``: ``--no-torch`` or not installed), single-threaded with ``--threads 1``."""
     torch = None if args.no_torch else _import_torch()
     if torch is None:
         why = "--no-torch" if args.no_torch else "PyTorch is not installed (pip install torch to compare)"
@@ -215,6 +215,60 @@ def _run(args: argparse.Namespace) -> dict:
             torch.set_num_interop_threads(1)
         except RuntimeError:  # already set (or parallel work already started) in this process
             pass
+    return torch
+
+
+def _time_epochs(by_batch: dict, repeats: int) -> dict:
+    """Seconds of each ``repeats`` epoch of every (batch size, contestant)."""
+    # every (batch size, contestant) in turn within each repeat: machine load drifts alike over all of them
+    all_times = {b: {name: [] for name in trainers} for b, trainers in by_batch.items()}
+    for _ in range(repeats):
+        for b, trainers in by_batch.items():
+            for name, fn in trainers.items():
+                t0 = time.perf_counter()
+                fn()
+                all_times[b][name].append(time.perf_counter() - t0)
+    return all_times
+
+
+def _batch_entry(b, trainers, times: dict, examples: int) -> dict:
+    """One batch size's medians, per-example times and ratios (printed as well)."""
+    import numpy as np
+
+    med = {name: float(np.median(v)) for name, v in times.items()}
+    entry = {
+        name: {
+            "seconds_per_epoch": med[name],
+            "seconds_per_epoch_all": times[name],
+            "us_per_example": 1e6 * med[name] / examples,
+        }
+        for name in trainers
+    }
+    entry["torch"] = entry.get("torch")
+    entry["sidejax_over_torch_time"] = med["sidejax"] / med["torch"] if "torch" in med else None
+    if "kernel_only" in med:
+        entry["kernel_only_over_sidejax_time"] = med["kernel_only"] / med["sidejax"]
+        entry["kernel_only_over_no_banded_time"] = med["kernel_only"] / med["no_banded"]
+        entry["no_banded_over_sidejax_time"] = med["no_banded"] / med["sidejax"]
+    if "lax" in med:
+        entry["lax_over_sidejax_time"] = med["lax"] / med["sidejax"]
+    line = ", ".join(f"{k} {v['us_per_example']:.1f}" for k, v in entry.items() if isinstance(v, dict))
+    print(f"batch {b}: us/example {line}", flush=True)
+    if entry["sidejax_over_torch_time"] is not None:
+        print(f"batch {b}: sidejax / torch time {entry['sidejax_over_torch_time']:.2f}", flush=True)
+    if "kernel_only_over_sidejax_time" in entry:
+        print(
+            f"batch {b}: speed-up over before issue 12 {entry['kernel_only_over_sidejax_time']:.2f}x"
+            f" (input gradient {entry['kernel_only_over_no_banded_time']:.2f}x,"
+            f" then banded matmul {entry['no_banded_over_sidejax_time']:.2f}x)"
+        )
+    return entry
+
+
+def _run(args: argparse.Namespace) -> dict:
+    import jax
+
+    torch = _setup_torch(args)
     data = _Data(args.examples)
     variants = ["sidejax"] + ["no_banded", "kernel_only"] * args.before + ["lax"] * args.lax
     by_batch = {}
@@ -222,45 +276,10 @@ def _run(args: argparse.Namespace) -> dict:
         by_batch[b], params, spec = _sidejax_trainers(data, b, variants)
         if torch is not None:
             by_batch[b]["torch"] = _torch_trainer(torch, data, b, params, spec)
-    # every (batch size, contestant) in turn within each repeat: machine load drifts alike over all of them
-    all_times = {b: {name: [] for name in trainers} for b, trainers in by_batch.items()}
-    for _ in range(args.repeats):
-        for b, trainers in by_batch.items():
-            for name, fn in trainers.items():
-                t0 = time.perf_counter()
-                fn()
-                all_times[b][name].append(time.perf_counter() - t0)
-    per_batch = {}
-    for b, trainers in by_batch.items():
-        times = all_times[b]
-        med = {name: float(np.median(v)) for name, v in times.items()}
-        entry = {
-            name: {
-                "seconds_per_epoch": med[name],
-                "seconds_per_epoch_all": times[name],
-                "us_per_example": 1e6 * med[name] / args.examples,
-            }
-            for name in trainers
-        }
-        entry["torch"] = entry.get("torch")
-        entry["sidejax_over_torch_time"] = med["sidejax"] / med["torch"] if "torch" in med else None
-        if "kernel_only" in med:
-            entry["kernel_only_over_sidejax_time"] = med["kernel_only"] / med["sidejax"]
-            entry["kernel_only_over_no_banded_time"] = med["kernel_only"] / med["no_banded"]
-            entry["no_banded_over_sidejax_time"] = med["no_banded"] / med["sidejax"]
-        if "lax" in med:
-            entry["lax_over_sidejax_time"] = med["lax"] / med["sidejax"]
-        per_batch[str(b)] = entry
-        line = ", ".join(f"{k} {v['us_per_example']:.1f}" for k, v in entry.items() if isinstance(v, dict))
-        print(f"batch {b}: us/example {line}", flush=True)
-        if entry["sidejax_over_torch_time"] is not None:
-            print(f"batch {b}: sidejax / torch time {entry['sidejax_over_torch_time']:.2f}", flush=True)
-        if "kernel_only_over_sidejax_time" in entry:
-            print(
-                f"batch {b}: speed-up over before issue 12 {entry['kernel_only_over_sidejax_time']:.2f}x"
-                f" (input gradient {entry['kernel_only_over_no_banded_time']:.2f}x,"
-                f" then banded matmul {entry['no_banded_over_sidejax_time']:.2f}x)"
-            )
+    all_times = _time_epochs(by_batch, args.repeats)
+    per_batch = {
+        str(b): _batch_entry(b, trainers, all_times[b], args.examples) for b, trainers in by_batch.items()
+    }
     report = {
         "benchmark": "lenet5_local_training_vs_torch",
         "data": "fashion_mnist" if data.real else "random (fashion_mnist not installed)",
@@ -284,9 +303,7 @@ def _run(args: argparse.Namespace) -> dict:
             for name in per_batch["32"]
             if isinstance(per_batch["32"][name], dict) and isinstance(per_batch["128"].get(name), dict)
         }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.output}")
+    write_report(report, args.output, trailing_newline=False)
     return report
 
 
