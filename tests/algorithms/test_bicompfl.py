@@ -98,9 +98,7 @@ def _on_grid(values, num_samples):
 # protocol invariants (docs/papers/bicompfl.md#s7-9 to docs/papers/bicompfl.md#s7-13)
 
 
-@pytest.mark.parametrize(
-    "name", ["gr", pytest.param("gr_adaptive", marks=pytest.mark.slow)]
-)  # 18 s each cold
+@pytest.mark.parametrize("name", ["gr", "gr_adaptive"])
 def test_gr_every_client_rebuilds_the_federators_model_bit_for_bit(runs, name):
     """docs/papers/bicompfl.md#s7-9: after every round every client's model (rebuilt from the relayed streams
     and its own, decoded against its own copy of the prior) equals the federator's, bit for bit, and so does
@@ -134,7 +132,7 @@ def test_gr_reconst_clients_share_one_estimate_that_is_not_the_aggregate(runs):
         assert not np.array_equal(hats[0], np.asarray(states[t - 1].server.theta))
 
 
-@pytest.mark.parametrize("name", ["pr_partial", pytest.param("pr_split", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["pr_partial", "pr_split"])
 def test_pr_the_federators_copies_equal_the_clients_estimates(runs, name):
     """docs/papers/bicompfl.md#s7-10: the federator's copy of every client's estimate equals the client's own
     bit for bit after every round, for participants and for clients that sat the round out (partial
@@ -278,7 +276,6 @@ def test_a_party_whose_prior_is_out_of_sync_is_detected(runs, digits_fed):
         assert (np.delete(errors, slot) == 0).all(), link
 
 
-@pytest.mark.slow  # 12 s cold; the in-jit CRC and out-of-sync checks stay in make test
 def test_host_decode_raises_on_a_mismatched_prior_or_a_partition_for_another_model():
     coder = klms_coder(CRC)
     d = 40

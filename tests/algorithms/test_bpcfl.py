@@ -125,7 +125,6 @@ def test_same_keys_same_bits(one_round):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.slow  # 16 s cold; the engine's parts test (tests/fl/test_rounds.py) stays in make test
 def test_the_client_phase_in_parts_gives_the_same_uploads_and_posterior(one_round, moons):
     """docs/papers/bpcfl.md#a1's one round with one client per part (sidejax.fl.run_clients, a
     checkpointable PartialRound after each): every client's keys derive from its id as in one go, so the

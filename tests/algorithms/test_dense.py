@@ -18,7 +18,6 @@ from sidejax.coding.klms import klms_init
 from sidejax.layout import flat_layout
 
 
-@pytest.mark.slow  # 33 s cold; the per-method downlink lengths stay checked in test_fedpm/test_qsgd
 def test_downlink_bits_are_the_broadcast_lengths(algorithm_run, small_model):
     """32 d bits of parameters; with QSGD-KLMS (whose coder decodes with ``p``) the last round's symbol
     counts, 2 ceil(log2(C + 1)) d bits; then the KLMS protocol: 1 + M log2(max_block_size) bits in the round

@@ -96,7 +96,6 @@ def test_qsgd_klms_requires_one_level(small_model):
         )
 
 
-@pytest.mark.slow  # 21 s cold; FedPM's sibling (test_fedpm) stays in make test
 def test_qsgd_and_qsgd_klms_run_clean_and_klms_sends_fewer_bits(algorithm_run, small_model):
     d = flat_layout(small_model[1]).dim
     bpp = {}

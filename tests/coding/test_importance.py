@@ -80,7 +80,6 @@ def _candidate_tables(p):
     return candidates(SK, p, 3), u_all, [_pair_uniforms(SK, 8, start, length) for start, length in WINDOWS]
 
 
-@pytest.mark.slow  # 18 s cold; the coders' round trips (test_klms, test_coders) stay in make test
 def test_decoder_reproduces_encoder_choice_for_any_partition_and_chunking():
     d = 777
     q = Bernoulli(jax.random.uniform(jax.random.key(1), (d,), minval=0.02, maxval=0.98))
