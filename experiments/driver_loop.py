@@ -48,21 +48,36 @@ class InvalidStreamError(RuntimeError):
     """Raised when the server found a client's KLMS stream malformed; names the first round and clients."""
 
 
-def _included(infos) -> np.ndarray:
-    """``[rounds, clients_per_round]``: the participants the server's aggregates counted
-    (``RoundInfo.included``; diagnostics built without it count the clients whose flags are all good)."""
+class _Flags(NamedTuple):
+    """A chunk's per-participant flags, each ``[rounds, clients_per_round]``: the coder's input check
+    (``valid``), ``finite``, the server's decoder errors (``errors``), the client's downlink errors
+    (``down``), whether the server counted it (``included``, ``RoundInfo.included``; diagnostics built without
+    it count the clients whose flags are all good) and whether it is flagged at all (``bad``)."""
+
+    valid: np.ndarray
+    finite: np.ndarray
+    errors: np.ndarray
+    down: np.ndarray
+    included: np.ndarray
+    bad: np.ndarray
+
+
+def _flags(infos) -> _Flags:
     shape = np.shape(infos.client_ids)
+    valid = np.asarray(infos.clients.valid).reshape(shape)
+    finite = np.asarray(infos.clients.finite).reshape(shape)
+    errors = np.asarray(infos.uplink_errors).reshape(shape)
+    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
     included = getattr(infos, "included", None)
-    if included is not None:
-        return np.asarray(included).reshape(shape)
-    ok = np.asarray(infos.clients.valid).reshape(shape) & np.asarray(infos.clients.finite).reshape(shape)
-    return ok & (np.asarray(infos.uplink_errors).reshape(shape) == 0)
+    included = valid & finite & (errors == 0) if included is None else np.asarray(included).reshape(shape)
+    bad = ~valid | (errors != 0) | (down != 0) | ~included
+    return _Flags(valid, finite, errors, down, included, bad)
 
 
 def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     """Stops the run at the first round whose server state is not finite or in which every participant was
     non-finite (no client left to aggregate). A round in which only some clients were non-finite goes on:
-    the engine withheld their streams and the server aggregated the others (:func:`_report_excluded` says
+    the engine withheld their streams and the server aggregated the others (:func:`_check_streams` says
     which)."""
     client_ok = np.asarray(infos.clients.finite)
     server_ok = np.asarray(infos.server_finite)
@@ -81,33 +96,19 @@ def _check_finite(infos, ckpt_dir: Path, last_good_round: int) -> None:
     )
 
 
-def _problems(infos, r: int, bad: np.ndarray) -> str:
-    """``"client 3: ...; client 7: ..."``: round ``r``'s flagged participants (``bad[r]``) and why."""
-    shape = np.shape(infos.client_ids)
-    client_ok = np.asarray(infos.clients.valid).reshape(shape)
-    finite = np.asarray(infos.clients.finite).reshape(shape)
-    errors = np.asarray(infos.uplink_errors).reshape(shape)
-    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
+def _problems(infos, flags: _Flags, r: int) -> str:
+    """``"client 3: ...; client 7: ..."``: round ``r``'s flagged participants and why."""
     ids = np.asarray(infos.client_ids)[r]
     details = []
-    for i in np.flatnonzero(bad[r]):
-        reasons = ["invalid q or p, or a non-finite KL"] if not client_ok[r, i] and not down[r, i] else []
-        reasons += [] if finite[r, i] else ["a non-finite loss or update"]
-        if client_ok[r, i] and finite[r, i]:  # a withheld stream's decoder errors say only that it is absent
-            reasons += stream_errors(errors[r, i])
-        reasons += [f"its downlink: {e}" for e in stream_errors(down[r, i])]
+    for i in np.flatnonzero(flags.bad[r]):
+        valid, finite, down = flags.valid[r, i], flags.finite[r, i], flags.down[r, i]
+        reasons = ["invalid q or p, or a non-finite KL"] if not valid and not down else []
+        reasons += [] if finite else ["a non-finite loss or update"]
+        if valid and finite:  # a withheld stream's decoder errors say only that it is absent
+            reasons += stream_errors(flags.errors[r, i])
+        reasons += [f"its downlink: {e}" for e in stream_errors(down)]
         details.append(f"client {int(ids[i])}: {', '.join(reasons) or 'excluded by the server'}")
     return "; ".join(details)
-
-
-def _flagged(infos) -> np.ndarray:
-    """``[rounds, clients_per_round]``: participants with an invalid input, a malformed uplink stream, a
-    downlink they could not decode, or not counted by the server."""
-    shape = np.shape(infos.client_ids)
-    client_ok = np.asarray(infos.clients.valid).reshape(shape)
-    errors = np.asarray(infos.uplink_errors).reshape(shape)
-    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
-    return ~client_ok | (errors != 0) | (down != 0) | ~_included(infos)
 
 
 def stream_problems(infos) -> tuple[int, str] | None:
@@ -117,11 +118,11 @@ def stream_problems(infos) -> tuple[int, str] | None:
     reasons), a client could not decode its downlink (``ClientInfo.downlink_errors``), or the server left a
     participant out of its aggregates (``RoundInfo.included``). Returns
     ``(round_index, "client 3: ...; client 7: ...")``."""
-    bad = _flagged(infos)
-    if not bad.any():
+    flags = _flags(infos)
+    if not flags.bad.any():
         return None
-    r = int(np.flatnonzero(bad.any(axis=1))[0])
-    return int(np.asarray(infos.round_index)[r]), _problems(infos, r, bad)
+    r = int(np.flatnonzero(flags.bad.any(axis=1))[0])
+    return int(np.asarray(infos.round_index)[r]), _problems(infos, flags, r)
 
 
 def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> list[str]:
@@ -131,24 +132,22 @@ def _check_streams(infos, ckpt_dir: Path, last_good_round: int) -> list[str]:
     one warning per such round. A round with no participant left, or a client that could not decode its
     downlink (its next update would start from a model the server does not have), stops the run like NaN
     (:class:`InvalidStreamError`): nothing from that round is kept."""
-    bad = _flagged(infos)
-    if not bad.any():
+    flags = _flags(infos)
+    if not flags.bad.any():
         return []
-    shape = np.shape(infos.client_ids)
-    down = np.broadcast_to(np.asarray(infos.clients.downlink_errors), shape)
-    stop = ~_included(infos).any(axis=1) | (down != 0).any(axis=1)
+    stop = ~flags.included.any(axis=1) | (flags.down != 0).any(axis=1)
     rounds = np.asarray(infos.round_index)
     if stop.any():
         r = int(np.flatnonzero(stop)[0])
         raise InvalidStreamError(
-            f"an invalid stream in round {int(rounds[r])} ({_problems(infos, r, bad)}). Nothing from that "
+            f"an invalid stream in round {int(rounds[r])} ({_problems(infos, flags, r)}). Nothing from that "
             f"round was kept: the last good state (round {last_good_round}) is checkpointed in {ckpt_dir}. "
             f"This is a bug or a corrupted input, not a tuning problem: please report it."
         )
     return [
         f"warning: round {int(rounds[r]) + 1}: excluded from the server's aggregates: "
-        f"{_problems(infos, r, bad)}"
-        for r in np.flatnonzero(bad.any(axis=1))
+        f"{_problems(infos, flags, r)}"
+        for r in np.flatnonzero(flags.bad.any(axis=1))
     ]
 
 
