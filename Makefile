@@ -35,8 +35,15 @@ PYTEST := $(BIN)/python -m pytest $(XDIST)
 # The suite without the tests marked slow (notebook executions, README examples, benchmark scripts, real
 # data, paper-scale traces, multi-process runs): at most 10 minutes from a fresh clone with an empty
 # compilation cache on 2 cores.
+#
+# It compiles with LLVM's optimisation off (--xla_backend_optimization_level=0): most of its time is XLA
+# compiling small programs that run once, and -O0 changes the machine code's speed, not its arithmetic (XLA
+# CPU emits no fast-math flags, so LLVM may not reorder or contract floating-point operations at any
+# level). `make test-all` runs every test, these included, at XLA's default level, which checks that claim
+# bit for bit in CI.
+FAST_COMPILE := --xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0
 test: $(VENV)/.installed-dev
-	$(PYTEST) -m "not slow"
+	XLA_FLAGS="$(FAST_COMPILE)" $(PYTEST) -m "not slow"
 
 # Every test, the slow ones included (CI runs it after `make test`).
 test-all: $(VENV)/.installed-dev
