@@ -79,10 +79,11 @@ import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from experiments.sections import Section, choice
 from experiments.suite import Suite, alias
 
 __all__ = ["PAPER", "QUICK", "RegressionConfig", "SUITE", "gaussian_nll_loss", "predictive_numbers", "run"]
@@ -111,9 +112,9 @@ QUICK = dict(
 
 
 @dataclasses.dataclass(frozen=True)
-class RegressionConfig:
+class RegressionConfig(Section):
     """One run of the 1-D regression (``--set FIELD=VALUE`` changes a field). Raises ``ValueError`` naming
-    the first bad field."""
+    the first bad field (:class:`experiments.sections.Section`'s checks)."""
 
     seed: int = 0
     """The seed of the data, the keys and the network initialisation."""
@@ -133,28 +134,24 @@ class RegressionConfig:
     """Fresh test points from the pooled mixture."""
     grid_points: int = 241
     """Grid points on [-1.2, 1.2] for the predictive std and the figure."""
-    hmc_start: str = "init"
+    hmc_start: str = choice("init", ("init", "map"))
     """HMC's start: the network initialisation (``"init"``, docs/papers/bpcfl.md#s8-10) or the Adam MAP
     estimate on the same coreset (``"map"``)."""
 
-    def __post_init__(self):
-        for name in ("clients", "per_client", "fedavg_rounds", "test_points"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grid_points < 2:
-            raise ValueError(f"grid_points must be >= 2, got {self.grid_points}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if not (math.isfinite(self.sigma) and self.sigma > 0):
-            raise ValueError(f"sigma must be a finite number > 0, got {self.sigma}")
-        if not (math.isfinite(self.noise) and self.noise >= 0):
-            raise ValueError(f"noise must be a finite number >= 0, got {self.noise}")
-        if self.hmc_start not in ("init", "map"):
-            raise ValueError(f"hmc_start must be 'init' or 'map', got {self.hmc_start!r}")
-        if self.per_client < self.hp["num_points"]:
+    table: ClassVar[str] = "regression"
+    limits: ClassVar = {
+        ">= 0": "seed",
+        ">= 1": "clients per_client fedavg_rounds test_points",
+        ">= 2": "grid_points",
+        "in (0, inf)": "sigma",
+        "in [0, inf)": "noise",
+    }
+
+    def check(self) -> None:
+        if self.per_client < (k := self.hp["num_points"]):
             raise ValueError(
-                f"per_client {self.per_client} is smaller than the pseudocoreset size K = "
-                f"{self.hp['num_points']}: a client cannot summarise fewer points than it sends"
+                f"{self.label()}: per_client {self.per_client} is smaller than the pseudocoreset size "
+                f"K = {k}: a client cannot summarise fewer points than it sends"
             )
 
     @property
@@ -316,25 +313,17 @@ def _context(cfg: RegressionConfig):
 
 
 def _bpcfl_settings(hp):
+    """The :class:`sidejax.algorithms.BPCFLSettings` of the hyperparameters named as its fields (Adam at
+    ``learning_rate`` for the pretraining and the inner chain)."""
     import optax
 
     from sidejax.algorithms import BPCFLSettings
 
-    names = (
-        "num_points",
-        "prior_precision",
-        "init_std",
-        "num_updates",
-        "step_size_inputs",
-        "step_size_labels",
-    )
-    names += ("pairs_per_update", "num_noise", "noise_std", "num_trajectories", "pretrain_steps")
-    names += ("pretrain_batch_size", "data_chain_length", "coreset_chain_length", "save_interval")
     return BPCFLSettings(
         num_classes=None,
         pretrain_optimizer=optax.adam(hp["learning_rate"]),
         chain_optimizer=optax.adam(hp["learning_rate"]),
-        **{name: hp[name] for name in names},
+        **{name: hp[name] for name in BPCFLSettings._fields if name in hp},
     )
 
 
