@@ -114,29 +114,32 @@ QUICK = dict(
 @dataclasses.dataclass(frozen=True)
 class RegressionConfig(Section):
     """One run of the 1-D regression (``--set FIELD=VALUE`` changes a field). Raises ``ValueError`` naming
-    the first bad field (:class:`experiments.sections.Section`'s checks)."""
+    the first bad field (:class:`experiments.sections.Section`'s checks).
+
+    Attributes:
+      seed: the seed of the data, the keys and the network initialisation.
+      quick: the :data:`QUICK` hyperparameters (a smoke run of seconds) instead of :data:`PAPER`.
+      clients: the number of clients M.
+      per_client: training points per client (100: Fig. 2; 20: Fig. 4); at least the pseudocoreset size K.
+      sigma: the likelihood std σ of the model (docs/papers/bpcfl.md#s8-15).
+      noise: the data's noise std (the test NLL is also reported at this σ).
+      fedavg_rounds: FedAvg's rounds (``--rounds``).
+      test_points: fresh test points from the pooled mixture.
+      grid_points: grid points on [-1.2, 1.2] for the predictive std and the figure.
+      hmc_start: HMC's start: the network initialisation (init, docs/papers/bpcfl.md#s8-10) or the Adam MAP
+        estimate on the same coreset (map).
+    """
 
     seed: int = 0
-    """The seed of the data, the keys and the network initialisation."""
     quick: bool = False
-    """The :data:`QUICK` hyperparameters (a smoke run of seconds) instead of :data:`PAPER`."""
     clients: int = 5
-    """The number of clients M."""
     per_client: int = 100
-    """Training points per client (100: Fig. 2; 20: Fig. 4); at least the pseudocoreset size K."""
     sigma: float = 0.3
-    """The likelihood std σ of the model (docs/papers/bpcfl.md#s8-15)."""
     noise: float = 0.3
-    """The data's noise std (the test NLL is also reported at this σ)."""
     fedavg_rounds: int = 100
-    """FedAvg's rounds (``--rounds``)."""
     test_points: int = 1000
-    """Fresh test points from the pooled mixture."""
     grid_points: int = 241
-    """Grid points on [-1.2, 1.2] for the predictive std and the figure."""
     hmc_start: str = choice("init", ("init", "map"))
-    """HMC's start: the network initialisation (``"init"``, docs/papers/bpcfl.md#s8-10) or the Adam MAP
-    estimate on the same coreset (``"map"``)."""
 
     table: ClassVar[str] = "regression"
     limits: ClassVar = {

@@ -736,10 +736,7 @@ class FedPAConfig(MethodConfig):
         return self.library_value(FedPASettings)
 
     def check(self) -> None:
-        try:
-            check_fedpa_settings(self.settings())
-        except ValueError as e:
-            raise ValueError(f"{self.label()}: {e}") from None
+        self.relabel(check_fedpa_settings, self.settings())
 
     def algorithm(self, b: Build) -> Algorithm:
         return self.call(
@@ -830,10 +827,7 @@ class BPCFLConfig(MethodConfig):
 
     def check(self) -> None:
         """The library's checks of the settings (:func:`sidejax.algorithms.bpcfl.check_settings`)."""
-        try:
-            check_settings(self.settings(None))
-        except ValueError as e:
-            raise ValueError(f"{self.label()}: {e}") from None
+        self.relabel(check_settings, self.settings(None))
 
     def check_data(self, client_sizes) -> None:
         """Refuses a federation in which a client has fewer than ``num_points`` examples, or none at all

@@ -251,8 +251,13 @@ class Section:
 
     def checked_library_value(self, library: type, **extra: Any) -> Any:
         """:meth:`library_value`, its ``ValueError`` (the library's own validation) naming this section."""
+        return self.relabel(self.library_value, library, **extra)
+
+    def relabel(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (a library check), its ``ValueError`` prefixed with this section's
+        :meth:`label`."""
         try:
-            return self.library_value(library, **extra)
+            return fn(*args, **kwargs)
         except ValueError as e:
             raise ValueError(f"{self.label()}: {e}") from None
 
