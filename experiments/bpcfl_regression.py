@@ -83,7 +83,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from experiments.sections import Section, choice
+from experiments.sections import Section, choice, field_type, parse_word
 from experiments.suite import Suite, alias
 
 __all__ = ["PAPER", "QUICK", "RegressionConfig", "SUITE", "gaussian_nll_loss", "predictive_numbers", "run"]
@@ -644,14 +644,14 @@ class RegressionRunner:
         return dataclasses.replace(config, seed=seed)
 
     def with_value(self, config, key: str, text: str):
-        fields = [f.name for f in dataclasses.fields(config)]
-        if key not in fields:
-            raise ValueError(f"--set {key}: not a field of the regression; fields: {', '.join(fields)}")
-        kind = type(getattr(config, key))
+        if key not in config.field_names():
+            fields = ", ".join(config.field_names())
+            raise ValueError(f"--set {key}: not a field of the regression; fields: {fields}")
+        kind = field_type(RegressionConfig, key)
         try:
-            value = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+            value = parse_word(kind.base, kind.optional, text)
         except ValueError:
-            raise ValueError(f"--set {key}={text}: expected a value of type {kind.__name__}") from None
+            raise ValueError(f"--set {key}={text}: expected a value of type {kind.base.__name__}") from None
         return dataclasses.replace(config, **{key: value})
 
     def resolve(self, config, directory, seed, source):
