@@ -79,10 +79,11 @@ import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from experiments.sections import Section, choice, field_type, parse_word
 from experiments.suite import Suite, alias
 
 __all__ = ["PAPER", "QUICK", "RegressionConfig", "SUITE", "gaussian_nll_loss", "predictive_numbers", "run"]
@@ -111,50 +112,49 @@ QUICK = dict(
 
 
 @dataclasses.dataclass(frozen=True)
-class RegressionConfig:
+class RegressionConfig(Section):
     """One run of the 1-D regression (``--set FIELD=VALUE`` changes a field). Raises ``ValueError`` naming
-    the first bad field."""
+    the first bad field (:class:`experiments.sections.Section`'s checks).
+
+    Attributes:
+      seed: the seed of the data, the keys and the network initialisation.
+      quick: the :data:`QUICK` hyperparameters (a smoke run of seconds) instead of :data:`PAPER`.
+      clients: the number of clients M.
+      per_client: training points per client (100: Fig. 2; 20: Fig. 4); at least the pseudocoreset size K.
+      sigma: the likelihood std σ of the model (docs/papers/bpcfl.md#s8-15).
+      noise: the data's noise std (the test NLL is also reported at this σ).
+      fedavg_rounds: FedAvg's rounds (``--rounds``).
+      test_points: fresh test points from the pooled mixture.
+      grid_points: grid points on [-1.2, 1.2] for the predictive std and the figure.
+      hmc_start: HMC's start: the network initialisation (init, docs/papers/bpcfl.md#s8-10) or the Adam MAP
+        estimate on the same coreset (map).
+    """
 
     seed: int = 0
-    """The seed of the data, the keys and the network initialisation."""
     quick: bool = False
-    """The :data:`QUICK` hyperparameters (a smoke run of seconds) instead of :data:`PAPER`."""
     clients: int = 5
-    """The number of clients M."""
     per_client: int = 100
-    """Training points per client (100: Fig. 2; 20: Fig. 4); at least the pseudocoreset size K."""
     sigma: float = 0.3
-    """The likelihood std σ of the model (docs/papers/bpcfl.md#s8-15)."""
     noise: float = 0.3
-    """The data's noise std (the test NLL is also reported at this σ)."""
     fedavg_rounds: int = 100
-    """FedAvg's rounds (``--rounds``)."""
     test_points: int = 1000
-    """Fresh test points from the pooled mixture."""
     grid_points: int = 241
-    """Grid points on [-1.2, 1.2] for the predictive std and the figure."""
-    hmc_start: str = "init"
-    """HMC's start: the network initialisation (``"init"``, docs/papers/bpcfl.md#s8-10) or the Adam MAP
-    estimate on the same coreset (``"map"``)."""
+    hmc_start: str = choice("init", ("init", "map"))
 
-    def __post_init__(self):
-        for name in ("clients", "per_client", "fedavg_rounds", "test_points"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.grid_points < 2:
-            raise ValueError(f"grid_points must be >= 2, got {self.grid_points}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if not (math.isfinite(self.sigma) and self.sigma > 0):
-            raise ValueError(f"sigma must be a finite number > 0, got {self.sigma}")
-        if not (math.isfinite(self.noise) and self.noise >= 0):
-            raise ValueError(f"noise must be a finite number >= 0, got {self.noise}")
-        if self.hmc_start not in ("init", "map"):
-            raise ValueError(f"hmc_start must be 'init' or 'map', got {self.hmc_start!r}")
-        if self.per_client < self.hp["num_points"]:
+    table: ClassVar[str] = "regression"
+    limits: ClassVar = {
+        ">= 0": "seed",
+        ">= 1": "clients per_client fedavg_rounds test_points",
+        ">= 2": "grid_points",
+        "in (0, inf)": "sigma",
+        "in [0, inf)": "noise",
+    }
+
+    def check(self) -> None:
+        if self.per_client < (k := self.hp["num_points"]):
             raise ValueError(
-                f"per_client {self.per_client} is smaller than the pseudocoreset size K = "
-                f"{self.hp['num_points']}: a client cannot summarise fewer points than it sends"
+                f"{self.label()}: per_client {self.per_client} is smaller than the pseudocoreset size "
+                f"K = {k}: a client cannot summarise fewer points than it sends"
             )
 
     @property
@@ -316,25 +316,17 @@ def _context(cfg: RegressionConfig):
 
 
 def _bpcfl_settings(hp):
+    """The :class:`sidejax.algorithms.BPCFLSettings` of the hyperparameters named as its fields (Adam at
+    ``learning_rate`` for the pretraining and the inner chain)."""
     import optax
 
     from sidejax.algorithms import BPCFLSettings
 
-    names = (
-        "num_points",
-        "prior_precision",
-        "init_std",
-        "num_updates",
-        "step_size_inputs",
-        "step_size_labels",
-    )
-    names += ("pairs_per_update", "num_noise", "noise_std", "num_trajectories", "pretrain_steps")
-    names += ("pretrain_batch_size", "data_chain_length", "coreset_chain_length", "save_interval")
     return BPCFLSettings(
         num_classes=None,
         pretrain_optimizer=optax.adam(hp["learning_rate"]),
         chain_optimizer=optax.adam(hp["learning_rate"]),
-        **{name: hp[name] for name in names},
+        **{name: hp[name] for name in BPCFLSettings._fields if name in hp},
     )
 
 
@@ -652,14 +644,14 @@ class RegressionRunner:
         return dataclasses.replace(config, seed=seed)
 
     def with_value(self, config, key: str, text: str):
-        fields = [f.name for f in dataclasses.fields(config)]
-        if key not in fields:
-            raise ValueError(f"--set {key}: not a field of the regression; fields: {', '.join(fields)}")
-        kind = type(getattr(config, key))
+        if key not in config.field_names():
+            fields = ", ".join(config.field_names())
+            raise ValueError(f"--set {key}: not a field of the regression; fields: {fields}")
+        kind = field_type(RegressionConfig, key)
         try:
-            value = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+            value = parse_word(kind.base, kind.optional, text)
         except ValueError:
-            raise ValueError(f"--set {key}={text}: expected a value of type {kind.__name__}") from None
+            raise ValueError(f"--set {key}={text}: expected a value of type {kind.base.__name__}") from None
         return dataclasses.replace(config, **{key: value})
 
     def resolve(self, config, directory, seed, source):

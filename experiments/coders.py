@@ -151,58 +151,6 @@ class KLMSCoderConfig(CoderConfig):
 
 
 @dataclass(frozen=True)
-class Float32CoderConfig(CoderConfig):
-    """The uncompressed coder: 32 bits per coordinate (no fields)."""
-
-    name: ClassVar[str] = "float32"
-
-    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
-        return float32_coder()
-
-
-@dataclass(frozen=True)
-class PseudocoresetCoderConfig(CoderConfig):
-    """BPC-FL's uplink of a pseudocoreset, :func:`sidejax.coding.pseudocoreset_coder` (no fields): K·D
-    float32 inputs, K labels in ceil(log2 C) bits each, the example count in 32 bits. Its label width depends
-    on the dataset, so :meth:`build` returns the factory ``coder(num_classes)`` the method calls."""
-
-    name: ClassVar[str] = "pseudocoreset"
-
-    def build(self, method: MethodConfig, *, client_strategy: str) -> Callable[[int | None], Coder]:
-        return functools.partial(pseudocoreset_coder, method.num_points)
-
-
-@dataclass(frozen=True)
-class SignsCoderConfig(CoderConfig):
-    """Signs sent as one bit each, ``fixed_width_coder((-1.0, 1.0))`` (no fields)."""
-
-    name: ClassVar[str] = "signs"
-
-    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
-        return fixed_width_coder((-1.0, 1.0))
-
-
-@dataclass(frozen=True)
-class EliasCoderConfig(CoderConfig):
-    """QSGD's Elias stream of the levels in ``[-s, s]``; ``s`` is the method's ``levels`` (no fields)."""
-
-    name: ClassVar[str] = "elias"
-
-    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
-        return elias_coder(method.levels)
-
-
-@dataclass(frozen=True)
-class MaskCoderConfig(CoderConfig):
-    """A binary mask sent as Golomb-coded run lengths (no fields)."""
-
-    name: ClassVar[str] = "mask"
-
-    def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
-        return mask_coder()
-
-
-@dataclass(frozen=True)
 @fills(KLMSAvgConfig, skip=_ENGINE_FIELDS)
 class KLMSAvgCoderConfig(CoderConfig):
     """KLMS with BICompFL's Adaptive-Avg allocation (:class:`sidejax.coding.KLMSAvgConfig`'s fields): equal
@@ -221,14 +169,46 @@ class KLMSAvgCoderConfig(CoderConfig):
         return klms_avg_coder(self.config())
 
 
-class ScaledSignCoderConfig(CoderConfig):
-    """The deterministic scaled sign (||v||_1 / d) sign(v): a float32 scale, then one bit per coordinate
-    (no fields)."""
-
-    name: ClassVar[str] = "scaled_sign"
+def _fieldless(name: str, doc: str, make: Callable[[MethodConfig], Coder]) -> type[CoderConfig]:
+    """The config of coder ``name``, which has no fields of its own (``crc32`` aside): its coder for a
+    method is ``make(method)``."""
 
     def build(self, method: MethodConfig, *, client_strategy: str) -> Coder:
-        return scaled_sign_coder()
+        return make(method)
+
+    title = "".join(part.title() for part in name.split("_")) + "CoderConfig"
+    namespace = {"__doc__": doc, "__module__": __name__, "__qualname__": title, "name": name, "build": build}
+    return dataclass(frozen=True)(type(title, (CoderConfig,), namespace))
+
+
+Float32CoderConfig = _fieldless(
+    "float32", "The uncompressed coder: 32 bits per coordinate.", lambda method: float32_coder()
+)
+SignsCoderConfig = _fieldless(
+    "signs",
+    "Signs sent as one bit each, ``fixed_width_coder((-1.0, 1.0))``.",
+    lambda method: fixed_width_coder((-1.0, 1.0)),
+)
+EliasCoderConfig = _fieldless(
+    "elias",
+    "QSGD's Elias stream of the levels in ``[-s, s]``; ``s`` is the method's ``levels``.",
+    lambda method: elias_coder(method.levels),
+)
+MaskCoderConfig = _fieldless(
+    "mask", "A binary mask sent as Golomb-coded run lengths.", lambda method: mask_coder()
+)
+ScaledSignCoderConfig = _fieldless(
+    "scaled_sign",
+    "The deterministic scaled sign (||v||_1 / d) sign(v): a float32 scale, then one bit per coordinate.",
+    lambda method: scaled_sign_coder(),
+)
+PseudocoresetCoderConfig = _fieldless(
+    "pseudocoreset",
+    """BPC-FL's uplink of a pseudocoreset, :func:`sidejax.coding.pseudocoreset_coder`: K·D float32 inputs, K
+    labels in ceil(log2 C) bits each, the example count in 32 bits. Its label width depends on the dataset,
+    so its coder is the factory ``coder(num_classes)`` the method calls.""",
+    lambda method: functools.partial(pseudocoreset_coder, method.num_points),
+)
 
 
 #: CEPAM's lattices by name (``[coder] lattice``)

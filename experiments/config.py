@@ -254,11 +254,10 @@ class ExperimentConfig:
     coder: CoderConfig = dataclasses.field(default_factory=Float32CoderConfig)
 
     def __post_init__(self):
-        for table, kind in (("run", RunConfig), ("data", DataConfig), ("method", MethodConfig)):
+        kinds = {"run": RunConfig, "data": DataConfig, "method": MethodConfig, "coder": CoderConfig}
+        for table, kind in kinds.items():
             if not isinstance(getattr(self, table), kind):
                 raise TypeError(f"{table} must be a {kind.__name__}, got {getattr(self, table)!r}")
-        if not isinstance(self.coder, CoderConfig):
-            raise TypeError(f"coder must be a CoderConfig, got {self.coder!r}")
         self.method.check_coder(self.coder)
         if self.method.one_shot:
             if self.run.rounds != 1:
@@ -301,25 +300,12 @@ class ExperimentConfig:
         """
         given = _split_dotted(values, source)
         method_name, coder_name = self.names_after(values, source=source)
-        given["method"].pop("name", None)
-        given["coder"].pop("name", None)
-        current = {table: dict(getattr(self, table).to_dict()) for table in TABLES}
-        current["method"].pop("name")
-        current["coder"].pop("name")
-        method_base = current["method"] if method_name == self.method.name else None
-        coder_base = current["coder"] if coder_name == self.coder.name else None
-        return _build(
-            given,
-            source,
-            method_name=method_name,
-            coder_name=coder_name,
-            bases={
-                "run": current["run"],
-                "data": current["data"],
-                "method": method_base,
-                "coder": coder_base,
-            },
-        )
+        bases: dict[str, Any] = {table: getattr(self, table).to_dict() for table in TABLES}
+        for table, name in (("method", method_name), ("coder", coder_name)):
+            given[table].pop("name", None)
+            if bases[table].pop("name") != name:  # another method or coder starts from its defaults
+                bases[table] = None
+        return _build(given, source, method_name=method_name, coder_name=coder_name, bases=bases)
 
     def names_after(self, values: Mapping[str, Any], *, source: str = "overrides") -> tuple[str, str]:
         """The (method, coder) names of :meth:`override` ``(values)``: ``method.name`` if given, else this

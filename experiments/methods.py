@@ -122,8 +122,9 @@ class Build(NamedTuple):
 class MethodConfig(Section):
     """Base of the method configs.
 
-    Class attributes: :attr:`name` (the ``[method]`` table's ``name``), :attr:`coders` (the ``[coder]``
-    names it accepts), :attr:`default_coder`, :attr:`coder_defaults` (a coder's fields as tuned for this
+    Class attributes: :attr:`name` (the ``[method]`` table's ``name``, also the name of its builder in
+    :mod:`sidejax.algorithms`), :attr:`coders` (the ``[coder]`` names it accepts; the first is its
+    :attr:`default_coder`), :attr:`coder_defaults` (a coder's fields as tuned for this
     method: a coder section the user starts for this method starts from them) and :attr:`run_defaults`
     (``[run]`` values of a configuration made from defaults, :func:`experiments.config.default_config`).
 
@@ -153,10 +154,13 @@ class MethodConfig(Section):
     #: why the method needs every client in every round (:meth:`build` refuses data.participation < 1), or
     #: ``None`` when it takes any participation
     full_participation: ClassVar[str | None] = None
-    #: the :mod:`sidejax.algorithms` builder of the method (:meth:`call`)
-    builder: ClassVar[str] = ""
     #: ``{builder parameter: library settings type this section fills}``
     library_args: ClassVar[Mapping[str, type]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "coders" in cls.__dict__:
+            cls.default_coder = cls.coders[0]
 
     def check_data(self, client_sizes) -> None:
         """Called with every client's number of training examples before anything is built or run; raises
@@ -180,17 +184,17 @@ class MethodConfig(Section):
         return self.algorithm(b)
 
     def algorithm(self, b: Build) -> Algorithm:
-        """The method's algorithm (:meth:`build` after its checks): by default its :attr:`builder` called by
+        """The method's algorithm (:meth:`build` after its checks): by default its builder called by
         :meth:`call`."""
         return self.call(b)
 
     def call(self, b: Build, **given: Any) -> Algorithm:
-        """:attr:`builder` called with ``b.loss_fn`` and, for each of its other parameters: the value
-        ``given``, else the federation's or coder's value (``clients_per_round``, ``num_clients``,
-        ``coder``), else the library value of a type this section fills (:attr:`library_args`, its
-        non-scalar fields from :meth:`extras`), else the field of the same name; a parameter none of these
-        has keeps the builder's default."""
-        builder = getattr(sidejax.algorithms, self.builder)  # looked up at call time: tests record calls
+        """The builder ``sidejax.algorithms.<name>`` called with ``b.loss_fn`` and, for each of its other
+        parameters: the value ``given``, else the federation's or coder's value (``clients_per_round``,
+        ``num_clients``, ``coder``), else the library value of a type this section fills
+        (:attr:`library_args`, its non-scalar fields from :meth:`extras`), else the field of the same name;
+        a parameter none of these has keeps the builder's default."""
+        builder = getattr(sidejax.algorithms, self.name)  # looked up at call time: tests record calls
         params = list(inspect.signature(builder).parameters)[1:]
         context = {"clients_per_round": b.clients_per_round, "num_clients": b.num_clients, "coder": b.coder}
         kwargs = {}
@@ -254,11 +258,6 @@ class LocalTrainingConfig(MethodConfig):
     def extras(self, library: type) -> dict[str, Any]:
         return {"optimizer": make_optimizer(self.client_optimizer, self.client_lr)}
 
-    def _local(self, clients_per_round: int) -> dict[str, Any]:
-        """The clients' :class:`sidejax.fl.LocalTraining`, as the builders take it."""
-        local = self.library_value(LocalTraining, **self.extras(LocalTraining))
-        return dict(local=local, clients_per_round=clients_per_round)
-
 
 @dataclass(frozen=True)
 class FedAvgConfig(LocalTrainingConfig):
@@ -270,9 +269,7 @@ class FedAvgConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "fedavg"
-    builder: ClassVar[str] = "fedavg"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
-    default_coder: ClassVar[str] = "float32"
     conditional: ClassVar = {"server_lr": ("server_optimizer", OPTIMIZERS, True)}
 
     server_optimizer: str = choice("none", ("none", *OPTIMIZERS))
@@ -296,9 +293,7 @@ class FedPMConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "fedpm"
-    builder: ClassVar[str] = "fedpm"
     coders: ClassVar[tuple[str, ...]] = ("mask", "klms")
-    default_coder: ClassVar[str] = "mask"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
 
     client_optimizer: str = choice("adam", OPTIMIZERS)
@@ -318,9 +313,7 @@ class QSGDConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "qsgd"
-    builder: ClassVar[str] = "qsgd"
     coders: ClassVar[tuple[str, ...]] = ("elias", "klms")
-    default_coder: ClassVar[str] = "elias"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
     limits: ClassVar = {">= 1": "levels", "in (0, 1]": "prior_smoothing"}
 
@@ -349,9 +342,7 @@ class SignSGDConfig(LocalTrainingConfig):
     """
 
     name: ClassVar[str] = "signsgd"
-    builder: ClassVar[str] = "signsgd"
     coders: ClassVar[tuple[str, ...]] = ("signs", "klms")
-    default_coder: ClassVar[str] = "signs"
     coder_defaults: ClassVar = {"klms": _KLMS_TUNED}
 
     limits: ClassVar = {"> 0": "temperature"}
@@ -385,9 +376,7 @@ class QLSDConfig(LangevinConfig):
     """
 
     name: ClassVar[str] = "qlsd"
-    builder: ClassVar[str] = "qlsd"
     coders: ClassVar[tuple[str, ...]] = ("elias",)
-    default_coder: ClassVar[str] = "elias"
 
     levels: int = 5
 
@@ -399,9 +388,7 @@ class SGLDConfig(LangevinConfig):
     ``float32``: the sample uncompressed)."""
 
     name: ClassVar[str] = "sgld"
-    builder: ClassVar[str] = "sgld"
     coders: ClassVar[tuple[str, ...]] = ("klms", "float32")
-    default_coder: ClassVar[str] = "klms"
     coder_defaults: ClassVar = {"klms": {"log2_num_candidates": 2, "max_block_size": 16}}
 
 
@@ -421,7 +408,6 @@ class ErrorFeedbackConfig(LocalTrainingConfig):
     """
 
     coders: ClassVar[tuple[str, ...]] = ("scaled_sign", "float32")
-    default_coder: ClassVar[str] = "scaled_sign"
 
     local_epochs: int | None = 3
     batch_size: int = 128
@@ -436,7 +422,6 @@ class MemSGDConfig(ErrorFeedbackConfig):
     downlink."""
 
     name: ClassVar[str] = "memsgd"
-    builder: ClassVar[str] = "memsgd"
 
 
 @dataclass(frozen=True)
@@ -445,7 +430,6 @@ class DoubleSqueezeConfig(ErrorFeedbackConfig):
     clients and on the server (needs every client in every round)."""
 
     name: ClassVar[str] = "doublesqueeze"
-    builder: ClassVar[str] = "doublesqueeze"
     full_participation: ClassVar = _BROADCASTS
 
 
@@ -459,7 +443,6 @@ class NeolithicConfig(ErrorFeedbackConfig):
     """
 
     name: ClassVar[str] = "neolithic"
-    builder: ClassVar[str] = "neolithic"
     full_participation: ClassVar = _BROADCASTS
 
     limits: ClassVar = {">= 1": "compress_rounds"}
@@ -477,7 +460,6 @@ class CSERConfig(ErrorFeedbackConfig):
     """
 
     name: ClassVar[str] = "cser"
-    builder: ClassVar[str] = "cser"
 
     limits: ClassVar = {">= 1": "period"}
 
@@ -505,9 +487,7 @@ class CepamConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "cepam"
-    builder: ClassVar[str] = "cepam"
     coders: ClassVar[tuple[str, ...]] = ("lrsuq", "noise", "sdq", "float32")
-    default_coder: ClassVar[str] = "lrsuq"
     run_defaults: ClassVar = {"rounds": 80, "eval_every": 5}
     limits: ClassVar = {">= 1": "local_steps batch_size", "> 0": "client_lr", "in [0, 1)": "momentum"}
 
@@ -546,9 +526,7 @@ class PFedBayesConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "pfedbayes"
-    builder: ClassVar[str] = "pfedbayes"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
-    default_coder: ClassVar[str] = "float32"
     run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
     evaluation: ClassVar[str] = "personal"
     library_args: ClassVar = {"settings": PFedBayesSettings}
@@ -581,7 +559,6 @@ class PFedBayesSubsetConfig(PFedBayesConfig):
     """
 
     name: ClassVar[str] = "pfedbayes_subset"
-    builder: ClassVar[str] = "pfedbayes_subset"
 
     subset_size: int = 500
     reweight: bool = False
@@ -613,7 +590,6 @@ class CoresetPFedBayesConfig(PFedBayesConfig):
     """
 
     name: ClassVar[str] = "coreset_pfedbayes"
-    builder: ClassVar[str] = "coreset_pfedbayes"
     library_args: ClassVar = {"settings": PFedBayesSettings, "coreset": CoresetSettings}
 
     limits: ClassVar = {
@@ -650,7 +626,6 @@ class BICompFLConfig(LocalTrainingConfig):
     """
 
     coders: ClassVar[tuple[str, ...]] = ("klms", "klms_avg")
-    default_coder: ClassVar[str] = "klms"
     coder_defaults: ClassVar = {"klms": _BICOMPFL_FIXED}
     limits: ClassVar = {">= 1": "num_uplink_samples downlink_block_size num_downlink_samples"}
 
@@ -672,7 +647,6 @@ class BICompFLGRConfig(BICompFLConfig):
     by the coder)."""
 
     name: ClassVar[str] = "bicompfl_gr"
-    builder: ClassVar[str] = "bicompfl_gr"
     full_participation: ClassVar = _BICOMPFL_FULL
 
 
@@ -713,7 +687,6 @@ class BICompFLReconstConfig(_DownlinkConfig):
     reconstructs the model and broadcasts n_DL importance samples of it."""
 
     name: ClassVar[str] = "bicompfl_gr_reconst"
-    builder: ClassVar[str] = "bicompfl_gr_reconst"
     full_participation: ClassVar = _BICOMPFL_FULL
 
 
@@ -727,7 +700,6 @@ class BICompFLPRConfig(_DownlinkConfig):
     """
 
     name: ClassVar[str] = "bicompfl_pr"
-    builder: ClassVar[str] = "bicompfl_pr"
     split_downlink: bool = False
 
 
@@ -749,10 +721,8 @@ class FedPAConfig(MethodConfig):
     """
 
     name: ClassVar[str] = "fedpa"
-    builder: ClassVar[str] = "fedpa"
     library_args: ClassVar = {"settings": FedPASettings}
     coders: ClassVar[tuple[str, ...]] = ("float32",)
-    default_coder: ClassVar[str] = "float32"
     limits: ClassVar = {">= 1": "batch_size", "> 0": "client_lr server_lr"}
 
     batch_size: int = 20
@@ -766,10 +736,7 @@ class FedPAConfig(MethodConfig):
         return self.library_value(FedPASettings)
 
     def check(self) -> None:
-        try:
-            check_fedpa_settings(self.settings())
-        except ValueError as e:
-            raise ValueError(f"{self.label()}: {e}") from None
+        self.relabel(check_fedpa_settings, self.settings())
 
     def algorithm(self, b: Build) -> Algorithm:
         return self.call(
@@ -828,7 +795,6 @@ class BPCFLConfig(MethodConfig):
 
     name: ClassVar[str] = "bpcfl"
     coders: ClassVar[tuple[str, ...]] = ("pseudocoreset",)
-    default_coder: ClassVar[str] = "pseudocoreset"
     run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
     one_shot: ClassVar[bool] = True
     needs_model: ClassVar[bool] = True
@@ -861,10 +827,7 @@ class BPCFLConfig(MethodConfig):
 
     def check(self) -> None:
         """The library's checks of the settings (:func:`sidejax.algorithms.bpcfl.check_settings`)."""
-        try:
-            check_settings(self.settings(None))
-        except ValueError as e:
-            raise ValueError(f"{self.label()}: {e}") from None
+        self.relabel(check_settings, self.settings(None))
 
     def check_data(self, client_sizes) -> None:
         """Refuses a federation in which a client has fewer than ``num_points`` examples, or none at all

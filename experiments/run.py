@@ -71,32 +71,19 @@ from experiments.driver import (
     run_experiment,
 )
 from experiments.methods import METHODS, SHORTCUTS
-from experiments.sections import Section, field_type
+from experiments.sections import Section, field_type, parse_word
 
 
 class FlagError(ValueError):
     """A flag for a field that the chosen method or coder does not have (argparse's error, exit status 2)."""
 
 
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def _value_parser(base: type, optional: bool):
-    convert = _parse_bool if base is bool else base
-
     def parse(text: str):
-        if optional and text.lower() == "none":
-            return None
         try:
-            return convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {base.__name__}, got {text!r}") from None
+            return parse_word(base, optional, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     parse.__name__ = base.__name__  # argparse names the type in its errors
     return parse

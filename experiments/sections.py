@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-__all__ = ["Section", "FieldType", "choice", "fills", "field_type", "coerce_value"]
+__all__ = ["Section", "FieldType", "choice", "fills", "field_type", "coerce_value", "parse_word"]
 
 _SCALARS = (bool, int, float, str)
 
@@ -93,6 +93,21 @@ def coerce_value(cls: type, name: str, value: Any) -> Any:
         return _scalar(kind.base, value)
     except TypeError:
         raise TypeError(f"must be {_type_name(kind)}, got {value!r}") from None
+
+
+def parse_word(base: type, optional: bool, text: str) -> Any:
+    """One command-line word as a ``base`` scalar: ``none`` for an ``optional`` field's "not set", a bool from
+    true/false, yes/no, on/off or 1/0. Raises ``ValueError`` saying what was expected."""
+    if optional and text.lower() == "none":
+        return None
+    if base is bool:
+        if text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return text.lower() in ("1", "true", "yes", "on")
+        raise ValueError(f"expected true/false, got {text!r}")
+    try:
+        return base(text)
+    except ValueError:
+        raise ValueError(f"expected {base.__name__}, got {text!r}") from None
 
 
 def _library_defaults(library: type) -> dict[str, Any]:
@@ -251,8 +266,13 @@ class Section:
 
     def checked_library_value(self, library: type, **extra: Any) -> Any:
         """:meth:`library_value`, its ``ValueError`` (the library's own validation) naming this section."""
+        return self.relabel(self.library_value, library, **extra)
+
+    def relabel(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` (a library check), its ``ValueError`` prefixed with this section's
+        :meth:`label`."""
         try:
-            return self.library_value(library, **extra)
+            return fn(*args, **kwargs)
         except ValueError as e:
             raise ValueError(f"{self.label()}: {e}") from None
 

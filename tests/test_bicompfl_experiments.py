@@ -69,11 +69,12 @@ def test_mirror_descent_is_a_mask_optimizer():
 
     from experiments.algorithms import build_algorithm
     from sidejax.algorithms.mirror import kl_prox_step
+    from sidejax.fl import LocalTraining
 
     cfg = default_config("bicompfl_gr+klms", **{"method.client_optimizer": "mirror", "method.client_lr": 0.5})
     algo = build_algorithm(cfg, lambda *a: 0.0)
     assert algo.clients_per_round == cfg.data.num_clients
-    opt = cfg.method._local(0)["local"].optimizer
+    opt = cfg.method.extras(LocalTraining)["optimizer"]  # what MethodConfig.call puts in LocalTraining
     s = jnp.array([-1.0, 0.3, 2.0])
     g_theta = jnp.array([0.2, -0.4, 0.1])
     theta = 1 / (1 + jnp.exp(-s))
