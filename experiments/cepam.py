@@ -114,9 +114,14 @@ def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
     coder = cfg.coder
     if not isinstance(coder, MechanismConfig):
         return None
-    common = dict(tau=cfg.method.local_steps, gamma=coder.gamma, n_k=cfg.data.examples_per_client)
+    setting = privacy.CepamSetting(
+        tau=cfg.method.local_steps,
+        n_k=cfg.data.examples_per_client,
+        gamma=coder.gamma,
+        num_clients=cfg.data.num_clients,
+        clip_mode="paper" if coder.clip == "normalise" else "dp",
+    )
     levels = coder.client_levels(cfg.data.num_clients)
-    clip = "paper" if coder.clip == "normalise" else "dp"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", privacy.VacuousPrivacyWarning)  # reported in the table instead
         if coder.noise == "gauss":
@@ -125,13 +130,11 @@ def guarantee(config: dict[str, Any]) -> privacy.PrivacyGuarantee | None:
                 # K levels: sqrt(sum sigma_k^2)/K (docs/papers/cepam.md#s2-12)
                 coder.level[0] if levels is None else levels,
                 EPS_TILDE[coder.noise],
-                num_clients=cfg.data.num_clients,
-                clip_mode=clip,
-                **common,
+                setting,
             )
         # Laplace: the per-client guarantee of the client with the least noise
         b = coder.level[0] if levels is None else min(levels)
-        return privacy.cepam_guarantee("laplace", b, EPS_TILDE[coder.noise], **common)
+        return privacy.cepam_guarantee("laplace", b, EPS_TILDE[coder.noise], setting)
 
 
 def _label(name: str, config: dict[str, Any]) -> str:

@@ -9,8 +9,10 @@ setting) works without overflow.
 
 Notation (docs/papers/cepam.md#s2-0, docs/papers/cepam.md#s2-11). One client holds ``n_k`` records and runs
 ``tau`` single-sample SGD steps with indices drawn uniformly *with replacement*, i.e. a multiset of size
-``tau``; ``K = num_clients``. The base mechanism ``F`` acts on the subsample with privacy parameter
-``eps_tilde`` (ε̃); the subsampled mechanism ``F∘s`` gets
+``tau``; ``K = num_clients``. These, with γ and the sensitivity modes, are one :class:`CepamSetting`
+value, which the CEPAM functions take and which is validated once, when it is made. The base mechanism
+``F`` acts on the subsample with privacy parameter ``eps_tilde`` (ε̃); the subsampled mechanism ``F∘s``
+gets
 
     p = 1 − (1 − 1/n_k)^τ,            ε = ln(1 + p (e^ε̃ − 1))                       (Thm 7)
     δ_{F∘s}(ε) ≤ Σ_{j=1}^{τ} C(τ,j) (1/n_k)^j (1 − 1/n_k)^{τ−j} δ_{F,j}(ε̃)           (12)
@@ -67,6 +69,7 @@ from sidejax.utils import check_count
 
 __all__ = [
     "VacuousPrivacyWarning",
+    "CepamSetting",
     "PrivacyGuarantee",
     "subsample_probability",
     "eps_from_eps_tilde",
@@ -164,6 +167,89 @@ def _out(arr: np.ndarray):
 
 def _tau_nk(tau, n_k) -> tuple[int, int]:
     return check_count(tau, "tau", 1), check_count(n_k, "n_k", 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the CEPAM setting the accountant certifies
+
+
+@dataclass(frozen=True)
+class CepamSetting:
+    """One CEPAM deployment as the accountant sees it (docs/papers/cepam.md#s2-0, docs/papers/cepam.md#s2-11):
+    what the per-round guarantees of Theorems 12/13 depend on besides the noise (σ or b) and ε̃. Taken by
+    :func:`cepam_gaussian_delta`, :func:`gaussian_sigma_for`, :func:`cepam_laplace_epsilon`,
+    :func:`cepam_laplace_eps_tilde_min`, :func:`laplace_b_for`, :func:`cepam_guarantee` and the two
+    sensitivities :func:`cepam_gaussian_sensitivity`, :func:`cepam_laplace_sensitivity`.
+
+    Validated once, here: a field out of range raises ``ValueError`` naming it; counts become ``int`` and γ,
+    Δ2, Δ1 become ``float``.
+
+    Attributes:
+        tau: τ >= 1, local SGD steps per round, one record each drawn uniformly *with replacement*; a record
+            is in the multiset of τ draws with probability ``p = 1 − (1 − 1/n_k)^τ`` (Theorem 7), and in it
+            j times with the binomial weight of (12).
+        n_k: n_k >= 2, the client's dataset size ``|𝒟^(k)|``.
+        gamma: γ > 0, the ℓ2 norm each client's update is normalised (the paper) or clipped (``'dp'``) to;
+            Δ2 and Δ1 below are multiples of γ.
+        num_clients: K >= 1, clients averaged per round: the Gaussian noise std on the average is
+            σ̃ = σ/√K (eq. 15) and Δ2 carries 1/K. Required by the Gaussian functions; ``None`` if only the
+            Laplace ones are used (Laplace noise is per client, eq. 17, so K does not enter).
+        clip_mode: Δ2 of the client average (Gaussian, :func:`cepam_gaussian_sensitivity`): ``'paper'``
+            Δ2 = 2τγ/K (reproduces (16), double counts, docs/papers/cepam.md#s6-4) or ``'dp'`` Δ2 = 2γ/K
+            (clip without rescale, docs/papers/cepam.md#s6-3).
+        l1_mode: Δ1 of one client's update over a round (Laplace, :func:`cepam_laplace_sensitivity`):
+            ``'paper'`` Δ1 = 2τγ (understated), ``'l2_norm'`` Δ1 = 2τγ√m or ``'l1_clip'`` Δ1 = 2τγ
+            (docs/papers/cepam.md#s6-5).
+        num_params: m >= 1, the model size, for ``'l2_norm'`` (required there unless ``l1_sensitivity`` is
+            given, since ‖x‖₁ <= √m ‖x‖₂).
+        l2_sensitivity: an explicit Δ2 > 0 that overrides ``clip_mode``.
+        l1_sensitivity: an explicit Δ1 > 0 (total over the τ steps) that overrides ``l1_mode``.
+    """
+
+    tau: int
+    n_k: int
+    gamma: float
+    num_clients: int | None = None
+    clip_mode: ClipMode = "paper"
+    l1_mode: L1Mode = "paper"
+    num_params: int | None = None
+    l2_sensitivity: float | None = None
+    l1_sensitivity: float | None = None
+
+    def __post_init__(self):
+        tau, n_k = _tau_nk(self.tau, self.n_k)
+        k = None if self.num_clients is None else check_count(self.num_clients, "num_clients", 1)
+        valid = {
+            "tau": tau,
+            "n_k": n_k,
+            "num_clients": k,
+            "gamma": _scalar("gamma", _positive(self.gamma, "gamma")),
+        }
+        for name, modes in (("clip_mode", _CLIP_MODES), ("l1_mode", _L1_MODES)):
+            if getattr(self, name) not in modes:
+                raise ValueError(f"{name} must be one of {modes}, got {getattr(self, name)!r}")
+        if self.num_params is not None:
+            valid["num_params"] = check_count(self.num_params, "num_params", 1)
+        elif self.l1_mode == "l2_norm" and self.l1_sensitivity is None:
+            raise ValueError("num_params (the model size m) is required for l1_mode='l2_norm'")
+        for name in ("l2_sensitivity", "l1_sensitivity"):
+            if getattr(self, name) is not None:
+                valid[name] = _scalar(name, _positive(getattr(self, name), name))
+        for name, value in valid.items():
+            object.__setattr__(self, name, value)
+
+
+def _check_setting(setting) -> CepamSetting:
+    if not isinstance(setting, CepamSetting):
+        raise ValueError(f"setting must be a CepamSetting, got {type(setting).__name__}")
+    return setting
+
+
+def _num_clients(setting: CepamSetting) -> int:
+    """K of a setting for the Gaussian mechanism, which needs it."""
+    if setting.num_clients is None:
+        raise ValueError("num_clients is required for mechanism='gaussian'")
+    return setting.num_clients
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -453,11 +539,9 @@ def subsampled_delta_sat(eps_tilde, *, tau: int, n_k: int):
         return _out(np.exp(_log_subsampled(et, np.zeros_like, tau, n_k)))
 
 
-def cepam_gaussian_sensitivity(
-    *, tau: int, num_clients: int, gamma: float, clip_mode: ClipMode = "paper"
-) -> float:
+def cepam_gaussian_sensitivity(setting: CepamSetting) -> float:
     """ℓ2-sensitivity Δ2 of the client average in one CEPAM round (Theorem 12 / docs/papers/cepam.md#s6-3,
-    docs/papers/cepam.md#s6-4).
+    docs/papers/cepam.md#s6-4): ``setting.l2_sensitivity`` if given, else by ``setting.clip_mode``:
 
     * ``'paper'``: Δ2 = 2τγ/K (paper App. C: "a record appears at most τ times, each adding at most γ").
       Double counts: the group-privacy sum over j in (14) already accounts for repeated appearances. Kept
@@ -469,20 +553,16 @@ def cepam_gaussian_sensitivity(
       most 2γ/K, so a tighter accountant could drop the group factor (not done here: not in the paper).
 
     Args:
-        tau: local steps (>= 1).
-        num_clients: K (>= 1).
-        gamma: clipping/normalisation norm γ > 0.
-        clip_mode: ``'paper'`` or ``'dp'``.
+        setting: the :class:`CepamSetting` (τ, K, γ, ``clip_mode``; K is required).
 
     Returns:
         Δ2 > 0.
     """
-    tau = check_count(tau, "tau", 1)
-    k = check_count(num_clients, "num_clients", 1)
-    g = _scalar("gamma", _positive(gamma, "gamma"))
-    if clip_mode not in _CLIP_MODES:
-        raise ValueError(f"clip_mode must be one of {_CLIP_MODES}, got {clip_mode!r}")
-    return (2.0 * tau * g if clip_mode == "paper" else 2.0 * g) / k
+    s = _check_setting(setting)
+    k = _num_clients(s)
+    if s.l2_sensitivity is not None:
+        return s.l2_sensitivity
+    return (2.0 * s.tau * s.gamma if s.clip_mode == "paper" else 2.0 * s.gamma) / k
 
 
 def cepam_sigma_tilde(sigma, num_clients: int) -> float:
@@ -507,54 +587,29 @@ def cepam_sigma_tilde(sigma, num_clients: int) -> float:
     return float(np.sqrt(np.sum(s * s))) / k
 
 
-def _cepam_sens(tau, num_clients, gamma, clip_mode, sensitivity) -> float:
-    if sensitivity is not None:
-        check_count(tau, "tau", 1)
-        check_count(num_clients, "num_clients", 1)
-        _positive(gamma, "gamma")
-        if clip_mode not in _CLIP_MODES:
-            raise ValueError(f"clip_mode must be one of {_CLIP_MODES}, got {clip_mode!r}")
-        return _scalar("sensitivity", _positive(sensitivity, "sensitivity"))
-    return cepam_gaussian_sensitivity(tau=tau, num_clients=num_clients, gamma=gamma, clip_mode=clip_mode)
-
-
-def cepam_gaussian_delta(
-    sigma,
-    eps_tilde,
-    *,
-    tau: int,
-    num_clients: int,
-    gamma: float,
-    n_k: int,
-    clip_mode: ClipMode = "paper",
-    sensitivity: float | None = None,
-):
+def cepam_gaussian_delta(sigma, eps_tilde, setting: CepamSetting):
     """Per-round δ of CEPAM-Gaussian, Theorem 12 eq. (16), for ε = ln(1 + p(e^ε̃ − 1)).
 
     ``δ = Σ_{j=1}^{τ} C(τ,j)(1/n_k)^j(1−1/n_k)^{τ−j} (e^ε̃−1)/(e^{ε̃/j}−1) ·
     [Φ(τγ/(√K σ) − √K ε̃ σ/(2jτγ)) − e^{ε̃/j} Φ(−τγ/(√K σ) − √K ε̃ σ/(2jτγ))]``,
 
-    i.e. (14) with σ̃ = σ/√K and Δ2 from ``clip_mode`` (``'paper'``: 2τγ/K, which reproduces (16) and
-    depends on σ, γ only through σ/γ; ``'dp'``: 2γ/K). A sufficient condition only (Lemma 9 is "if", not
-    "iff"). With per-client ``sigma`` (length K) σ̃ = sqrt(Σσ_k²)/K (extension, docs/papers/cepam.md#s2-12).
+    i.e. (14) with σ̃ = σ/√K and Δ2 from :func:`cepam_gaussian_sensitivity` (``clip_mode='paper'``: 2τγ/K,
+    which reproduces (16) and depends on σ, γ only through σ/γ; ``'dp'``: 2γ/K). A sufficient condition
+    only (Lemma 9 is "if", not "iff"). With per-client ``sigma`` (length K) σ̃ = sqrt(Σσ_k²)/K (extension,
+    docs/papers/cepam.md#s2-12).
 
     Args:
         sigma: CEPAM noise scale σ > 0 in the normalised domain, or an array of K per-client values.
         eps_tilde: ε̃ > 0 (scalar or array of ε̃ values).
-        tau: local steps per round (>= 1).
-        num_clients: K (>= 1).
-        gamma: normalisation/clipping norm γ > 0.
-        n_k: local dataset size (>= 2).
-        clip_mode: ``'paper'`` (Δ2 = 2τγ/K) or ``'dp'`` (Δ2 = 2γ/K, clip without rescale).
-        sensitivity: explicit Δ2 > 0; overrides ``clip_mode``.
+        setting: the :class:`CepamSetting` (τ, n_k, γ, K, the Δ2 mode or an explicit Δ2; K is required).
 
     Returns:
         δ (float for scalar ``eps_tilde``, else ndarray). Values >= p (even > 1) are vacuous; see
         :func:`cepam_guarantee` for the flagged report.
     """
-    sens = _cepam_sens(tau, num_clients, gamma, clip_mode, sensitivity)
-    st = cepam_sigma_tilde(sigma, num_clients)
-    return subsampled_gaussian_delta(eps_tilde, st, sens, tau, n_k)
+    sens = cepam_gaussian_sensitivity(setting)
+    st = cepam_sigma_tilde(sigma, setting.num_clients)
+    return subsampled_gaussian_delta(eps_tilde, st, sens, setting.tau, setting.n_k)
 
 
 def cepam_gaussian_delta_sat(eps_tilde, *, tau: int, n_k: int):
@@ -579,17 +634,7 @@ def _warn_delta(delta: float, p: float, n_k: int, what: str, stacklevel: int = 3
     return notes
 
 
-def gaussian_sigma_for(
-    eps: float,
-    delta: float,
-    *,
-    tau: int,
-    num_clients: int,
-    gamma: float,
-    n_k: int,
-    clip_mode: ClipMode = "paper",
-    sensitivity: float | None = None,
-) -> float:
+def gaussian_sigma_for(eps: float, delta: float, setting: CepamSetting) -> float:
     """Smallest common σ for which (16) certifies (ε, δ)-DP per round (docs/papers/cepam.md#s2-11
     ``sigma_for``).
 
@@ -602,20 +647,15 @@ def gaussian_sigma_for(
     Args:
         eps: target ε > 0 per round.
         delta: target δ in (0, 1).
-        tau: local steps (>= 1).
-        num_clients: K (>= 1).
-        gamma: γ > 0.
-        n_k: dataset size (>= 2).
-        clip_mode: ``'paper'`` or ``'dp'`` (see :func:`cepam_gaussian_sensitivity`).
-        sensitivity: explicit Δ2 > 0, overrides ``clip_mode``.
+        setting: the :class:`CepamSetting` (Δ2 from :func:`cepam_gaussian_sensitivity`; K is required).
 
     Returns:
         σ >= 0 (the CEPAM noise scale in the normalised domain, common to all clients).
     """
     e = _scalar("eps", _positive(eps, "eps"))
     delta = _delta(delta)
-    sens = _cepam_sens(tau, num_clients, gamma, clip_mode, sensitivity)
-    tau, n_k = _tau_nk(tau, n_k)
+    sens = cepam_gaussian_sensitivity(setting)
+    tau, n_k, num_clients = setting.tau, setting.n_k, setting.num_clients
     p = subsample_probability(n_k, tau)
     et = eps_tilde_from_eps(e, p)
     _warn_delta(delta, p, n_k, "target")
@@ -700,11 +740,9 @@ def subsampled_laplace_delta(eps_tilde, b, sensitivity, tau: int, n_k: int):
         return _out(np.exp(_log_subsampled(et, lambda e: _log_laplace_profile(e, theta), tau, n_k)))
 
 
-def cepam_laplace_sensitivity(
-    *, tau: int, gamma: float, l1_mode: L1Mode = "paper", num_params: int | None = None
-) -> float:
+def cepam_laplace_sensitivity(setting: CepamSetting) -> float:
     """ℓ1-sensitivity Δ1 of one client's normalised update over a round (Theorem 13;
-    docs/papers/cepam.md#s6-5).
+    docs/papers/cepam.md#s6-5): ``setting.l1_sensitivity`` if given, else by ``setting.l1_mode``:
 
     * ``'paper'``: Δ1 = 2τγ ("almost 2τγ"). It treats the ℓ2 norm γ as an ℓ1 bound, so it *understates*
       the sensitivity of an m-vector normalised in ℓ2 (for m > 1). Reproduction only.
@@ -715,54 +753,34 @@ def cepam_laplace_sensitivity(
     Laplace noise is added per client (eq. 17), so K does not enter.
 
     Args:
-        tau: local steps (>= 1).
-        gamma: γ > 0.
-        l1_mode: ``'paper'``, ``'l2_norm'`` or ``'l1_clip'``.
-        num_params: m (>= 1), required for ``'l2_norm'``.
+        setting: the :class:`CepamSetting` (τ, γ, ``l1_mode``, m).
 
     Returns:
         Δ1 > 0.
     """
-    tau = check_count(tau, "tau", 1)
-    g = _scalar("gamma", _positive(gamma, "gamma"))
-    if l1_mode not in _L1_MODES:
-        raise ValueError(f"l1_mode must be one of {_L1_MODES}, got {l1_mode!r}")
-    if l1_mode == "l2_norm":
-        if num_params is None:
-            raise ValueError("num_params (the model size m) is required for l1_mode='l2_norm'")
-        return 2.0 * tau * g * math.sqrt(check_count(num_params, "num_params", 1))
-    return 2.0 * tau * g
+    s = _check_setting(setting)
+    if s.l1_sensitivity is not None:
+        return s.l1_sensitivity
+    if s.l1_mode == "l2_norm":
+        return 2.0 * s.tau * s.gamma * math.sqrt(s.num_params)
+    return 2.0 * s.tau * s.gamma
 
 
-def cepam_laplace_eps_tilde_min(
-    b: float, *, tau: int, gamma: float, l1_mode: L1Mode = "paper", num_params: int | None = None
-) -> float:
+def cepam_laplace_eps_tilde_min(b: float, setting: CepamSetting) -> float:
     """Smallest ε̃ that Theorem 13 certifies for Laplace scale b: ``ε̃_min = Δ1/b`` (= 2τγ/b in the paper).
 
     Args:
         b: Laplace scale > 0 (normalised domain).
-        tau: local steps (>= 1).
-        gamma: γ > 0.
-        l1_mode: see :func:`cepam_laplace_sensitivity`.
-        num_params: m, for ``'l2_norm'``.
+        setting: the :class:`CepamSetting` (Δ1 from :func:`cepam_laplace_sensitivity`).
 
     Returns:
         ε̃_min > 0.
     """
     bb = _scalar("b", _positive(b, "b"))
-    return cepam_laplace_sensitivity(tau=tau, gamma=gamma, l1_mode=l1_mode, num_params=num_params) / bb
+    return cepam_laplace_sensitivity(setting) / bb
 
 
-def cepam_laplace_epsilon(
-    b: float,
-    eps_tilde: float,
-    *,
-    tau: int,
-    gamma: float,
-    n_k: int,
-    l1_mode: L1Mode = "paper",
-    num_params: int | None = None,
-) -> float:
+def cepam_laplace_epsilon(b: float, eps_tilde: float, setting: CepamSetting) -> float:
     """Per-round ε of CEPAM-Laplace (Theorem 13), with δ = 0.
 
     ``ε = ln(1 + p(e^{ε̃'} − 1))`` with ``ε̃' = max(ε̃, Δ1/b)``: Theorem 13 needs ε̃ >= 2τγ/b, so a smaller
@@ -773,33 +791,23 @@ def cepam_laplace_epsilon(
     Args:
         b: Laplace scale > 0 (normalised domain).
         eps_tilde: requested ε̃ > 0.
-        tau: local steps (>= 1).
-        gamma: γ > 0.
-        n_k: dataset size (>= 2).
-        l1_mode: ``'paper'``, ``'l2_norm'`` or ``'l1_clip'``.
-        num_params: m, for ``'l2_norm'``.
+        setting: the :class:`CepamSetting` (τ, n_k and Δ1 from :func:`cepam_laplace_sensitivity`).
 
     Returns:
         ε > 0.
     """
     et = _scalar("eps_tilde", _positive(eps_tilde, "eps_tilde"))
-    et_min = cepam_laplace_eps_tilde_min(b, tau=tau, gamma=gamma, l1_mode=l1_mode, num_params=num_params)
-    return eps_from_eps_tilde(max(et, et_min), subsample_probability(n_k, tau))
+    et_min = cepam_laplace_eps_tilde_min(b, setting)
+    return eps_from_eps_tilde(max(et, et_min), subsample_probability(setting.n_k, setting.tau))
 
 
-def laplace_b_for(
-    eps: float, *, tau: int, gamma: float, n_k: int, l1_mode: L1Mode = "paper", num_params: int | None = None
-) -> float:
+def laplace_b_for(eps: float, setting: CepamSetting) -> float:
     """Smallest Laplace scale b for which Theorem 13 certifies ε-DP per round: ``b = Δ1/ε̃``,
     ε̃ = ln(1 + (e^ε − 1)/p).
 
     Args:
         eps: target ε > 0.
-        tau: local steps (>= 1).
-        gamma: γ > 0.
-        n_k: dataset size (>= 2).
-        l1_mode: see :func:`cepam_laplace_sensitivity`.
-        num_params: m, for ``'l2_norm'``.
+        setting: the :class:`CepamSetting` (τ, n_k and Δ1 from :func:`cepam_laplace_sensitivity`).
 
     Returns:
         b > 0.
@@ -808,8 +816,8 @@ def laplace_b_for(
         ValueError: if b overflows float64 (ε far too small): increase eps.
     """
     e = _scalar("eps", _positive(eps, "eps"))
-    sens = cepam_laplace_sensitivity(tau=tau, gamma=gamma, l1_mode=l1_mode, num_params=num_params)
-    et = eps_tilde_from_eps(e, subsample_probability(n_k, tau))
+    sens = cepam_laplace_sensitivity(setting)
+    et = eps_tilde_from_eps(e, subsample_probability(setting.n_k, setting.tau))
     with np.errstate(over="ignore", divide="ignore"):
         b = sens / et if et > 0 else math.inf
     if not math.isfinite(b):
@@ -883,18 +891,7 @@ class PrivacyGuarantee:
 
 
 def cepam_guarantee(
-    mechanism: Literal["gaussian", "laplace"],
-    scale,
-    eps_tilde: float,
-    *,
-    tau: int,
-    gamma: float,
-    n_k: int,
-    num_clients: int | None = None,
-    clip_mode: ClipMode = "paper",
-    sensitivity: float | None = None,
-    l1_mode: L1Mode = "paper",
-    num_params: int | None = None,
+    mechanism: Literal["gaussian", "laplace"], scale, eps_tilde: float, setting: CepamSetting
 ) -> PrivacyGuarantee:
     """Per-round privacy report of CEPAM (Theorems 12/13, docs/papers/cepam.md#s2-13), with vacuity flags and
     warnings.
@@ -908,33 +905,27 @@ def cepam_guarantee(
         mechanism: ``'gaussian'`` or ``'laplace'``.
         scale: σ > 0 (or K per-client σ_k) for Gaussian; b > 0 for Laplace.
         eps_tilde: ε̃ > 0.
-        tau: local steps (>= 1).
-        gamma: γ > 0.
-        n_k: dataset size (>= 2).
-        num_clients: K (>= 1), required for Gaussian.
-        clip_mode: Gaussian Δ2 mode, ``'paper'`` or ``'dp'``.
-        sensitivity: explicit Δ2 (Gaussian) or Δ1 (Laplace, total over the τ steps), overrides the mode.
-        l1_mode: Laplace Δ1 mode, ``'paper'``, ``'l2_norm'`` or ``'l1_clip'``.
-        num_params: m, for ``l1_mode='l2_norm'``.
+        setting: the :class:`CepamSetting`; Gaussian: Δ2 from :func:`cepam_gaussian_sensitivity` (K is
+            required), Laplace: Δ1 from :func:`cepam_laplace_sensitivity`.
 
     Returns:
         A :class:`PrivacyGuarantee`.
     """
-    tau, n_k = _tau_nk(tau, n_k)
+    s = _check_setting(setting)
+    tau, n_k = s.tau, s.n_k
     p = subsample_probability(n_k, tau)
     notes: list[str] = []
     if mechanism == "gaussian":
-        if num_clients is None:
-            raise ValueError("num_clients is required for mechanism='gaussian'")
+        num_clients = _num_clients(s)
         et = _scalar("eps_tilde", _positive(eps_tilde, "eps_tilde"))
-        sens = _cepam_sens(tau, num_clients, gamma, clip_mode, sensitivity)
+        sens = cepam_gaussian_sensitivity(s)
         st = cepam_sigma_tilde(scale, num_clients)
         delta = subsampled_gaussian_delta(et, st, sens, tau, n_k)
         eps = eps_from_eps_tilde(et, p)
         sat = subsampled_delta_sat(et, tau=tau, n_k=n_k)
         sc = float(scale) if np.ndim(scale) == 0 else tuple(float(v) for v in np.asarray(scale))
         notes.append(_NOTE_IFF)
-        if sensitivity is None and clip_mode == "paper":
+        if s.l2_sensitivity is None and s.clip_mode == "paper":
             notes.append(
                 "Delta_2 = 2 tau gamma / K (paper): double counts repeated appearances "
                 "(docs/papers/cepam.md#s6-4)"
@@ -953,12 +944,7 @@ def cepam_guarantee(
     elif mechanism == "laplace":
         bb = _scalar("scale", _positive(scale, "scale"))
         et_req = _scalar("eps_tilde", _positive(eps_tilde, "eps_tilde"))
-        if sensitivity is not None:
-            check_count(tau, "tau", 1)
-            _positive(gamma, "gamma")
-            sens = _scalar("sensitivity", _positive(sensitivity, "sensitivity"))
-        else:
-            sens = cepam_laplace_sensitivity(tau=tau, gamma=gamma, l1_mode=l1_mode, num_params=num_params)
+        sens = cepam_laplace_sensitivity(s)
         et = max(et_req, sens / bb)
         if et > et_req:
             notes.append(f"eps_tilde raised from {et_req:g} to Delta_1/b = {et:g} (Theorem 13 condition)")
@@ -966,7 +952,7 @@ def cepam_guarantee(
         delta = 0.0
         sat = subsampled_delta_sat(et, tau=tau, n_k=n_k)
         sc = bb
-        if sensitivity is None and l1_mode == "paper":
+        if s.l1_sensitivity is None and s.l1_mode == "paper":
             notes.append(
                 "Delta_1 = 2 tau gamma (paper) understates the l1 sensitivity of an l2-normalised vector "
                 "(docs/papers/cepam.md#s6-5); use l1_mode='l2_norm' or 'l1_clip'"

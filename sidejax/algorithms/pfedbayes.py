@@ -467,6 +467,17 @@ def _upload(coder: Coder, keys: ClientKeys, server: PFedBayesServer, localized: 
     )
 
 
+def _uploaded(
+    coder: Coder, keys: ClientKeys, server, new_client, track: VITrack, vz: MeanField, loss, finite, **coreset
+):
+    """A client kernel's result ``(new client state, message, ClientInfo)``: the upload of the localized
+    global ``vz`` (:func:`_upload`) and the round's :class:`TrackInfo`, ``KL(q ‖ z)`` of the uploaded
+    ``track`` with CoreSet-PFedBayes' ``coreset`` diagnostics (zeros otherwise)."""
+    message, cinfo = _upload(coder, keys, server, vz)
+    extra = TrackInfo(kl_to_global=mean_field_kl(track.posterior, vz), **coreset)
+    return new_client, message, ClientInfo(loss=loss, finite=finite, extra=extra, valid=cinfo.valid)
+
+
 def _server_update(
     settings: PFedBayesSettings, coder: Coder, rkey, server, client_ids, shared, messages, weights
 ):
@@ -518,13 +529,22 @@ def _eval_global(state):
     return state.server.posterior.mu
 
 
-def _algorithm(settings, coder, clients_per_round, *, init, client_update, metrics, personal_params):
-    """The shared downlink, server and evaluation kernels around a builder's own ``init`` and client."""
+def _algorithm(loss_fn, settings, coder, clients_per_round, *, init, client_update, metrics, personal_params):
+    """The shared downlink, server and evaluation kernels around a builder's own ``init`` and client, after
+    the checks every builder shares (:func:`_common`).
+
+    ``init = (f, *args)`` and ``client_update = (g, *args)`` name a builder's kernels and its own leading
+    arguments: ``f(settings, coder, *args, key, params, num_clients)`` and
+    ``g(settings, coder, log_lik, *args, keys, server, client, data)`` with the checked ``settings`` and
+    ``coder`` and ``log_lik = per_example_log_likelihood(loss_fn)``."""
+    settings, coder = _common(settings, coder)
+    log_lik = per_example_log_likelihood(loss_fn)
+    (init_fn, *init_args), (client_fn, *client_args) = init, client_update
     return Algorithm(
-        init=init,
+        init=functools.partial(init_fn, settings, coder, *init_args),
         broadcast=functools.partial(_broadcast, coder),
         receive=functools.partial(_receive, coder),
-        client_update=client_update,
+        client_update=functools.partial(client_fn, settings, coder, log_lik, *client_args),
         server_update=functools.partial(_server_update, settings, coder),
         eval_params=_eval_global,
         clients_per_round=clients_per_round,
@@ -549,13 +569,7 @@ def _pfb_client(settings, coder, log_lik, keys, server, client: PFedBayesClient,
     track, vz, loss, finite = vi_track(
         settings, log_lik, tkey, client.personal, server.posterior, data, _full_data(data)
     )
-    message, cinfo = _upload(coder, keys, server, vz)
-    extra = TrackInfo(kl_to_global=mean_field_kl(track.posterior, vz))
-    return (
-        PFedBayesClient(track),
-        message,
-        ClientInfo(loss=loss, finite=finite, extra=extra, valid=cinfo.valid),
-    )
+    return _uploaded(coder, keys, server, PFedBayesClient(track), track, vz, loss, finite)
 
 
 def pfedbayes(
@@ -576,14 +590,13 @@ def pfedbayes(
     Returns:
       An :class:`sidejax.fl.Algorithm` with ``personal_params`` (every client's personal posterior mean).
     """
-    settings, coder = _common(settings, coder)
-    log_lik = per_example_log_likelihood(loss_fn)
     return _algorithm(
+        loss_fn,
         settings,
         coder,
         clients_per_round,
-        init=functools.partial(_pfb_init, settings, coder),
-        client_update=functools.partial(_pfb_client, settings, coder, log_lik),
+        init=(_pfb_init,),
+        client_update=(_pfb_client,),
         metrics=_metrics,
         personal_params=lambda state: state.clients.personal.posterior.mu,
     )
@@ -621,10 +634,8 @@ def _subset_client(settings, coder, log_lik, k, reweight, keys, server, client: 
     track, vz, loss, finite = vi_track(
         settings, log_lik, tkey, client.personal, server.posterior, data, subset
     )
-    message, cinfo = _upload(coder, keys, server, vz)
-    extra = TrackInfo(kl_to_global=mean_field_kl(track.posterior, vz))
     new = SubsetClient(track, subset, jnp.asarray(True))
-    return new, message, ClientInfo(loss=loss, finite=finite, extra=extra, valid=cinfo.valid)
+    return _uploaded(coder, keys, server, new, track, vz, loss, finite)
 
 
 def pfedbayes_subset(
@@ -645,14 +656,13 @@ def pfedbayes_subset(
       ValueError: ``subset_size`` not an integer >= 1 (here), or larger than a client's data (when traced).
     """
     k = check_count(subset_size, "subset_size")
-    settings, coder = _common(settings, coder)
-    log_lik = per_example_log_likelihood(loss_fn)
     return _algorithm(
+        loss_fn,
         settings,
         coder,
         clients_per_round,
-        init=functools.partial(_subset_init, settings, coder, k),
-        client_update=functools.partial(_subset_client, settings, coder, log_lik, k, bool(reweight)),
+        init=(_subset_init, k),
+        client_update=(_subset_client, k, bool(reweight)),
         metrics=_metrics,
         personal_params=lambda state: state.clients.personal.posterior.mu,
     )
@@ -671,7 +681,7 @@ def _coreset_init(settings, coder, k, key, params, num_clients):
 
 
 def _coreset_client(
-    settings, cs: CoresetSettings, coder, log_lik, k, keys, server, client: CoresetClient, data
+    settings, coder, log_lik, cs: CoresetSettings, k, keys, server, client: CoresetClient, data
 ):
     _check_k(k, data, "coreset_size")
     train = client_streams(keys.private).train
@@ -704,18 +714,16 @@ def _coreset_client(
 
     refresh = (server.round % cs.every) == 0
     new_coreset, rel, iters = jax.lax.cond(refresh, recompute, keep, None)
-    message, cinfo = _upload(coder, keys, server, vz)
-    extra = TrackInfo(
-        kl_to_global=mean_field_kl(ctrack.posterior, vz),
+    new = CoresetClient(full, ctrack, new_coreset, jnp.asarray(True))
+    finite = finite & finite_full & jnp.all(jnp.isfinite(new_coreset.weights))
+    diagnostics = dict(
         coreset_kl=mean_field_kl(ctrack.posterior, full.posterior),
         coreset_objective=rel,
         coreset_mass=jnp.sum(new_coreset.weights),
         coreset_support=jnp.sum(new_coreset.weights > 0).astype(jnp.float32),
         aiht_iterations=iters,
     )
-    new = CoresetClient(full, ctrack, new_coreset, jnp.asarray(True))
-    finite = finite & finite_full & jnp.all(jnp.isfinite(new_coreset.weights))
-    return new, message, ClientInfo(loss=loss, finite=finite, extra=extra, valid=cinfo.valid)
+    return _uploaded(coder, keys, server, new, ctrack, vz, loss, finite, **diagnostics)
 
 
 def coreset_pfedbayes(
@@ -748,7 +756,6 @@ def coreset_pfedbayes(
         bad settings.
     """
     k = check_count(coreset_size, "coreset_size")
-    settings, coder = _common(settings, coder)
     if not isinstance(coreset, CoresetSettings):
         raise ValueError(f"coreset must be a CoresetSettings, got {type(coreset).__name__}")
     check_count(coreset.every, "coreset.every")
@@ -764,13 +771,13 @@ def coreset_pfedbayes(
         )
     if coreset.init not in ("random", "zeros"):
         raise ValueError(f"coreset.init must be 'random' or 'zeros', got {coreset.init!r}")
-    log_lik = per_example_log_likelihood(loss_fn)
     return _algorithm(
+        loss_fn,
         settings,
         coder,
         clients_per_round,
-        init=functools.partial(_coreset_init, settings, coder, k),
-        client_update=functools.partial(_coreset_client, settings, coreset, coder, log_lik, k),
+        init=(_coreset_init, k),
+        client_update=(_coreset_client, coreset, k),
         metrics=_coreset_metrics,
         personal_params=lambda state: state.clients.coreset_track.posterior.mu,
     )
