@@ -82,6 +82,8 @@ def test_parser_from_a_table_fills_sized_defaults_only_when_unset():
     args = p.parse_args(["--no-skip"])
     assert (args.quick, args.n, args.ks, args.skip) == (False, 100, [5, 10], False)
     assert "(default 100; --quick 3)" in p.format_help()
+    plain = parser("experiments.bench.demo", "Demo.", {"--n": (int, 4, None)})  # no sized flag, no --quick
+    assert plain.parse_args([]).n == 4
 
 
 def test_interleave_runs_every_call_in_turn_and_best_takes_each_minimum():

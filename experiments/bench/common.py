@@ -139,8 +139,9 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        quick = {dest: d.quick for dest, d in self.sized.items()}
-        fill_defaults(parsed, quick, {dest: d.full for dest, d in self.sized.items()})
+        if self.sized:  # a table with sized defaults has --quick
+            quick = {dest: d.quick for dest, d in self.sized.items()}
+            fill_defaults(parsed, quick, {dest: d.full for dest, d in self.sized.items()})
         return parsed
 
 
