@@ -298,28 +298,35 @@ def _unrolled_variant(ps, args):
     return _jitted_update_variant(ps, args, one_update)
 
 
-def _per_chain_variant(ps, args):
-    """The authors' loop structure: one jitted chain and pair gradient per pair, averaged on the host."""
+def _per_chain_gradient(ps, c, theta_data, theta_start, nkey, pairs: int, ends=None):
+    """The authors' loop structure for one update's gradient: per pair, its jitted single chain (or the
+    given chain end point ``ends[b]``) and jitted pair gradient, averaged on the host (eager JAX). Returns
+    ``(gradient of the pseudo-inputs, the chain end points)``."""
     import functools
 
-    import jax
     import jax.numpy as jnp
+
+    grads, chain_ends = [], []
+    for b in range(pairs):
+        th_d, th_s = ps.pick((theta_data, theta_start), b)
+        chain_ends.append(ps.chain(c, th_s) if ends is None else ends[b])
+        grads.append(ps.pair_grad(c, th_d, chain_ends[-1], nkey, b))
+    return functools.reduce(jnp.add, grads) / pairs, chain_ends
+
+
+def _per_chain_variant(ps, args):
+    """The authors' loop structure: one jitted chain and pair gradient per pair, averaged on the host."""
+    import jax
 
     from sidejax.keys import draw_key
 
     c0, key, updates = ps.c0, ps.key, args.updates
-    sample, pick, chain, pair_grad, sgd = ps.sample, ps.pick, ps.chain, ps.pair_grad, ps.sgd
+    sample, pick, chain = ps.sample, ps.pick, ps.chain
 
     def per_chain_update(c, u):
         theta_data, theta_start = sample(c, key, u)
-        nkey = draw_key(key, 2 * u + 1)
-        grads = []
-        for b in range(args.pairs):
-            th_d, th_s = pick((theta_data, theta_start), b)
-            th_c = chain(c, th_s)
-            grads.append(pair_grad(c, th_d, th_c, nkey, b))
-        g = functools.reduce(jnp.add, grads) / args.pairs  # host-side average (eager JAX)
-        return sgd(c, g)
+        g, _ = _per_chain_gradient(ps, c, theta_data, theta_start, draw_key(key, 2 * u + 1), args.pairs)
+        return ps.sgd(c, g)
 
     def compile_fn():
         t0 = time.perf_counter()
@@ -400,18 +407,13 @@ def _first_update_check(ps, args, dtype_name):
     ref = jax.jit(lambda c, d, t: fkl_gradient(ps.loss, c, d, t, nkey, **ps.common))(
         c, theta_data, theta_start
     )
-    grads, grads_given, chain_diff = [], [], []
-    for b in range(args.pairs):
-        th_d, th_s = ps.pick((theta_data, theta_start), b)
-        th_c = ps.chain(c, th_s)
-        grads.append(ps.pair_grad(c, th_d, th_c, nkey, b))
-        ref_c = ps.pick(ref.theta_coreset, b)
-        grads_given.append(ps.pair_grad(c, th_d, ref_c, nkey, b))
-        a, r = ravel_pytree(th_c)[0], ravel_pytree(ref_c)[0]
-        chain_diff.append(rel_diff(a, r))
+    g_loop, ends = _per_chain_gradient(ps, c, theta_data, theta_start, nkey, args.pairs)
+    ref_ends = [ps.pick(ref.theta_coreset, b) for b in range(args.pairs)]
+    g_given, _ = _per_chain_gradient(ps, c, theta_data, theta_start, nkey, args.pairs, ends=ref_ends)
+    chain_diff = [
+        rel_diff(ravel_pytree(a)[0], ravel_pytree(r)[0]) for a, r in zip(ends, ref_ends, strict=True)
+    ]
     g_ref = ref.grad.inputs
-    g_loop = functools.reduce(jnp.add, grads) / args.pairs
-    g_given = functools.reduce(jnp.add, grads_given) / args.pairs
     assert g_ref.dtype == dtype and g_loop.dtype == dtype
     return {
         "gradient_rel_diff": rel_diff(g_loop, g_ref),
