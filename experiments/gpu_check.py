@@ -3,8 +3,7 @@ fast and how large each paper's setting is there. No dataset files are needed.
 
 Run from the repository root (after ``pip install -e ".[cuda]"`` on an NVIDIA machine)::
 
-    python -m experiments.gpu_check [--output results/gpu_check] [--quick] [--skip-tests] [--budget-s 560]
-        [--overwrite] [--skip-benchmarks] [--presets NAME ...] [--tests PATH ...] [--test-workers N]
+    python -m experiments.gpu_check [--output results/gpu_check] [--quick] [--budget-s 560] ...  # --help
 
 Sections, in order (each heavy one in its own subprocess, with a timeout; this process never starts a JAX
 backend, so it holds no device memory):
@@ -13,12 +12,9 @@ backend, so it holds no device memory):
    the jax and jaxlib versions and ``jax.print_environment_info`` (``nvidia-smi`` on a GPU). Without an
    accelerator the run goes on and says that every figure is a CPU figure (``accelerator: false``).
 2. ``tests``: ``pytest -m "not slow or accelerator" -p no:cacheprovider -v`` on :data:`ACCELERATOR_TESTS`,
-   the tests whose numerics or compiled programs could differ on an accelerator (importance sampling and the
-   KLMS coders (one of them at CONV6's size),
-   every coder's contract, lattice quantization, bit streams, the key schedule, the round engine, local
-   training, the mesh client map on the devices present, the models' convolution, the A-IHT coreset
-   solver). Counts come from pytest's JUnit XML; pytest's exit code 5 (nothing collected) is a failure.
-   With an accelerator and pytest-xdist, up to 4 workers (``--test-workers``) share the device.
+   the tests whose numerics or compiled programs could differ on an accelerator. Counts come from pytest's
+   JUnit XML; pytest's exit code 5 (nothing collected) is a failure. With an accelerator and pytest-xdist,
+   up to 4 workers (``--test-workers``) share the device.
 3. ``presets``: one paper-scale preset per paper (:data:`PAPER_PRESETS`) on **synthetic data of the real
    shapes**: the dataset loader the driver uses (``experiments.driver.load_dataset``) is replaced, in the
    preset's subprocess only, by :func:`synthetic_dataset`, which returns random images in ``[0, 1]`` with
@@ -28,15 +24,9 @@ backend, so it holds no device memory):
    run's client map: round 1 (compilation and the first round), then round 2 from its state (the steady
    round: the same compiled program, timed with ``jax.block_until_ready``), then one evaluation of the
    global model. A one-shot method (BPC-FL) runs its one round twice from the initial state instead. A
-   preset fails on an exception, a timeout, a non-finite loss or parameter, or an invalid stream. The
-   presets: KLMS ``klms_cifar10_conv6_fedpm_klms_iid`` (CONV6, 2.26 M parameters: its main CIFAR-10 table;
-   ``--presets klms_cifar100_resnet18_fedpm_klms_iid`` runs the larger ResNet-18), BICompFL
-   ``bicompfl_cifar10_conv6_iid_gr_adaptive`` (CONV6 with 256 candidates per block, its largest coder
-   work), CEPAM ``cepam_mnist_cnn_cepam_gauss_z3`` (30 clients, layered quantization on Z^3),
-   CoreSet-PFedBayes ``coreset_pfedbayes_mnist_mlp_coreset_50`` (A-IHT every round, the largest coreset)
-   and BPC-FL
-   ``bpcfl_emnist_bpcfl_hmc`` (the EMNIST-62 ConvNet, HMC through blackjax; its step counts and clients cut
-   to fit the budget, every per-step shape kept: ``overrides`` and ``why`` in the report).
+   preset fails on an exception, a timeout, a non-finite loss or parameter, or an invalid stream. BPC-FL's
+   step counts and clients are cut to fit the budget, every per-step shape kept (``overrides`` and ``why``
+   in the report).
 4. ``benchmarks``: the benchmark scripts of ``experiments/bench`` that measure accelerator work
    (:data:`BENCHMARKS`), each with its JSON written under ``<output>/bench/`` and copied into the report.
    The PyTorch-on-CPU comparisons (``bicompfl_round``, ``torch_compare``) are listed as not run, and
@@ -93,6 +83,7 @@ and recorded, since a warm cache shortens the compile figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -106,10 +97,12 @@ import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from experiments.bench.common import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = "gpu_check.json"
@@ -144,23 +137,17 @@ ACCELERATOR_TESTS = (
 #: --quick: two small files (about 15 s on a 2-core CPU), enough to exercise the section
 QUICK_TESTS = ("tests/coding/test_bitstream.py", "tests/test_lattices.py")
 
+
+def _dotted(text: str) -> dict[str, int]:
+    """``"data.num_clients=3 method.local_steps=3"`` -> ``{"data.num_clients": 3, "method.local_steps": 3}``:
+    the integer overrides of the tables below, written compactly."""
+    return {key: int(value) for key, value in (item.split("=") for item in text.split())}
+
+
 #: BPC-FL's paper round is hours of client work (500 BPC-fKL updates of 5 chains of 250 steps, for each of
 #: 100 clients); these keep every per-step shape (the ConvNet, K = 62, the 50 expert trajectories and their
 #: checkpoints, which set a client's memory, the chain lengths) and cut the counts of steps and clients
 #: (clients run one at a time: client_strategy map)
-_BPCFL_GPU_REDUCTION = {
-    "data.num_clients": 5,
-    "method.num_updates": 2,
-    "method.map_steps": 50,
-    "method.hmc_burnin": 10,
-}
-_BPCFL_GPU_WHY = (
-    "the paper's round (500 BPC-fKL updates for each of 100 clients) does not fit the budget: the update "
-    "and MAP/HMC step counts and the clients (run one at a time) are cut; every per-step shape (ConvNet, "
-    "K = 62, 50 expert trajectories and their checkpoints, chain lengths) is the paper's"
-)
-
-
 @dataclass(frozen=True)
 class PresetCheck:
     """One paper's preset in the ``presets`` section.
@@ -180,73 +167,63 @@ class PresetCheck:
     cap_s: float = 90.0
 
 
-#: one paper-scale preset per paper: the paper's largest setting that its presets mark for a GPU
+#: BPC-FL's paper round is hours of client work (500 BPC-fKL updates of 5 chains of 250 steps, for each of
+#: 100 clients); these keep every per-step shape (the ConvNet, K = 62, the 50 expert trajectories and their
+#: checkpoints, which set a client's memory, the chain lengths) and cut the counts of steps and clients
+#: (clients run one at a time: client_strategy map)
+_BPCFL_GPU = PresetCheck(
+    "BPC-FL",
+    "bpcfl_emnist_bpcfl_hmc",
+    _dotted("data.num_clients=5 method.num_updates=2 method.map_steps=50 method.hmc_burnin=10"),
+    "the paper's round (500 BPC-fKL updates for each of 100 clients) does not fit the budget: the update "
+    "and MAP/HMC step counts and the clients (run one at a time) are cut; every per-step shape (ConvNet, "
+    "K = 62, 50 expert trajectories and their checkpoints, chain lengths) is the paper's",
+    cap_s=150.0,
+)
+
+#: one paper-scale preset per paper: the paper's largest setting that its presets mark for a GPU. KLMS: CONV6,
+#: 2.26 M parameters, its main CIFAR-10 table (``--presets klms_cifar100_resnet18_fedpm_klms_iid`` runs the
+#: larger ResNet-18); BICompFL: CONV6 with 256 candidates a block, its largest coder work; CEPAM: 30 clients,
+#: layered quantization on Z^3; CoreSet-PFedBayes: A-IHT every round, the largest coreset; BPC-FL: the
+#: EMNIST-62 ConvNet, HMC through blackjax
 PAPER_PRESETS = (
     PresetCheck("KLMS", "klms_cifar10_conv6_fedpm_klms_iid"),
     PresetCheck("BICompFL", "bicompfl_cifar10_conv6_iid_gr_adaptive"),
     PresetCheck("CEPAM", "cepam_mnist_cnn_cepam_gauss_z3"),
     PresetCheck("CoreSet-PFedBayes", "coreset_pfedbayes_mnist_mlp_coreset_50"),
-    PresetCheck("BPC-FL", "bpcfl_emnist_bpcfl_hmc", _BPCFL_GPU_REDUCTION, _BPCFL_GPU_WHY, cap_s=150.0),
+    _BPCFL_GPU,
 )
 
 _QUICK_WHY = "--quick: a few seconds of CPU per preset (shapes reduced; not a paper-scale figure)"
-#: --quick: each paper's reduced CPU preset, shrunk to seconds on a 2-core CPU
-QUICK_PRESETS = (
-    PresetCheck(
-        "KLMS",
-        "klms_fmnist_fedpm_klms",
-        {"data.num_clients": 3, "data.train_subset": 384, "coder.log2_num_candidates": 4},
-        _QUICK_WHY,
-        cap_s=60.0,
-    ),
-    PresetCheck(
-        "BICompFL",
-        "bicompfl_fmnist_lenet5_cpu_gr_adaptive",
-        {"data.num_clients": 3, "data.train_subset": 384},
-        _QUICK_WHY,
-        cap_s=60.0,
-    ),
-    PresetCheck(
-        "CEPAM",
-        "cepam_fmnist_cnn_cpu_cepam_gauss_z3",
-        {"data.num_clients": 4, "data.examples_per_client": 64, "method.local_steps": 3},
-        _QUICK_WHY,
-        cap_s=60.0,
-    ),
-    PresetCheck(
-        "CoreSet-PFedBayes",
-        "coreset_pfedbayes_fmnist_mlp_cpu_coreset_50",
-        {
-            "data.num_clients": 3,
-            "data.examples_per_label": 40,
-            "method.local_iters": 2,
-            "method.personal_steps": 2,
-            "method.batch_size": 20,
-            "method.coreset_size": 10,
-            "method.coreset_every": 1,
-            "method.aiht_max_iter": 10,
-        },
-        _QUICK_WHY,
-        cap_s=60.0,
-    ),
-    PresetCheck(
-        "BPC-FL",
-        "bpcfl_fmnist_cpu_bpcfl_adam",
-        {
-            "data.num_clients": 3,
-            "data.train_subset": 300,
-            "method.num_updates": 2,
-            "method.num_trajectories": 2,
-            "method.pretrain_steps": 20,
-            "method.data_chain_length": 5,
-            "method.coreset_chain_length": 5,
-            "method.pairs_per_update": 2,
-            "method.num_noise": 2,
-            "method.map_steps": 5,
-        },
-        _QUICK_WHY,
-        cap_s=60.0,
-    ),
+#: --quick: each paper's reduced CPU preset, shrunk to seconds on a 2-core CPU: (paper, preset, overrides)
+QUICK_PRESETS = tuple(
+    PresetCheck(paper, preset, _dotted(overrides), _QUICK_WHY, cap_s=60.0)
+    for paper, preset, overrides in (
+        (
+            "KLMS",
+            "klms_fmnist_fedpm_klms",
+            "data.num_clients=3 data.train_subset=384 coder.log2_num_candidates=4",
+        ),
+        ("BICompFL", "bicompfl_fmnist_lenet5_cpu_gr_adaptive", "data.num_clients=3 data.train_subset=384"),
+        (
+            "CEPAM",
+            "cepam_fmnist_cnn_cpu_cepam_gauss_z3",
+            "data.num_clients=4 data.examples_per_client=64 method.local_steps=3",
+        ),
+        (
+            "CoreSet-PFedBayes",
+            "coreset_pfedbayes_fmnist_mlp_cpu_coreset_50",
+            "data.num_clients=3 data.examples_per_label=40 method.local_iters=2 method.personal_steps=2 "
+            "method.batch_size=20 method.coreset_size=10 method.coreset_every=1 method.aiht_max_iter=10",
+        ),
+        (
+            "BPC-FL",
+            "bpcfl_fmnist_cpu_bpcfl_adam",
+            "data.num_clients=3 data.train_subset=300 method.num_updates=2 method.num_trajectories=2 "
+            "method.pretrain_steps=20 method.data_chain_length=5 method.coreset_chain_length=5 "
+            "method.pairs_per_update=2 method.num_noise=2 method.map_steps=5",
+        ),
+    )
 )
 
 #: the paper of each preset-name prefix (for --presets)
@@ -265,17 +242,17 @@ class Bench:
 
     Attributes:
       name: the script's name in ``experiments/bench``.
-      full, quick: its arguments (the JSON path flag is added); ``quick`` ``None``: not run with --quick
-        (its compilation alone takes most of a minute on a 2-core CPU).
+      full, quick: its arguments, split at spaces (the JSON path flag is added); ``quick`` ``None``: not run
+        with --quick (its compilation alone takes most of a minute on a 2-core CPU).
       out_flag: its flag for the JSON path.
-      synthetic: run it with :func:`synthetic_datasets` installed (it reads a dataset through the driver).
       why: what it measures on an accelerator.
+      synthetic: run it with :func:`synthetic_datasets` installed (it reads a dataset through the driver).
       cap_s: the longest it may run.
     """
 
     name: str
-    full: tuple[str, ...]
-    quick: tuple[str, ...] | None
+    full: str
+    quick: str | None
     out_flag: str
     why: str
     synthetic: bool = False
@@ -286,33 +263,22 @@ class Bench:
 BENCHMARKS = (
     Bench(
         "importance_coder",
-        ("--dims", "61706,2262602", "--log2k", "8", "--repeats", "3"),
-        ("--dims", "61706", "--log2k", "4", "--repeats", "1"),
+        "--dims 61706,2262602 --log2k 8 --repeats 3",
+        "--dims 61706 --log2k 4 --repeats 1",
         "--output",
         "the importance-sampling coder (KLMS, BICompFL) against the candidate-generation floor, LeNet5 and "
         "CONV6 sizes",
     ),
     Bench(
         "local_training",
-        ("--clients", "10", "--repeats", "2", "--convs", "sidejax"),
-        (
-            "--clients",
-            "2",
-            "--examples-per-client",
-            "64",
-            "--repeats",
-            "1",
-            "--convs",
-            "sidejax",
-            "--strategies",
-            "map",
-        ),
+        "--clients 10 --repeats 2 --convs sidejax",
+        "--clients 2 --examples-per-client 64 --repeats 1 --convs sidejax --strategies map",
         "--output",
         "LeNet5 local training, vmap against map clients",
     ),
     Bench(
         "klms_round",
-        ("--warmup-rounds", "2", "--repeats", "2"),
+        "--warmup-rounds 2 --repeats 2",
         None,
         "--out",
         "the KLMS coder's share of a FedPM-KLMS round (on synthetic Fashion-MNIST shapes)",
@@ -320,22 +286,22 @@ BENCHMARKS = (
     ),
     Bench(
         "cepam_quantize",
-        ("--lattices", "z1", "z3", "e8", "--repeats", "3"),
-        ("--dim", "1024", "--lattices", "z2", "--repeats", "1"),
+        "--lattices z1 z3 e8 --repeats 3",
+        "--dim 1024 --lattices z2 --repeats 1",
         "--out",
         "CEPAM's LRSUQ per lattice against plain noise addition",
     ),
     Bench(
         "bpcfl_update",
-        ("--updates", "5", "--repeats", "1", "--skip-through"),
+        "--updates 5 --repeats 1 --skip-through",
         None,
         "--out",
         "one BPC-fKL update (BPC-FL's client hot path) against a per-chain loop",
     ),
     Bench(
         "aiht",
-        ("--ks", "500", "--repeats", "2"),
-        ("--quick",),
+        "--ks 500 --repeats 2",
+        "--quick",
         "--out",
         "CoreSet-PFedBayes' A-IHT solver, vmapped over clients, against numpy",
     ),
@@ -756,6 +722,26 @@ class Budget:
         return min(cap_s, available), None
 
 
+def _judge_preset(proc: Proc, entry: dict[str, Any]) -> tuple[str, str | None]:
+    """A preset subprocess's ``(status, reason)``; its result joins ``entry``. It fails on an error, a
+    non-finite loss or parameter, or an invalid stream."""
+    result = proc.result()
+    if not result or "error" in result or proc.returncode != 0:
+        return "error", (result or {}).get("error") or f"exit code {proc.returncode}, no result"
+    entry.update(result)
+    problems = [] if result["finite"] else ["non-finite"]
+    problems += [] if result["streams_valid"] else [f"invalid stream ({result['stream_problems']})"]
+    return ("failed" if problems else "ok"), ", ".join(problems) or None
+
+
+def _judge_bench(path: Path, proc: Proc, entry: dict[str, Any]) -> tuple[str, str | None]:
+    """A benchmark subprocess's ``(status, reason)``; the JSON it wrote at ``path`` joins ``entry``."""
+    if proc.returncode != 0 or not path.is_file():
+        return "error", f"exit code {proc.returncode}" + ("" if path.is_file() else ", no JSON written")
+    entry["result"] = json.loads(path.read_text())
+    return "ok", None
+
+
 class Check:
     """The run: its report, written after every section."""
 
@@ -814,7 +800,7 @@ class Check:
             if name in table:
                 checks.append(table[name])
             elif name.startswith("bpcfl_emnist_bpcfl_"):  # any BPC-FL EMNIST preset needs the same cuts
-                checks.append(PresetCheck("BPC-FL", name, _BPCFL_GPU_REDUCTION, _BPCFL_GPU_WHY, cap_s=150.0))
+                checks.append(replace(_BPCFL_GPU, preset=name))
             else:
                 checks.append(PresetCheck(_paper_of(name), name))
         return checks
@@ -917,6 +903,23 @@ class Check:
             return 0
         return max(1, min(4, (os.cpu_count() or 1) // 4))  # compilation is CPU work; the device is shared
 
+    def attempt(self, section: str, key: str, cmd: list[str], timeout: float, entry: dict, judge) -> dict:
+        """Runs ``cmd`` (at most ``timeout`` seconds) for ``section``'s item ``key`` and completes its report
+        ``entry``: the timeout, the duration, the exit code, then the ``status``: ``timeout``, or what
+        ``judge(proc, entry)`` returns as ``(status, reason)`` (it may add to ``entry``). A reason makes the
+        item a failure, with the end of its output in the entry. Returns the entry."""
+        proc = run_subprocess(cmd, timeout)
+        entry.update(timeout_s=round(timeout, 1), duration_s=round(proc.duration_s, 2))
+        entry["returncode"] = proc.returncode
+        if proc.timed_out:
+            entry["status"], reason = "timeout", f"ran past its {timeout:.0f} s timeout"
+        else:
+            entry["status"], reason = judge(proc, entry)
+        if reason:
+            entry["reason"], entry["output_tail"] = reason, proc.tail()
+            self.fail(section, key, reason)
+        return entry
+
     def presets(self) -> None:
         section = "presets"
         checks = self.preset_checks()
@@ -933,56 +936,31 @@ class Check:
             print(f"preset {key}: {check.preset}, timeout {timeout:.0f} s ...", flush=True)
             payload = json.dumps({"preset": check.preset, "overrides": check.overrides})
             cmd = self.python("-m", "experiments.gpu_check", "--child", "preset", "--child-args", payload)
-            proc = run_subprocess(cmd, timeout)
-            result = proc.result() if not proc.timed_out else None
-            entry = {**base, "timeout_s": round(timeout, 1), "duration_s": round(proc.duration_s, 2)}
-            if proc.timed_out:
-                entry["status"] = "timeout"
-                reason = f"ran past its {timeout:.0f} s timeout"
-            elif not result or "error" in result or proc.returncode != 0:
-                entry["status"] = "error"
-                reason = (result or {}).get("error") or f"exit code {proc.returncode}, no result"
-            else:
-                entry.update(result)
-                problems = [w for w, ok in (("non-finite", result["finite"]),) if not ok]
-                problems += (
-                    [] if result["streams_valid"] else [f"invalid stream ({result['stream_problems']})"]
-                )
-                entry["status"] = "failed" if problems else "ok"
-                reason = ", ".join(problems) or None
-            if reason:
-                entry["reason"] = reason
-                entry["output_tail"] = proc.tail()
-                self.fail(section, key, reason)
+            entry = self.attempt(section, key, cmd, timeout, base, _judge_preset)
             self.report["presets"][key] = entry
             print(f"  {entry['status']}: {_preset_line(entry)}", flush=True)
             self.write()
+
+    def bench_list(self) -> list[Bench]:
+        """:data:`BENCHMARKS`, with ``sharding`` over the devices present when there are two or more (else
+        recorded as skipped); the scripts of :data:`NOT_RUN_BENCHMARKS` recorded as skipped."""
+        for name, reason in NOT_RUN_BENCHMARKS.items():
+            self.report["benchmarks"][name] = self.skip("benchmarks", name, reason)
+        devices = (self.report["device"] or {}).get("device_count") or 1
+        if devices < 2:
+            reason = "one device: nothing to split (tests/fl/test_sharding.py ran on it)"
+            self.report["benchmarks"]["sharding"] = self.skip("benchmarks", "sharding", reason)
+            return list(BENCHMARKS)
+        counts = "--devices " + ",".join(str(n) for n in (1, 2, 4, 8) if n <= devices)
+        why = "one round with the participants split over the devices present"
+        return [*BENCHMARKS, Bench("sharding", f"{counts} --repeats 1", f"{counts} --quick", "--out", why)]
 
     def benchmarks(self) -> None:
         section = "benchmarks"
         if self.args.skip_benchmarks:
             self.skip(section, "all", "--skip-benchmarks")
             return
-        for name, reason in NOT_RUN_BENCHMARKS.items():
-            self.report["benchmarks"][name] = self.skip(section, name, reason)
-        devices = (self.report["device"] or {}).get("device_count") or 1
-        benches = list(BENCHMARKS)
-        if devices >= 2:
-            counts = [n for n in (1, 2, 4, 8) if n <= devices]
-            benches.append(
-                Bench(
-                    "sharding",
-                    ("--devices", ",".join(map(str, counts)), "--repeats", "1"),
-                    ("--devices", ",".join(map(str, counts)), "--quick"),
-                    "--out",
-                    "one round with the participants split over the devices present",
-                )
-            )
-        else:
-            self.report["benchmarks"]["sharding"] = self.skip(
-                section, "sharding", "one device: nothing to split (tests/fl/test_sharding.py ran on it)"
-            )
-        for bench in benches:
+        for bench in self.bench_list():
             if self.quick and bench.quick is None:
                 reason = "--quick: compiles for most of a minute on a 2-core CPU; runs in the full check"
                 self.report["benchmarks"][bench.name] = self.skip(section, bench.name, reason)
@@ -992,7 +970,7 @@ class Check:
                 self.report["benchmarks"][bench.name] = self.skip(section, bench.name, reason)
                 continue
             path = self.out / "bench" / f"{bench.name}.json"
-            argv = [*(bench.quick if self.quick else bench.full), bench.out_flag, str(path.resolve())]
+            argv = [*(bench.quick if self.quick else bench.full).split(), bench.out_flag, str(path.resolve())]
             if bench.synthetic:
                 payload = json.dumps({"name": bench.name, "argv": argv})
                 cmd = self.python("-m", "experiments.gpu_check", "--child", "bench", "--child-args", payload)
@@ -1000,30 +978,12 @@ class Check:
                 cmd = self.python("-m", f"experiments.bench.{bench.name}", *argv)
             print(f"benchmark {bench.name}, timeout {timeout:.0f} s ...", flush=True)
             path.unlink(missing_ok=True)
-            proc = run_subprocess(cmd, timeout)
-            entry: dict[str, Any] = {
-                "why": bench.why,
-                "command": " ".join(cmd[1:]),
-                "timeout_s": round(timeout, 1),
-                "duration_s": round(proc.duration_s, 2),
-                "returncode": proc.returncode,
-                "json": str(path),
-            }
-            if proc.timed_out:
-                entry["status"], reason = "timeout", f"ran past its {timeout:.0f} s timeout"
-            elif proc.returncode != 0 or not path.is_file():
-                entry["status"], reason = (
-                    "error",
-                    f"exit code {proc.returncode}" + ("" if path.is_file() else ", no JSON written"),
-                )
-            else:
-                entry["status"], reason = "ok", None
-                entry["result"] = json.loads(path.read_text())
-            if reason:
-                entry["output_tail"] = proc.tail()
-                self.fail(section, bench.name, reason)
+            entry = {"why": bench.why, "command": " ".join(cmd[1:]), "json": str(path)}
+            entry = self.attempt(
+                section, bench.name, cmd, timeout, entry, functools.partial(_judge_bench, path)
+            )
             self.report["benchmarks"][bench.name] = entry
-            print(f"  {entry['status']} in {proc.duration_s:.1f} s", flush=True)
+            print(f"  {entry['status']} in {entry['duration_s']:.1f} s", flush=True)
             self.write()
 
     # -- the run ----------------------------------------------------------------------------------------
@@ -1060,14 +1020,8 @@ def environment() -> dict[str, Any]:
 
     commit = (git("rev-parse", "HEAD") or "").strip()
     status = git("status", "--porcelain", "--untracked-files=no")
-    names = (
-        "XLA_FLAGS",
-        "XLA_PYTHON_CLIENT_PREALLOCATE",
-        "XLA_PYTHON_CLIENT_MEM_FRACTION",
-        "JAX_PLATFORMS",
-        "JAX_COMPILATION_CACHE_DIR",
-        "CUDA_VISIBLE_DEVICES",
-    )
+    names = "XLA_FLAGS XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_MEM_FRACTION JAX_PLATFORMS "
+    names += "JAX_COMPILATION_CACHE_DIR CUDA_VISIBLE_DEVICES"
     env = child_env()
     return {
         "python": platform.python_version(),
@@ -1075,7 +1029,7 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "git_commit": commit or None,
         "git_dirty": None if status is None else bool(status.strip()),
-        "subprocess_env": {n: env.get(n) for n in names},
+        "subprocess_env": {n: env.get(n) for n in names.split()},
     }
 
 
@@ -1166,35 +1120,24 @@ def _secs(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+#: the command line: flag -> (type, default, help) (:func:`experiments.bench.common.parser`)
+FLAGS = {
+    "--output": (Path, DEFAULT_OUTPUT, f"report folder (default {DEFAULT_OUTPUT})"),
+    "--overwrite": (bool, False, "replace a gpu_check.json already in --output"),
+    "--quick": (bool, False, "reduced settings: about 2 minutes on a 2-core CPU"),
+    "--skip-tests": (bool, False, "do not run the tests section"),
+    "--skip-benchmarks": (bool, False, "do not run the benchmarks section"),
+    "--budget-s": (float, DEFAULT_BUDGET_S, f"the whole run's time limit (default {DEFAULT_BUDGET_S:.0f})"),
+    "--presets": ([str], None, "presets to run instead of one per paper"),
+    "--tests": ([str], None, "test paths to run instead of the default subset"),
+    "--test-workers": (int, None, "pytest-xdist workers (default: up to 4 with an accelerator, 0 without)"),
+    "--child": (str, None, argparse.SUPPRESS),
+    "--child-args": (str, "", argparse.SUPPRESS),
+}
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.gpu_check",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--output", type=Path, default=DEFAULT_OUTPUT, help=f"report folder (default {DEFAULT_OUTPUT})"
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace a gpu_check.json already in --output")
-    p.add_argument("--quick", action="store_true", help="reduced settings: about 2 minutes on a 2-core CPU")
-    p.add_argument("--skip-tests", action="store_true", help="do not run the tests section")
-    p.add_argument("--skip-benchmarks", action="store_true", help="do not run the benchmarks section")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=DEFAULT_BUDGET_S,
-        help=f"the whole run's time limit (default {DEFAULT_BUDGET_S:.0f})",
-    )
-    p.add_argument("--presets", nargs="+", default=None, help="presets to run instead of one per paper")
-    p.add_argument("--tests", nargs="+", default=None, help="test paths to run instead of the default subset")
-    p.add_argument(
-        "--test-workers",
-        type=int,
-        default=None,
-        help="pytest-xdist workers (default: up to 4 with an accelerator, 0 without)",
-    )
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child-args", default="", help=argparse.SUPPRESS)
+    p = parser("experiments.gpu_check", __doc__, FLAGS)
     args = p.parse_args(argv)
     args.argv = argv
     if args.budget_s <= REPORT_RESERVE_S:

@@ -39,43 +39,22 @@ settings, the problem construction and every number, and prints a table.
 Run: ``python -m experiments.bench.aiht [--quick] [--out FILE] [--repeats 3] [--ks 500 300 150 100]``
 (``--quick``: n = 60, k = 12, 3 clients, one repetition, for tests).
 
-Measured on the idle 2-core CPU (default sizes, best of 3, wall ms; ``vmap`` is the whole 10-client batch,
-the others per client; ``f`` = mean ``f(w)/‖y‖²`` over clients; compile s of the vmapped solve):
-
-::
-
-        k     J  sidejax vmap  sidejax loop   numpy  ratio vmap  ratio loop  compile  f sidejax  f numpy  it
-      500  1000        1282.         200.    210.       0.609       0.951     0.25   7.22e-4   6.89e-4  300
-      300   600         877.         122.    159.       0.550       0.764     0.26   1.39e-3   1.31e-3  300
-      150   300         524.          65.    132.       0.397       0.491     0.31   3.14e-3   3.24e-3  300
-      100   200         350.          46.     66.       0.530       0.702     0.32   5.38e-3   5.54e-3  300
-
-    context (mean over clients): random n/k subsets f = 2.6e-2 / 6.8e-2 / 1.7e-1 / 2.7e-1; NNLS fits y
-    exactly (f ~ 1e-30) with J − 1 points (Φ has rank J − 1 after centring, J ≤ n), and its top-k entries
-    give f = 0.24 / 0.076 / 0.043 / 0.041.
-
-An earlier run on the same machine loaded by a long experiment (load average about 5) gave very different
-numpy times (k = 300: 1.44 s per client in one run, 10.6 s in the next, cause not isolated), so compare
-ratios only within one run.
-
-Findings: no run met ``tol = 1e-5`` within 300 iterations (every client, every k, both codes), and on
-this problem the non-converged iteration is sensitive to round-off: vmapped and looped sidejax (float32)
-end with different weights, and float32 sidejax and float64 numpy end 0.2-72% apart in ``f`` (neither
-systematically lower). The algorithm is the same: sidejax run in float64 (``sidejax_float64`` in the
-JSON, untimed) matches numpy to 1e-11-1e-14 in ``f`` with identical supports on 9/10 clients at k = 100
-and 8/10 at k = 150, and to round-off (1e-14) for the first 50 iterations on a k = 100 client checked
-separately (1e-11 after 300); on the other clients (all 10 at k = 500, 5 of 10 at k = 300) the two float64
-trajectories also part, a bifurcation of the support choice, not a different algorithm. Speed (idle
-machine): the vmapped 10-client solve takes 0.40-0.61x numpy's time (1.6-2.5x faster), the jitted
-single-client solve 0.49-0.95x.
+Measurements and findings: docs/benchmarks.md#a-iht-coreset-pfedbayes-coreset-step-vs-a-numpy-implementation.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from experiments.bench.common import fill_defaults, machine_record, write_report
+from experiments.bench.common import (
+    Sized,
+    best,
+    interleave,
+    machine_record,
+    parser,
+    text_table,
+    write_report,
+)
 
 DEFAULT_KS = (500, 300, 150, 100)
 METHODS = ("sidejax_vmap", "sidejax_loop", "numpy")
@@ -208,15 +187,6 @@ def numpy_aiht(y, phi, k: int, *, max_iter: int = 300, tol: float = 1e-5):
 # ----------------------------------------------------------------------------------------------- timing
 
 
-def _clock(fn):
-    """``(result, wall seconds, process CPU seconds)`` of ``fn()`` (JAX results waited for)."""
-    import jax
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - t0, time.process_time() - c0
-
-
 def _objective64(y, phi, w) -> float:
     import numpy as np
 
@@ -280,14 +250,8 @@ def _time_solvers(solve, p, k, *, repeats, max_iter, tol):
             numpy_aiht(y64[c], phi64[c], k, max_iter=max_iter, tol=tol) for c in range(clients)
         ],
     }
-    inf = float("inf")
-    best = {m: [inf, inf] for m in METHODS}
-    out = {}
-    for _ in range(repeats):  # interleaved, so load changes hit every method alike
-        for m, fn in calls.items():
-            out[m], wall, cpu = _clock(fn)
-            best[m] = [min(best[m][0], wall), min(best[m][1], cpu)]
-    return compile_s, best, out
+    times, out = interleave(calls, repeats)
+    return compile_s, best(times), out
 
 
 def _float64_solve(solve, y64, phi64):
@@ -466,32 +430,27 @@ def run_k(k, ll64, *, repeats, max_iter, tol, random_draws, seed) -> dict:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
+#: the command line: flag -> (type, default, help); Sized(full, quick) defaults differ with --quick
+FLAGS = {
+    "--quick": (bool, False, "tiny sizes (n 60, k 12, 3 clients, 1 repeat)"),
+    "--n": (int, Sized(1000, 60), "points per client"),
+    "--ks": ([int], Sized(list(DEFAULT_KS), [12]), "coreset sizes"),
+    "--clients": (int, Sized(10, 3), "clients"),
+    "--repeats": (int, Sized(3, 1), "timed repetitions, best kept"),
+    "--max-iter": (int, 300, None),
+    "--tol": (float, 1e-5, None),
+    "--random-draws": (int, 5, "uniform k-subsets per client"),
+    "--seed": (int, 0, None),
+}
+
+
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.bench.aiht", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (n 60, k 12, 3 clients, 1 repeat)")
-    parser.add_argument("--n", type=int, default=None, help="points per client (default 1000)")
-    parser.add_argument(
-        "--ks", type=int, nargs="+", default=None, help="coreset sizes (default 500 300 150 100)"
-    )
-    parser.add_argument("--clients", type=int, default=None, help="clients (default 10)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions, best kept (default 3)")
-    parser.add_argument("--max-iter", type=int, default=300)
-    parser.add_argument("--tol", type=float, default=1e-5)
-    parser.add_argument("--random-draws", type=int, default=5, help="uniform k-subsets per client")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/bench/aiht.json", help="JSON output path")
-    args = parser.parse_args(argv)
-    fill_defaults(
-        args,
-        quick={"n": 60, "ks": [12], "clients": 3, "repeats": 1},
-        full={"n": 1000, "ks": list(DEFAULT_KS), "clients": 10, "repeats": 3},
-    )
+    p = parser("experiments.bench.aiht", __doc__, FLAGS, out="results/bench/aiht.json")
+    args = p.parse_args(argv)
     if args.n < 2 or args.clients < 1 or args.repeats < 1 or args.random_draws < 1 or args.max_iter < 1:
-        parser.error("--n >= 2, --clients, --repeats, --random-draws and --max-iter >= 1 required")
+        p.error("--n >= 2, --clients, --repeats, --random-draws and --max-iter >= 1 required")
     if any(not 1 <= k <= args.n for k in args.ks):
-        parser.error(f"every k must be in [1, n = {args.n}], got {args.ks}")
+        p.error(f"every k must be in [1, n = {args.n}], got {args.ks}")
     return args
 
 
@@ -543,6 +502,34 @@ def main(argv=None) -> dict:
     return result
 
 
+def _mean(key: str, stat: str = "mean"):
+    """The ``stat`` over clients of a k's summary ``key``."""
+    return lambda r: r["summary"][key][stat]
+
+
+#: the printed table's columns: (header, format, value of one k's result)
+_COLUMNS = (
+    ("k", "5d", lambda r: r["k"]),
+    ("J", "5d", lambda r: r["J"]),
+    ("vmap_all", "8.2f", lambda r: 1e3 * r["wall_seconds"]["sidejax_vmap"]),
+    ("loop/cl", "8.2f", lambda r: 1e3 * r["wall_seconds_per_client"]["sidejax_loop"]),
+    ("np/cl", "8.2f", lambda r: 1e3 * r["wall_seconds_per_client"]["numpy"]),
+    ("r_vmap", "7.3f", lambda r: r["ratio_sidejax_over_numpy"]["batch_vmap"]),
+    ("r_loop", "7.3f", lambda r: r["ratio_sidejax_over_numpy"]["per_client_loop"]),
+    ("comp_s", "6.2f", lambda r: r["compile_seconds"]["sidejax_vmap"]),
+    ("f_sidejax", "10.3e", _mean("sidejax_rel_objective")),
+    ("f_numpy", "10.3e", _mean("numpy_rel_objective")),
+    ("rel_diff", "9.2e", _mean("objective_rel_diff", "max")),
+    ("diff_f64", "9.2e", _mean("float64_objective_rel_diff", "max")),
+    ("it_sj", "6.1f", _mean("sidejax_iterations")),
+    ("it_np", "6.1f", _mean("numpy_iterations")),
+    ("f_nnls", "9.2e", _mean("nnls_rel_objective")),
+    ("nnls|S|", "7.1f", _mean("nnls_support_size")),
+    ("f_nnls_k", "9.2e", _mean("nnls_top_k_rel_objective")),
+    ("f_random", "9.2e", _mean("random_rel_objective")),
+)
+
+
 def format_table(result: dict) -> str:
     """The readable table: per k, wall ms (best of repeats) and objectives (means over clients)."""
     s = result["settings"]
@@ -550,29 +537,8 @@ def format_table(result: dict) -> str:
         f"A-IHT, n = {s['n']}, {s['clients']} clients, J = max(100, 2k); wall ms, best of {s['repeats']}; "
         "f/|y|^2 and iterations: mean over clients; ratio = sidejax / numpy"
     ]
-    head = (
-        f"{'k':>5} {'J':>5} {'vmap_all':>8} {'loop/cl':>8} {'np/cl':>8} {'r_vmap':>7} {'r_loop':>7} "
-        f"{'comp_s':>6} {'f_sidejax':>10} {'f_numpy':>10} {'rel_diff':>9} {'diff_f64':>9} "
-        f"{'it_sj':>6} {'it_np':>6} "
-        f"{'f_nnls':>9} {'nnls|S|':>7} {'f_nnls_k':>9} {'f_random':>9}"
-    )
-    lines += [head, "-" * len(head)]
-    for r in result["results"].values():
-        pc = r["wall_seconds_per_client"]
-        sm = r["summary"]
-        lines.append(
-            f"{r['k']:5d} {r['J']:5d} {1e3 * r['wall_seconds']['sidejax_vmap']:8.2f} "
-            f"{1e3 * pc['sidejax_loop']:8.2f} {1e3 * pc['numpy']:8.2f} "
-            f"{r['ratio_sidejax_over_numpy']['batch_vmap']:7.3f} "
-            f"{r['ratio_sidejax_over_numpy']['per_client_loop']:7.3f} "
-            f"{r['compile_seconds']['sidejax_vmap']:6.2f} "
-            f"{sm['sidejax_rel_objective']['mean']:10.3e} {sm['numpy_rel_objective']['mean']:10.3e} "
-            f"{sm['objective_rel_diff']['max']:9.2e} {sm['float64_objective_rel_diff']['max']:9.2e} "
-            f"{sm['sidejax_iterations']['mean']:6.1f} "
-            f"{sm['numpy_iterations']['mean']:6.1f} {sm['nnls_rel_objective']['mean']:9.2e} "
-            f"{sm['nnls_support_size']['mean']:7.1f} {sm['nnls_top_k_rel_objective']['mean']:9.2e} "
-            f"{sm['random_rel_objective']['mean']:9.2e}"
-        )
+    rows = [[value(r) for *_, value in _COLUMNS] for r in result["results"].values()]
+    lines += text_table([(title, spec) for title, spec, _ in _COLUMNS], rows)
     return "\n".join(lines)
 
 

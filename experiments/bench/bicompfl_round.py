@@ -37,26 +37,26 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-_SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+from experiments.bench.common import interleave, parser, single_thread_env
+
 DIM = 61_706
 CONFIGS = ((128, 4), (256, 8))  # (block size, log2 n_IS)
 
 
+#: the command line: flag -> (type, default, help)
+FLAGS = {
+    "--repeats": (int, 5, None),
+    "--samples": (int, 10, "n_DL samples encoded, streams decoded (default 10)"),
+    "--threads": (int, 1, "1: both single-threaded; 0: library defaults"),
+    "--output": (Path, Path("results/bench/bicompfl_round.json"), None),
+    "--child": (bool, False, argparse.SUPPRESS),
+}
+
+
 def _parse(argv):
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.bench.bicompfl_round", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument(
-        "--samples", type=int, default=10, help="n_DL samples encoded, streams decoded (default 10)"
-    )
-    p.add_argument("--threads", type=int, default=1, help="1: both single-threaded; 0: library defaults")
-    p.add_argument("--output", type=Path, default=Path("results/bench/bicompfl_round.json"))
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return parser("experiments.bench.bicompfl_round", __doc__, FLAGS).parse_args(argv)
 
 
 def _torch_encode(torch, q, p, b, K, seeds, generator):
@@ -120,8 +120,8 @@ def _one_config(args, torch, theta, prior, b: int, log2k: int) -> dict:
     jax.block_until_ready(enc(keys, q, p))
     jax.block_until_ready(dec(streams, p))
     contestants = {
-        "sidejax_encode": lambda: jax.block_until_ready(enc(keys, q, p)),
-        "sidejax_decode": lambda: jax.block_until_ready(dec(streams, p)),
+        "sidejax_encode": lambda: enc(keys, q, p),
+        "sidejax_decode": lambda: dec(streams, p),
     }
     if torch is not None:
         tq, tp = torch.from_numpy(theta), torch.from_numpy(prior)
@@ -130,12 +130,7 @@ def _one_config(args, torch, theta, prior, b: int, log2k: int) -> dict:
         idx = _torch_encode(torch, tq, tp, b, K, seeds, gen)
         contestants["torch_encode"] = lambda: _torch_encode(torch, tq, tp, b, K, seeds, gen)
         contestants["torch_decode"] = lambda: _torch_decode(torch, tp, b, K, seeds, idx, gen)
-    times = {name: [] for name in contestants}
-    for _ in range(args.repeats):
-        for name, fn in contestants.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+    times = {name: [w for w, _ in t] for name, t in interleave(contestants, args.repeats)[0].items()}
     med = {name: float(np.median(v)) for name, v in times.items()}
     entry = {
         "block_size": b,
@@ -195,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {secs}  torch/sidejax: {ratio}")
         print(f"written: {args.output}")
         return 0
-    env = dict(os.environ)
-    if args.threads:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + _SINGLE_THREAD_XLA_FLAGS).strip()
+    env = single_thread_env() if args.threads else dict(os.environ)
     cmd = [sys.executable, "-m", "experiments.bench.bicompfl_round", "--child", *(argv or sys.argv[1:])]
     return subprocess.call(cmd, env=env)
 

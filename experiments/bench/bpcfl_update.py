@@ -47,51 +47,23 @@ Run: ``python -m experiments.bench.bpcfl_update [--quick] [--out FILE] [--repeat
 (``--quick``: B_w = 3, L_C = 5, S = 2, 3 updates, 2 trajectories x 20 steps, one repetition, no
 ``through_chain``, for tests; ``--skip-through`` drops that variant at any size).
 
-Measured with ``python -m experiments.bench.bpcfl_update --repeats 5`` on the 2-core CPU shared with two
-other experiment processes (``uptime`` load average 4.95 before
-and 5.80 after the run: loaded, not idle; best-of-5 wall equals process CPU time, so the best repetitions
-had a core to themselves); default sizes, 20 updates, best of 5, ms per update; ``dZ/move`` = final
-``max|Z − Z_sidejax| / max|Z_sidejax − Z_0|``; temp MB of the main compiled function (the per-chain one is a
-single chain):
-
-::
-
-    variant        compile_s   wall_ms    cpu_ms   ratio cpu_ratio  temp_MB  dZ/move
-    --------------------------------------------------------------------------------
-    sidejax             6.29     92.46     92.11   1.000     1.000    27.39  0.0e+00
-    unrolled            6.78     92.45     92.13   1.000     1.000    27.36  0.0e+00
-    per_chain           3.57     99.04     98.70   1.071     1.072     0.06  3.6e-02
-    through_chain       8.17    545.59    545.17   5.901     5.918   420.48  1.1e+06
-    first update, per_chain vs sidejax, float32: gradient 2.3e-02, at the same chain ends 1.3e-07,
-      chain ends max 8.6e-02 (median 1.0e-04)
-    first update, per_chain vs sidejax, float64: gradient 4.4e-12, at the same chain ends 1.5e-15,
-      chain ends max 5.9e-12 (median 1.0e-13)
-
-An earlier run (best of 3, load average about 7) gave sidejax 140.9 / unrolled 96.1 / per_chain 128.5 /
-through_chain 954.7 ms wall but 97.0 / 95.5 / 109.5 / 571.3 ms CPU: under that load only the CPU ratios
-(1.00 / 0.98 / 1.13 / 5.9) are meaningful, and they agree with the run above.
-
-Findings (CPU; no GPU was measured). (1) The update is compute-bound: 20 x 200 Adam steps of a
-3,002-parameter MLP on 5 points cost about 90 ms, so the per-update Python dispatch that ``lax.scan`` removes
-(unrolled = 1.000) and the about ``4 B_w`` dispatches per update of the per-chain loop (7% slower) are small;
-vmapping the chains gains at most that 7% on 2 CPU cores. Compiling sidejax's whole scan takes about as long
-as compiling one update. A device with parallel throughput (GPU) is where the vmapped chains would matter;
-not measured here. (2) The per-chain loop computes the same update: in float64 its first-update gradient
-matches sidejax's to 4e-12; in float32 the gradient at the same chain end points matches to 1e-7, but 200
-Adam steps amplify float32 round-off (vmapped vs single-chain reductions) to up to 9% in some chain end
-points (median 1e-4), which moves the first gradient by 2% and the final Z by 4% of its move after 20
-updates: chaotic amplification, not a different algorithm. (3) Differentiating through the inner chain (the
-wrong estimator for fKL) costs 5.9x the time and 15x the temporary memory (420 MB vs 27 MB per update), and
-with ψ_x = 1e-3 its pseudo-inputs blow up (``|Z|`` about 1e4 after 20 updates): backpropagating through 200
-Adam steps gives exploding gradients, besides being biased.
+Measurements and findings: docs/benchmarks.md#bpc-fkl-bpc-fls-client-step-vs-a-loop-over-chains.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from experiments.bench.common import fill_defaults, machine_record, write_report
+from experiments.bench.common import (
+    Sized,
+    best,
+    interleave,
+    machine_record,
+    parser,
+    rel_diff,
+    text_table,
+    write_report,
+)
 
 METHODS = ("sidejax", "unrolled", "per_chain", "through_chain")
 
@@ -326,28 +298,35 @@ def _unrolled_variant(ps, args):
     return _jitted_update_variant(ps, args, one_update)
 
 
-def _per_chain_variant(ps, args):
-    """The authors' loop structure: one jitted chain and pair gradient per pair, averaged on the host."""
+def _per_chain_gradient(ps, c, theta_data, theta_start, nkey, pairs: int, ends=None):
+    """The authors' loop structure for one update's gradient: per pair, its jitted single chain (or the
+    given chain end point ``ends[b]``) and jitted pair gradient, averaged on the host (eager JAX). Returns
+    ``(gradient of the pseudo-inputs, the chain end points)``."""
     import functools
 
-    import jax
     import jax.numpy as jnp
+
+    grads, chain_ends = [], []
+    for b in range(pairs):
+        th_d, th_s = ps.pick((theta_data, theta_start), b)
+        chain_ends.append(ps.chain(c, th_s) if ends is None else ends[b])
+        grads.append(ps.pair_grad(c, th_d, chain_ends[-1], nkey, b))
+    return functools.reduce(jnp.add, grads) / pairs, chain_ends
+
+
+def _per_chain_variant(ps, args):
+    """The authors' loop structure: one jitted chain and pair gradient per pair, averaged on the host."""
+    import jax
 
     from sidejax.keys import draw_key
 
     c0, key, updates = ps.c0, ps.key, args.updates
-    sample, pick, chain, pair_grad, sgd = ps.sample, ps.pick, ps.chain, ps.pair_grad, ps.sgd
+    sample, pick, chain = ps.sample, ps.pick, ps.chain
 
     def per_chain_update(c, u):
         theta_data, theta_start = sample(c, key, u)
-        nkey = draw_key(key, 2 * u + 1)
-        grads = []
-        for b in range(args.pairs):
-            th_d, th_s = pick((theta_data, theta_start), b)
-            th_c = chain(c, th_s)
-            grads.append(pair_grad(c, th_d, th_c, nkey, b))
-        g = functools.reduce(jnp.add, grads) / args.pairs  # host-side average (eager JAX)
-        return sgd(c, g)
+        g, _ = _per_chain_gradient(ps, c, theta_data, theta_start, draw_key(key, 2 * u + 1), args.pairs)
+        return ps.sgd(c, g)
 
     def compile_fn():
         t0 = time.perf_counter()
@@ -428,22 +407,17 @@ def _first_update_check(ps, args, dtype_name):
     ref = jax.jit(lambda c, d, t: fkl_gradient(ps.loss, c, d, t, nkey, **ps.common))(
         c, theta_data, theta_start
     )
-    grads, grads_given, chain_diff = [], [], []
-    for b in range(args.pairs):
-        th_d, th_s = ps.pick((theta_data, theta_start), b)
-        th_c = ps.chain(c, th_s)
-        grads.append(ps.pair_grad(c, th_d, th_c, nkey, b))
-        ref_c = ps.pick(ref.theta_coreset, b)
-        grads_given.append(ps.pair_grad(c, th_d, ref_c, nkey, b))
-        a, r = ravel_pytree(th_c)[0], ravel_pytree(ref_c)[0]
-        chain_diff.append(_rel_diff(a, r))
+    g_loop, ends = _per_chain_gradient(ps, c, theta_data, theta_start, nkey, args.pairs)
+    ref_ends = [ps.pick(ref.theta_coreset, b) for b in range(args.pairs)]
+    g_given, _ = _per_chain_gradient(ps, c, theta_data, theta_start, nkey, args.pairs, ends=ref_ends)
+    chain_diff = [
+        rel_diff(ravel_pytree(a)[0], ravel_pytree(r)[0]) for a, r in zip(ends, ref_ends, strict=True)
+    ]
     g_ref = ref.grad.inputs
-    g_loop = functools.reduce(jnp.add, grads) / args.pairs
-    g_given = functools.reduce(jnp.add, grads_given) / args.pairs
     assert g_ref.dtype == dtype and g_loop.dtype == dtype
     return {
-        "gradient_rel_diff": _rel_diff(g_loop, g_ref),
-        "gradient_at_same_chain_ends_rel_diff": _rel_diff(g_given, g_ref),
+        "gradient_rel_diff": rel_diff(g_loop, g_ref),
+        "gradient_at_same_chain_ends_rel_diff": rel_diff(g_given, g_ref),
         "chain_ends_rel_diff_max": float(np.max(chain_diff)),
         "chain_ends_rel_diff_median": float(np.median(chain_diff)),
         "gradient_norm": float(np.linalg.norm(np.asarray(g_ref, np.float64))),
@@ -467,22 +441,6 @@ def make_variants(problem, args):
 # ----------------------------------------------------------------------------------------------- timing
 
 
-def _clock(fn):
-    """``(result, wall seconds, process CPU seconds)`` of ``fn()`` (JAX results waited for)."""
-    import jax
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - t0, time.process_time() - c0
-
-
-def _rel_diff(a, b) -> float:
-    import numpy as np
-
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-
-
 def _move_diff(a, ref, start) -> float:
     import numpy as np
 
@@ -498,13 +456,8 @@ def run(args) -> dict:
     compile_s, temp = {}, {}
     for m in methods:
         compile_s[m], temp[m] = variants[m][0]()
-    inf = float("inf")
-    best = {m: [inf, inf] for m in methods}
-    out = {}
-    for _ in range(args.repeats):  # interleaved, so load changes hit every variant alike
-        for m in methods:
-            out[m], wall, cpu = _clock(variants[m][1])
-            best[m] = [min(best[m][0], wall), min(best[m][1], cpu)]
+    times, out = interleave({m: variants[m][1] for m in methods}, args.repeats)
+    best_s = best(times)
     from sidejax.utils import enable_x64
 
     check32 = first_update_check("float32")
@@ -513,8 +466,8 @@ def run(args) -> dict:
     final = {m: np.asarray(out[m], np.float64) for m in methods}
     z0 = np.asarray(problem["coreset"].inputs, np.float64)
     u = args.updates
-    wall = {m: best[m][0] / u for m in methods}
-    cpu = {m: best[m][1] / u for m in methods}
+    wall = {m: best_s[m][0] / u for m in methods}
+    cpu = {m: best_s[m][1] / u for m in methods}
     return {
         "problem": {
             "num_params": problem["num_params"],
@@ -526,7 +479,7 @@ def run(args) -> dict:
         "temp_bytes": temp,
         "wall_seconds_per_update": wall,
         "cpu_seconds_per_update": cpu,
-        "wall_seconds_total": {m: best[m][0] for m in methods},
+        "wall_seconds_total": {m: best_s[m][0] for m in methods},
         "ratio_to_sidejax": {m: wall[m] / wall["sidejax"] for m in methods},
         "cpu_ratio_to_sidejax": {m: cpu[m] / cpu["sidejax"] for m in methods},
         "cross_check": {
@@ -536,7 +489,7 @@ def run(args) -> dict:
             "final_inputs_diff_over_move": {
                 m: _move_diff(final[m], final["sidejax"], z0) for m in methods if m != "sidejax"
             },
-            "final_inputs_rel_diff": {m: _rel_diff(final[m], final["sidejax"]) for m in methods},
+            "final_inputs_rel_diff": {m: rel_diff(final[m], final["sidejax"]) for m in methods},
             "inputs_move_max_abs": float(np.max(np.abs(final["sidejax"] - z0))),
             "finite": bool(all(np.all(np.isfinite(v)) for v in final.values())),
         },
@@ -546,67 +499,41 @@ def run(args) -> dict:
 # ----------------------------------------------------------------------------------------------- CLI
 
 
+#: the command line: flag -> (type, default, help); Sized(full, quick) defaults differ with --quick
+FLAGS = {
+    "--quick": (bool, False, "tiny sizes for tests"),
+    "--updates": (int, Sized(20, 3), "BPC-fKL updates timed"),
+    "--pairs": (int, Sized(20, 3), "B_w"),
+    "--chain-length": (int, Sized(200, 5), "L_C"),
+    "--num-noise": (int, Sized(10, 2), "S"),
+    "--trajectories": (int, Sized(10, 2), "expert trajectories J"),
+    "--pretrain-steps": (int, Sized(300, 20), "steps per trajectory"),
+    "--data-chain-length": (int, Sized(150, 10), "L_D"),
+    "--repeats": (int, Sized(3, 1), "timed repetitions, best kept"),
+    "--num-points": (int, 5, "K"),
+    "--points": (int, 20, "the client's data points"),
+    "--noise-std": (float, 1e-2, None),
+    "--chain-lr": (float, 1e-2, None),
+    "--step-size": (float, 1e-3, "psi_x"),
+    "--prior-precision": (float, 0.1, None),
+    "--init-std": (float, 0.6, None),
+    "--skip-through": (bool, Sized(False, True), "skip the through-the-chain variant"),
+    "--seed": (int, 0, None),
+}
+
+
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.bench.bpcfl_update", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for tests")
-    parser.add_argument("--updates", type=int, default=None, help="BPC-fKL updates timed (default 20)")
-    parser.add_argument("--pairs", type=int, default=None, help="B_w (default 20)")
-    parser.add_argument("--chain-length", type=int, default=None, help="L_C (default 200)")
-    parser.add_argument("--num-noise", type=int, default=None, help="S (default 10)")
-    parser.add_argument("--trajectories", type=int, default=None, help="expert trajectories J (default 10)")
-    parser.add_argument("--pretrain-steps", type=int, default=None, help="steps per trajectory (default 300)")
-    parser.add_argument("--data-chain-length", type=int, default=None, help="L_D (default 150)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions, best kept (default 3)")
-    parser.add_argument("--num-points", type=int, default=5, help="K")
-    parser.add_argument("--points", type=int, default=20, help="the client's data points")
-    parser.add_argument("--noise-std", type=float, default=1e-2)
-    parser.add_argument("--chain-lr", type=float, default=1e-2)
-    parser.add_argument("--step-size", type=float, default=1e-3, help="psi_x")
-    parser.add_argument("--prior-precision", type=float, default=0.1)
-    parser.add_argument("--init-std", type=float, default=0.6)
-    parser.add_argument(
-        "--skip-through",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="skip the through-the-chain variant (default: skipped with --quick only)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/bench/bpcfl_update.json", help="JSON output path")
-    args = parser.parse_args(argv)
-    quick = {
-        "updates": 3,
-        "pairs": 3,
-        "chain_length": 5,
-        "num_noise": 2,
-        "trajectories": 2,
-        "pretrain_steps": 20,
-        "data_chain_length": 10,
-        "repeats": 1,
-        "skip_through": True,
-    }
-    full = {
-        "updates": 20,
-        "pairs": 20,
-        "chain_length": 200,
-        "num_noise": 10,
-        "trajectories": 10,
-        "pretrain_steps": 300,
-        "data_chain_length": 150,
-        "repeats": 3,
-        "skip_through": False,
-    }
-    fill_defaults(args, quick, full)
+    p = parser("experiments.bench.bpcfl_update", __doc__, FLAGS, out="results/bench/bpcfl_update.json")
+    args = p.parse_args(argv)
     for name in ("updates", "pairs", "num_noise", "trajectories", "pretrain_steps", "repeats", "num_points"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.chain_length < 0 or args.data_chain_length < 0 or args.data_chain_length % 5:
-        parser.error("--chain-length >= 0 and --data-chain-length a multiple of 5 (>= 0) required")
+        p.error("--chain-length >= 0 and --data-chain-length a multiple of 5 (>= 0) required")
     if args.pretrain_steps % 5 or args.data_chain_length >= args.pretrain_steps:
-        parser.error("--pretrain-steps must be a multiple of 5 and > --data-chain-length")
+        p.error("--pretrain-steps must be a multiple of 5 and > --data-chain-length")
     if args.num_points > args.points:
-        parser.error("--num-points (K) must not exceed --points")
+        p.error("--num-points (K) must not exceed --points")
     return args
 
 
@@ -641,22 +568,18 @@ def format_table(result: dict) -> str:
         f"B_w = {s['pairs']}, L_C = {s['chain_length']}, S = {s['num_noise']}, {s['updates']} updates; "
         f"ms per update, best of {s['repeats']}; ratio = variant / sidejax (wall; cpu_ratio: process CPU)"
     ]
-    head = (
-        f"{'variant':<14} {'compile_s':>9} {'wall_ms':>9} {'cpu_ms':>9} {'ratio':>7} {'cpu_ratio':>9} "
-        f"{'temp_MB':>8} "
-        f"{'dZ/move':>8}"
-    )
-    lines += [head, "-" * len(head)]
+    columns = [("variant", "<14"), ("compile_s", "9.2f"), ("wall_ms", "9.2f"), ("cpu_ms", "9.2f")]
+    columns += [("ratio", "7.3f"), ("cpu_ratio", "9.3f"), ("temp_MB", ">8"), ("dZ/move", "8.1e")]
     diffs = {"sidejax": 0.0, **cc["final_inputs_diff_over_move"]}
+    rows = []
     for m, wall in result["wall_seconds_per_update"].items():
         tb = result["temp_bytes"][m]
-        tb_s = "n/a" if tb is None else f"{tb / 2**20:.2f}"
-        lines.append(
-            f"{m:<14} {result['compile_seconds'][m]:9.2f} {1e3 * wall:9.2f} "
-            f"{1e3 * result['cpu_seconds_per_update'][m]:9.2f} {result['ratio_to_sidejax'][m]:7.3f} "
-            f"{result['cpu_ratio_to_sidejax'][m]:9.3f} "
-            f"{tb_s:>8} {diffs[m]:8.1e}"
+        rows.append(
+            [m, result["compile_seconds"][m], 1e3 * wall, 1e3 * result["cpu_seconds_per_update"][m]]
+            + [result["ratio_to_sidejax"][m], result["cpu_ratio_to_sidejax"][m]]
+            + ["n/a" if tb is None else f"{tb / 2**20:.2f}", diffs[m]]
         )
+    lines += text_table(columns, rows)
     for name in ("float32", "float64"):
         c = cc[f"first_update_{name}"]
         lines.append(

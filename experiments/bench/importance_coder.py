@@ -1,7 +1,8 @@
 """Benchmark: importance-sampling coder throughput and peak memory vs the candidate-generation floor.
 
 For each ``d`` (default: LeNet5's 61,706 and 6CNN's 2,262,602 parameters) and ``K = 2**log2k`` candidates
-per block (default 256), in a fresh subprocess (so peak RSS is clean), it times on the default backend:
+per block (default 256), in a fresh subprocess (so peak RSS is clean), it times on the default backend,
+interleaved, best of ``--repeats``:
 
 - ``floor``: generating the ``K x d`` candidate uniforms with ``jax.random.uniform`` and reducing them to one
   number (so nothing else is computed and they need not be stored), in the same coordinate chunks as the
@@ -21,26 +22,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from experiments.bench.common import write_report
+from experiments.bench.common import best, child_json, interleave, parser, write_report
 
-
-def _best_time(fn, *args, repeats: int):
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return min(times)
+#: the command line: flag -> (type, default, help)
+FLAGS = {
+    "--dims": (str, "61706,2262602", "comma-separated sizes"),
+    "--log2k": (int, 8, None),
+    "--repeats": (int, 3, None),
+    "--memory-budget-mb": (int, 256, None),
+    "--output": (Path, Path("results/bench/importance_coder.json"), None),
+    "--single": (int, None, argparse.SUPPRESS),
+}
 
 
 def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dict:
@@ -83,10 +79,15 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
     )
     decode = jax.jit(lambda s, idx: importance_decode(s, p, blocks, idx))
     idx = encode(sk, pk)
-    t_floor = _best_time(floor, sk, repeats=repeats)
-    t_floor_counter = _best_time(floor_counter, sk, repeats=repeats)
-    t_enc = _best_time(encode, sk, pk, repeats=repeats)
-    t_dec = _best_time(decode, sk, idx, repeats=repeats)
+    calls = {
+        "floor": lambda: floor(sk),
+        "floor_counter": lambda: floor_counter(sk),
+        "encode": lambda: encode(sk, pk),
+        "decode": lambda: decode(sk, idx),
+    }
+    interleave(calls, 1)  # compile + warm up
+    t = {name: wall for name, (wall, _) in best(interleave(calls, repeats)[0]).items()}
+    t_floor, t_floor_counter, t_enc, t_dec = t["floor"], t["floor_counter"], t["encode"], t["decode"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "dim": dim,
@@ -109,34 +110,16 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench.importance_coder", description=__doc__)
-    p.add_argument("--dims", default="61706,2262602")
-    p.add_argument("--log2k", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--memory-budget-mb", type=int, default=256)
-    p.add_argument("--output", type=Path, default=Path("results/bench/importance_coder.json"))
-    p.add_argument("--single", type=int, default=None, help=argparse.SUPPRESS)
+    p = parser("experiments.bench.importance_coder", __doc__, FLAGS)
     args = p.parse_args(argv)
     if args.single is not None:
         print(json.dumps(run_single(args.single, args.log2k, args.repeats, args.memory_budget_mb)))
         return {}
     rows = []
     for dim in (int(x) for x in args.dims.split(",")):
-        cmd = [
-            sys.executable,
-            "-m",
-            "experiments.bench.importance_coder",
-            "--single",
-            str(dim),
-            "--log2k",
-            str(args.log2k),
-            "--repeats",
-            str(args.repeats),
-            "--memory-budget-mb",
-            str(args.memory_budget_mb),
-        ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ.copy())
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+        cmd = [sys.executable, "-m", "experiments.bench.importance_coder", "--single", str(dim)]
+        cmd += ["--log2k", str(args.log2k), "--repeats", str(args.repeats)]
+        row = child_json(cmd + ["--memory-budget-mb", str(args.memory_budget_mb)])
         rows.append(row)
         print(
             f"d={dim:>9,} K={row['num_candidates']}: encode {row['encode_s']:.3f}s "

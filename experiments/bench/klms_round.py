@@ -23,45 +23,34 @@ a round and the coder speed-up.
 
 Run: ``python -m experiments.bench.klms_round [--warmup-rounds 4] [--repeats 3]``.
 
-Measured (2-core shared CPU, one run, best of 3 interleaved; 591 live blocks of 61,706 after 4 rounds;
-buckets 64, 256, 1024, 4096, 16384, 61706): coder share of a round, CPU time, 37.8% -> 12.5% in rounds on
-the broadcast partition and 39.3% -> 12.9% in update rounds; coder 4.3x faster, round 1.4x faster (wall:
-round 7.10 -> 5.14 s, coder 2.54 -> 0.60 s); identical messages. The six buckets cost about 2 s more
-compilation of the round (first call 12.2 -> 14.1 s).
+Measurements: docs/benchmarks.md#on-the-2-core-cpu.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import time
 
-from experiments.bench.common import write_json
+from experiments.bench.common import best, interleave, parser, write_json
 
-
-def _timed(fn, *args):
-    """``(wall seconds, process CPU seconds)`` of one call. CPU time (all threads of this process) is the
-    steadier figure on a machine shared with other jobs: waiting for a core does not count."""
-    import jax
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - t0, time.process_time() - c0
+#: the command line: flag -> (type, default, help)
+FLAGS = {
+    "--preset": (str, "klms_fmnist_fedpm_klms", "experiment preset (FedPM-KLMS)"),
+    "--warmup-rounds": (int, 4, "rounds run before timing (>= 1)"),
+    "--repeats": (int, 3, "timed repetitions of each case (best kept)"),
+}
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="klms_fmnist_fedpm_klms", help="experiment preset (FedPM-KLMS)")
-    parser.add_argument("--warmup-rounds", type=int, default=4, help="rounds run before timing (>= 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions of each case (best kept)")
-    parser.add_argument("--out", default="results/bench/klms_round.json", help="JSON output path")
-    args = parser.parse_args(argv)
+    p = parser("experiments.bench.klms_round", __doc__, FLAGS, out="results/bench/klms_round.json")
+    args = p.parse_args(argv)
     if args.warmup_rounds < 1 or args.repeats < 1:
-        parser.error("--warmup-rounds and --repeats must be >= 1")
+        p.error("--warmup-rounds and --repeats must be >= 1")
     from experiments.config import load_preset
 
     config = load_preset(args.preset)
     if config.algorithm != "fedpm_klms":
-        parser.error(f"--preset must be a fedpm_klms preset, got algorithm {config.algorithm!r}")
+        p.error(f"--preset must be a fedpm_klms preset, got algorithm {config.algorithm!r}")
     return args, config
 
 
@@ -129,29 +118,20 @@ def _time_case(update: bool, state, fed, rkey, rounds, coders, theta, qs, repeat
     kstate = state.server.coder._replace(update=jnp.asarray(update))
     rstate = state._replace(server=state.server._replace(coder=kstate))
     names = list(rounds)
-    compile_s = {}
-    outputs = {}
-    for name in names:  # compile + warm up
-        compile_s[name] = {
-            "round": _timed(rounds[name], rkey, rstate, fed),
-            "coder": _timed(coders[name], kstate, theta, qs),
-        }
-        outputs[name] = coders[name](kstate, theta, qs)[0]
-    same = bool(
-        jnp.all(outputs["before"].num_bits == outputs["after"].num_bits)
-        and jnp.all(outputs["before"].payload == outputs["after"].payload)
+    calls = {}
+    for name in names:
+        calls[name, "round"] = functools.partial(rounds[name], rkey, rstate, fed)
+        calls[name, "coder"] = functools.partial(coders[name], kstate, theta, qs)
+    first, outputs = interleave(calls, 1)  # compile + warm up
+    same = all(
+        bool(jnp.all(getattr(outputs["before", "coder"][0], f) == getattr(outputs["after", "coder"][0], f)))
+        for f in ("num_bits", "payload")
     )
-    inf = (float("inf"), float("inf"))
-    best = {name: {"round": inf, "coder": inf} for name in names}
-    for _ in range(repeats):
-        for name in names:  # interleaved, so load changes hit both alike
-            r, c = _timed(rounds[name], rkey, rstate, fed), _timed(coders[name], kstate, theta, qs)
-            best[name]["round"] = tuple(map(min, best[name]["round"], r))
-            best[name]["coder"] = tuple(map(min, best[name]["coder"], c))
-    case = {"first_call_wall_seconds": {n: {k: v[0] for k, v in compile_s[n].items()} for n in names}}
-    for i, clock in enumerate(("wall", "cpu")):
-        sec = {n: {k: v[i] for k, v in best[n].items()} for n in names}
-        case[clock] = {
+    fastest = best(interleave(calls, repeats)[0])
+    case = {"first_call_wall_seconds": {n: {k: first[n, k][0][0] for k in ("round", "coder")} for n in names}}
+    for i, kind in enumerate(("wall", "cpu")):
+        sec = {n: {k: fastest[n, k][i] for k in ("round", "coder")} for n in names}
+        case[kind] = {
             "seconds": sec,
             "coder_share_of_round": {n: sec[n]["coder"] / sec[n]["round"] for n in names},
             "coder_speedup": sec["before"]["coder"] / sec["after"]["coder"],

@@ -21,49 +21,42 @@ Run: ``python -m experiments.bench.local_training [--clients 10] [--rounds 1] [-
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
 import platform
 import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import optax
 
-from experiments.bench.common import write_report
+from experiments.bench.common import CONVS, conv_context, fashion_mnist, parser, write_report
 from sidejax.algorithms import fedavg
-from sidejax.data import dataset_available, iid_partition, load_dataset, make_federated_data
+from sidejax.data import iid_partition, make_federated_data
 from sidejax.fl import LocalTraining, classification_loss, run_rounds
 from sidejax.keys import run_keys
 from sidejax.models import get_model, init_params
-from sidejax.models.conv import lax_input_gradient, no_banded_matmul, plain_lax_convolution
 
-_CONVS = {
-    "sidejax": contextlib.nullcontext,
-    "no_banded": no_banded_matmul,
-    "kernel_only": lax_input_gradient,
-    "lax": plain_lax_convolution,
+#: the command line: flag -> (type, default, help)
+FLAGS = {
+    "--clients": (int, 10, None),
+    "--examples-per-client": (int, 6000, None),
+    "--batch-size": (int, 32, None),
+    "--rounds": (int, 1, "rounds per timed call"),
+    "--repeats": (int, 2, None),
+    "--strategies": (str, "vmap,map", None),
+    "--convs": (
+        str,
+        "sidejax,lax",
+        "convolutions to time: sidejax, no_banded, kernel_only, lax",
+    ),
+    "--output": (Path, Path("results/bench/local_training.json"), None),
 }
 
 
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.bench.local_training", description=__doc__)
-    p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--examples-per-client", type=int, default=6000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=1, help="rounds per timed call")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--strategies", default="vmap,map")
-    p.add_argument(
-        "--convs",
-        default="sidejax,lax",
-        help="convolutions to time: sidejax (the models'), no_banded, kernel_only (before issue 12), lax",
-    )
-    p.add_argument("--output", type=Path, default=Path("results/bench/local_training.json"))
+    p = parser("experiments.bench.local_training", __doc__, FLAGS)
     args = p.parse_args(argv)
-    bad = sorted(set(args.convs.split(",")) - set(_CONVS))
+    bad = sorted(set(args.convs.split(",")) - set(CONVS))
     if bad:
         p.error(f"--convs takes sidejax, kernel_only and/or lax, got {','.join(bad)}")
     return args
@@ -71,15 +64,7 @@ def _parse_args(argv):
 
 def _federated_data(args):
     """``(fed, real)``: the clients' Fashion-MNIST (or same-shape random images when it is not installed)."""
-    real = dataset_available("fashion_mnist")
-    n = args.clients * args.examples_per_client
-    if real:
-        train = load_dataset("fashion_mnist", "train")
-        x, y = train.x[:n], train.y[:n]
-    else:
-        rng = np.random.default_rng(0)
-        x = rng.random((n, 28, 28, 1), dtype=np.float32)
-        y = rng.integers(0, 10, n).astype(np.int32)
+    x, y, real = fashion_mnist(args.clients * args.examples_per_client)
     return make_federated_data(x, y, iid_partition(len(y), args.clients, seed=0)), real
 
 
@@ -89,7 +74,7 @@ def _time_strategy(args, strategy, conv, fed, loss, init_key, rounds_key, params
     local = LocalTraining(optax.sgd(0.05, momentum=0.9), batch_size=args.batch_size, num_epochs=1)
     algo = fedavg(loss, local, clients_per_round=args.clients)
     state = algo.init(init_key, params, args.clients)
-    trace_ctx = _CONVS[conv]()
+    trace_ctx = conv_context(conv)
     t0 = time.perf_counter()
     with trace_ctx:  # tracing and compilation happen in this first call
         warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)

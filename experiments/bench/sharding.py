@@ -30,12 +30,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from experiments.bench.common import write_json
+from experiments.bench.common import Sized, child_json, interleave, parser, write_json
 
 METHODS = ("fedavg", "fedpm_klms")
 
@@ -114,12 +113,8 @@ def _child(args) -> dict:
         if mem is not None:
             per_device = int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes)
         jax.block_until_ready(compiled(state, data))  # warm-up
-        walls, cpus = [], []
-        for _ in range(args.calls):
-            w, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(compiled(state, data))
-            walls.append((time.perf_counter() - w) / args.rounds)
-            cpus.append((time.process_time() - c) / args.rounds)
+        times = interleave({"round": lambda c=compiled, s=state, d=data: c(s, d)}, args.calls)[0]["round"]
+        walls, cpus = [w / args.rounds for w, _ in times], [c / args.rounds for _, c in times]
         best = int(np.argmin(walls))
         out["methods"][name] = {
             "compile_s": compile_s,
@@ -131,26 +126,29 @@ def _child(args) -> dict:
     return out
 
 
+#: the command line: flag -> (type, default, help)
+FLAGS = {
+    "--devices": (str, "1,2,4,8", None),
+    "--methods": (str, ",".join(METHODS), None),
+    "--clients": (int, Sized(32, 8), None),
+    "--participants": (int, Sized(16, 4), None),
+    "--examples": (int, Sized(64, 16), "examples per client"),
+    "--rounds": (int, 1, "rounds per timed call"),
+    "--calls": (int, Sized(3, 1), "timed calls per subprocess (best is kept)"),
+    "--repeats": (int, Sized(2, 1), "passes over the device counts (interleaved)"),
+    "--quick": (bool, False, "tiny sizes, for tests"),
+    "--out": (Path, Path("results/bench/sharding.json"), None),
+    "--child": (int, None, argparse.SUPPRESS),
+}
+
+
 def _parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.bench.sharding", description=__doc__)
-    p.add_argument("--devices", default="1,2,4,8")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--clients", type=int, default=32)
-    p.add_argument("--participants", type=int, default=16)
-    p.add_argument("--examples", type=int, default=64, help="examples per client")
-    p.add_argument("--rounds", type=int, default=1, help="rounds per timed call")
-    p.add_argument("--calls", type=int, default=3, help="timed calls per subprocess (best is kept)")
-    p.add_argument("--repeats", type=int, default=2, help="passes over the device counts (interleaved)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, for tests")
-    p.add_argument("--out", type=Path, default=Path("results/bench/sharding.json"))
-    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p = parser("experiments.bench.sharding", __doc__, FLAGS)
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         p.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
-    if args.quick:
-        args.clients, args.participants, args.examples, args.calls, args.repeats = 8, 4, 16, 1, 1
     counts = None
     if args.child is None:
         counts = [int(c) for c in args.devices.split(",") if c]
@@ -166,11 +164,10 @@ def _run_child(args, n: int) -> dict:
     forwarded = ["--methods", ",".join(args.methods), "--clients", str(args.clients)]
     forwarded += ["--participants", str(args.participants), "--examples", str(args.examples)]
     forwarded += ["--rounds", str(args.rounds), "--calls", str(args.calls)]
-    proc = subprocess.run(cmd + forwarded, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the {n}-device run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("CHILD ") :])
+    try:
+        return child_json(cmd + forwarded, tag="CHILD ", env=env, timeout=1800)
+    except RuntimeError as e:
+        raise RuntimeError(f"the {n}-device run failed:\n{e}") from None
 
 
 def _aggregate(runs: dict, counts, methods) -> tuple[dict, dict]:

@@ -45,30 +45,33 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from experiments.bench.common import write_report
+from experiments.bench.common import (
+    SINGLE_THREAD_XLA_FLAGS,
+    conv_context,
+    fashion_mnist,
+    interleave,
+    parser,
+    single_thread_env,
+    write_report,
+)
 
-_SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+#: the command line: flag -> (type, default, help)
+FLAGS = {
+    "--batch-sizes": (str, "32,128", "comma-separated batch sizes (default 32,128)"),
+    "--examples": (int, 6000, "examples in the client's epoch (default 6000)"),
+    "--repeats": (int, 5, "timed epochs per contestant (median reported)"),
+    "--threads": (int, 1, "1: single-threaded; 0: defaults"),
+    "--before": (bool, False, "also time no_banded and kernel_only (before issue 12)"),
+    "--lax": (bool, False, "also time plain lax convolutions (slow)"),
+    "--no-torch": (bool, False, "skip PyTorch even when it is installed"),
+    "--output": (Path, Path("results/bench/torch_compare.json"), None),
+}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.bench.torch_compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--batch-sizes", default="32,128", help="comma-separated batch sizes (default 32,128)")
-    p.add_argument("--examples", type=int, default=6000, help="examples in the client's epoch (default 6000)")
-    p.add_argument("--repeats", type=int, default=5, help="timed epochs per contestant (median reported)")
-    p.add_argument("--threads", type=int, default=1, choices=(0, 1), help="1: single-threaded; 0: defaults")
-    p.add_argument(
-        "--before", action="store_true", help="also time no_banded and kernel_only (before issue 12)"
-    )
-    p.add_argument("--lax", action="store_true", help="also time plain lax convolutions (slow)")
-    p.add_argument("--no-torch", action="store_true", help="skip PyTorch even when it is installed")
-    p.add_argument("--output", type=Path, default=Path("results/bench/torch_compare.json"))
+    p = parser("experiments.bench.torch_compare", __doc__, FLAGS)
     args = p.parse_args(argv)
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -76,6 +79,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}")
     if any(b < 1 for b in args.batch_sizes) or args.examples < 1 or args.repeats < 1:
         p.error("--batch-sizes, --examples and --repeats must be >= 1")
+    if args.threads not in (0, 1):
+        p.error(f"--threads takes 0 or 1, got {args.threads}")
     return args
 
 
@@ -89,26 +94,13 @@ def _import_torch():
 
 class _Data:
     def __init__(self, n: int):
-        import numpy as np
-
-        from sidejax.data import dataset_available, load_dataset
-
-        self.real = dataset_available("fashion_mnist")
-        if self.real:
-            train = load_dataset("fashion_mnist", "train")
-            self.x, self.y = np.asarray(train.x[:n], np.float32), np.asarray(train.y[:n], np.int32)
-        else:
-            rng = np.random.default_rng(0)
-            self.x = rng.random((n, 28, 28, 1), dtype=np.float32)
-            self.y = rng.integers(0, 10, n).astype(np.int32)
+        self.x, self.y, self.real = fashion_mnist(n)
         if len(self.y) < n:
             raise SystemExit(f"--examples {n} exceeds the {len(self.y)} training images available")
 
 
 def _sidejax_trainers(data: _Data, batch_size: int, variants: list[str]):
     """Jitted one-epoch local trainers ``() -> params`` (compiled and run once here), initial params."""
-    import contextlib
-
     import jax
     import jax.numpy as jnp
     import optax
@@ -118,7 +110,6 @@ def _sidejax_trainers(data: _Data, batch_size: int, variants: list[str]):
     from sidejax.fl.local import build_local_trainer
     from sidejax.keys import run_keys
     from sidejax.models import get_model, init_params
-    from sidejax.models.conv import lax_input_gradient, no_banded_matmul, plain_lax_convolution
 
     spec = get_model("lenet5")
     init_key, client_key = run_keys(0)
@@ -128,18 +119,12 @@ def _sidejax_trainers(data: _Data, batch_size: int, variants: list[str]):
         jnp.asarray(data.x), jnp.asarray(data.y), jnp.arange(n, dtype=jnp.int32), jnp.int32(n)
     )
     loss = classification_loss(spec.module.apply)
-    contexts = {
-        "sidejax": contextlib.nullcontext,
-        "no_banded": no_banded_matmul,
-        "kernel_only": lax_input_gradient,
-        "lax": plain_lax_convolution,
-    }
     trainers = {}
     for name in variants:
         train = jax.jit(
             build_local_trainer(loss, optax.sgd(0.05, momentum=0.9), batch_size=batch_size, num_epochs=1)
         )
-        with contexts[name]():  # tracing happens in the first call
+        with conv_context(name):  # tracing happens in the first call
             jax.block_until_ready(train(client_key, params, client))
         trainers[name] = lambda train=train: jax.block_until_ready(train(client_key, params, client)[0])
     return trainers, params, spec
@@ -219,16 +204,13 @@ def _setup_torch(args):
 
 
 def _time_epochs(by_batch: dict, repeats: int) -> dict:
-    """Seconds of each ``repeats`` epoch of every (batch size, contestant)."""
-    # every (batch size, contestant) in turn within each repeat: machine load drifts alike over all of them
-    all_times = {b: {name: [] for name in trainers} for b, trainers in by_batch.items()}
-    for _ in range(repeats):
-        for b, trainers in by_batch.items():
-            for name, fn in trainers.items():
-                t0 = time.perf_counter()
-                fn()
-                all_times[b][name].append(time.perf_counter() - t0)
-    return all_times
+    """Wall seconds of each ``repeats`` epoch of every (batch size, contestant), all of them in turn within
+    each repeat: machine load drifts alike over all of them."""
+    calls = {(b, name): fn for b, trainers in by_batch.items() for name, fn in trainers.items()}
+    times = interleave(calls, repeats)[0]
+    return {
+        b: {name: [w for w, _ in times[b, name]] for name in trainers} for b, trainers in by_batch.items()
+    }
 
 
 def _batch_entry(b, trainers, times: dict, examples: int) -> dict:
@@ -309,12 +291,12 @@ def _run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    if args.threads == 1 and _SINGLE_THREAD_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    if args.threads == 1 and SINGLE_THREAD_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
         if "jax" in sys.modules:  # too late for XLA_FLAGS in this process: run in a fresh interpreter
             cmd = [sys.executable, "-m", "experiments.bench.torch_compare"]
             subprocess.run([*cmd, *(sys.argv[1:] if argv is None else argv)], check=True)
             return json.loads(args.output.read_text())
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SINGLE_THREAD_XLA_FLAGS}".strip()
+        os.environ.update(single_thread_env())
     return _run(args)
 
 
