@@ -85,7 +85,7 @@ from sidejax.coding.base import (
 from sidejax.coding.bitstream import mask_to_length, sent_words, unpack_fixed
 from sidejax.coding.compress import scaled_sign_coder
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundInfo, RoundState, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
@@ -521,7 +521,7 @@ def compressed_algorithm(method: ErrorFeedbackMethod, local: LocalTraining, loss
         receive=functools.partial(compressed_receive, method),
         client_update=functools.partial(compressed_client_update, method, local.trainer(loss_fn)),
         server_update=functools.partial(compressed_server_update, method),
-        eval_params=lambda state: state.server.params,
+        evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=method.clients_per_round,
         metrics=compressed_metrics,
     )
