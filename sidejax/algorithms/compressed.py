@@ -512,7 +512,7 @@ def compressed_metrics(info: RoundInfo) -> dict:
     }
 
 
-def compressed_algorithm(method: ErrorFeedbackMethod, local: LocalTraining, loss_fn: Callable) -> Algorithm:
+def compressed_algorithm(method: ErrorFeedbackMethod, loss_fn: Callable, local: LocalTraining) -> Algorithm:
     """The :class:`sidejax.fl.Algorithm` of an :class:`ErrorFeedbackMethod` (the builders below make the
     method)."""
     return Algorithm(
@@ -561,7 +561,7 @@ def memsgd(
       coder: the compressor (default :func:`sidejax.coding.scaled_sign_coder`).
     """
     method = _method("memsgd", coder, server_lr, clients_per_round)
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
 
 
 def doublesqueeze(
@@ -578,7 +578,7 @@ def doublesqueeze(
     Args: as :func:`memsgd`.
     """
     method = _method("doublesqueeze", coder, server_lr, clients_per_round, downlink_rounds=1)
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
 
 
 def neolithic(
@@ -600,7 +600,7 @@ def neolithic(
     method = _method(
         "neolithic", coder, server_lr, clients_per_round, uplink_rounds=rounds, downlink_rounds=rounds
     )
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
 
 
 def cser(
@@ -620,4 +620,4 @@ def cser(
     """
     period = check_count(period, "period", 1)
     method = _method("cser", coder, server_lr, clients_per_round, reset_period=period)
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
