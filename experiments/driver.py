@@ -6,8 +6,8 @@
   or empty folder unless ``overwrite``; ``resume`` needs a run of the same configuration there);
 - :mod:`experiments.driver_loop`: the initial state and the round loop (chunks of ``run.eval_every`` rounds,
   each checked for NaN/inf and invalid streams before it is kept);
-- :mod:`experiments.driver_eval`: the evaluation the method declares (``MethodConfig.evaluation``: one model,
-  an ensemble of samples, or personal per-client models), from one table;
+- :mod:`experiments.driver_eval`: the evaluation the algorithm declares (its ``evaluation``: one model, an
+  ensemble of samples, and personal per-client models), by :func:`sidejax.fl.build_algorithm_evaluator`;
 - :mod:`experiments.driver_records`: the metrics rows, checkpoints, final model and summary;
 - :mod:`experiments.driver_plots`: the accuracy plots.
 
@@ -49,7 +49,7 @@ import numpy as np
 from experiments import distributed
 from experiments.algorithms import ModelContext, build_algorithm
 from experiments.config import ExperimentConfig
-from experiments.driver_eval import EVALUATIONS, Evaluator, evaluation_of
+from experiments.driver_eval import Evaluator, check_evaluation
 from experiments.driver_folder import (
     RunExistsError,
     check_new_output,
@@ -102,7 +102,6 @@ __all__ = [
     "plot_runs",
     "read_jsonl",
     "tail_accuracy",
-    "EVALUATIONS",
     "METRIC_COLUMNS",
     "PERSONAL_COLUMNS",
     "PERSONAL_TABLE_HEADER",
@@ -251,7 +250,7 @@ def run_experiment(
     t_start = time.perf_counter()
 
     prepared = prepare(config)
-    evaluation = evaluation_of(config, prepared.algorithm, prepared.client_test)
+    check_evaluation(config, prepared.algorithm, prepared.client_test)
     state, num_params, rounds = start_rounds(config, prepared)
     records = Records(out, config, num_params, writer=writer, t_start=t_start)
     partial_like = (lambda: rounds.partial_like(state)) if rounds.in_parts() else None
@@ -260,7 +259,6 @@ def run_experiment(
     # own devices' shares); host_view gives the whole state back for evaluation and checkpoints
     state, fed = place_federation(rounds.client_map, state, rounds.fed)
     evaluator = Evaluator(
-        evaluation,
         prepared.algorithm,
         prepared.spec.module.apply,
         batch_size=config.run.eval_batch_size,
@@ -274,4 +272,4 @@ def run_experiment(
         )
         final, sample = evaluator.final_model(host_view(config, state))  # a collective on several processes
     records.save_final(final, sample)
-    return records.finish(personal=evaluation.personal, label=label)
+    return records.finish(personal=evaluator.personal, label=label)

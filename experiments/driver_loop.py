@@ -256,7 +256,7 @@ def run_chunks(
             f"parameters, {config.data.num_clients} clients ({config.clients_per_round} per round), "
             f"output {records.out}"
         )
-        print(PERSONAL_TABLE_HEADER if evaluator.evaluation.personal else TABLE_HEADER)
+        print(PERSONAL_TABLE_HEADER if evaluator.personal else TABLE_HEADER)
     bar = tqdm(total=target, initial=records.done, disable=not progress, unit="round", leave=False)
     with interrupts.deferring():
         while records.done < target:

@@ -69,7 +69,7 @@ METRIC_COLUMNS = (
 )
 
 
-#: the columns a personalized method (``algorithm.personal_params``) logs besides :data:`METRIC_COLUMNS`:
+#: the columns a personalized method (``algorithm.evaluation.personal``) logs besides :data:`METRIC_COLUMNS`:
 #: the personal models, each on its client's test set, pooled over the clients (``None`` in rounds that
 #: are not evaluated)
 PERSONAL_COLUMNS = ("personal_accuracy", "personal_loss")

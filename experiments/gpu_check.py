@@ -489,7 +489,7 @@ def run_preset(preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
         **times,
         "steady_round": "round 1 again from the initial state (one-shot)" if one_shot else "round 2",
         "eval_s": eval_s,
-        # every method declares its evaluation (MethodConfig.evaluation), and the global model's is timed
+        # every algorithm declares its evaluation (Algorithm.evaluation), and the global model's is timed
         "eval_note": None,
         **_round_facts(run["infos"], run["num_params"]),
         "backend": jax.default_backend(),
@@ -562,16 +562,17 @@ def _preset_rounds(config) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _time_evaluation(config, run: dict[str, Any]) -> float:
     """Seconds of the first evaluation (with its compilation) of the global model after the steady round,
-    with the evaluator the method declares (:data:`experiments.driver.EVALUATIONS`)."""
+    as the algorithm declares it (:func:`sidejax.fl.build_algorithm_evaluator`; personal models aside)."""
     import jax
 
-    from experiments.driver import EVALUATIONS
+    from sidejax.fl import build_algorithm_evaluator
 
-    algorithm = run["algorithm"]
-    build = EVALUATIONS[config.method.evaluation].build
-    evaluate = jax.jit(build(run["spec"].module.apply, batch_size=config.run.eval_batch_size))
+    evaluation = run["algorithm"].evaluation._replace(personal=None)
+    evaluate = build_algorithm_evaluator(
+        evaluation, run["spec"].module.apply, batch_size=config.run.eval_batch_size
+    )
     t0 = time.perf_counter()
-    jax.block_until_ready(evaluate(algorithm.eval_params(run["state"]), *run["test"]))
+    jax.block_until_ready(evaluate(run["state"], run["test"]))
     return time.perf_counter() - t0
 
 

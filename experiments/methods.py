@@ -129,8 +129,9 @@ class MethodConfig(Section):
     (``[run]`` values of a configuration made from defaults, :func:`experiments.config.default_config`).
 
     Capabilities, declared (read directly by the configuration, the driver and the checks; a method
-    overrides the ones that differ): :attr:`one_shot`, :attr:`needs_model`, :attr:`evaluation`,
-    :attr:`full_participation`, and the hook :meth:`check_data`.
+    overrides the ones that differ): :attr:`one_shot`, :attr:`needs_model`, :attr:`full_participation`,
+    and the hook :meth:`check_data`. How a run is evaluated is not declared here: the built algorithm's
+    ``evaluation`` (:class:`sidejax.fl.Evaluation`) says it.
     """
 
     table: ClassVar[str] = "method"
@@ -145,12 +146,6 @@ class MethodConfig(Section):
     #: :meth:`build` also needs ``model``, an :class:`experiments.algorithms.ModelContext` (the network's
     #: initialiser, one example's input shape, the number of classes): BPC-FL
     needs_model: ClassVar[bool] = False
-    #: how the driver evaluates the algorithm (:data:`experiments.driver_eval.EVALUATIONS`): ``"model"``
-    #: (``eval_params`` is one model, tested on the common test set), ``"ensemble"`` (``eval_params`` has a
-    #: leading sample axis: the samples' predictive average; BPC-FL) or ``"personal"`` (the global model on
-    #: the common test set, and ``personal_params``, one model per client, each on its client's own test
-    #: set; pFedBayes). The driver checks the built algorithm against it.
-    evaluation: ClassVar[str] = "model"
     #: why the method needs every client in every round (:meth:`build` refuses data.participation < 1), or
     #: ``None`` when it takes any participation
     full_participation: ClassVar[str | None] = None
@@ -528,7 +523,6 @@ class PFedBayesConfig(MethodConfig):
     name: ClassVar[str] = "pfedbayes"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
     run_defaults: ClassVar = {"rounds": 60, "eval_every": 5}
-    evaluation: ClassVar[str] = "personal"
     library_args: ClassVar = {"settings": PFedBayesSettings}
     limits: ClassVar = {
         ">= 1": "local_iters personal_steps batch_size mc_samples subset_size",
@@ -798,8 +792,6 @@ class BPCFLConfig(MethodConfig):
     run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
     one_shot: ClassVar[bool] = True
     needs_model: ClassVar[bool] = True
-    #: the server's posterior samples (one, the MAP estimate, with sgd/adam inference)
-    evaluation: ClassVar[str] = "ensemble"
     full_participation: ClassVar = "bpcfl is one-shot: every client uploads once"
     limits: ClassVar = {
         ">= 1": "map_steps hmc_integration_steps hmc_samples sgld_samples sgld_thinning",

@@ -55,6 +55,7 @@ from experiments.run import build_parser, resolve
 from experiments.run import main as cli_main
 from experiments.suite import main as suite_main
 from sidejax.data import label_split_train_test, load_dataset, partition
+from sidejax.fl import Evaluation
 from sidejax.models import get_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1038,12 +1039,10 @@ PFEDME = {  # 10 clients x 5 labels x 20 digits: 25 train and 75 test examples e
 
 
 def _as_personal(m: pytest.MonkeyPatch) -> None:
-    """Within ``m``, FedAvg is a personalized method: it declares ``evaluation = "personal"`` and its
-    algorithm broadcasts the global model to every client as its personal model."""
+    """Within ``m``, FedAvg is a personalized method: its algorithm's evaluation broadcasts the global model
+    to every client as its personal model (the driver reads that from the algorithm, nothing else)."""
     import experiments.driver as driver
-    from experiments.methods import FedAvgConfig
 
-    m.setattr(FedAvgConfig, "evaluation", "personal")
     m.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
 
 
@@ -1054,10 +1053,10 @@ def _with_personal(build):
         algorithm = build(config, loss_fn)
         n = config.data.num_clients
 
-        def personal_params(state):
+        def personal(state):
             return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), algorithm.eval_params(state))
 
-        return algorithm._replace(personal_params=personal_params)
+        return algorithm._replace(evaluation=algorithm.evaluation._replace(personal=personal))
 
     return build_personal
 
@@ -1178,39 +1177,23 @@ def test_a_personalized_method_needs_per_client_test_sets(tmp_path, monkeypatch)
     assert not out.exists()  # refused before any file is written
 
 
-def test_every_method_declares_the_evaluation_its_algorithm_has():
-    """``MethodConfig.evaluation`` picks the driver's evaluator (``EVALUATIONS``); the built algorithm must
-    fit it: an ensemble's ``eval_params`` has a sample axis, a personalized method has ``personal_params``.
-    Only BPC-FL is one-shot and needs the model context; the pFedBayes family is personalized."""
-    from experiments.driver import EVALUATIONS
-
+def test_every_method_builds_an_algorithm_that_declares_its_evaluation():
+    """The driver evaluates what the built algorithm's ``evaluation`` says (nothing is declared beside it):
+    only BPC-FL's is an ensemble (its posterior samples), only the pFedBayes family has personal models.
+    Only BPC-FL is one-shot and needs the model context."""
     declared = {}
     for name, cls in METHODS.items():
         config = default_config(f"{name}+{cls.default_coder}", **{"data.num_clients": 4})
-        algorithm = prepare(config).algorithm
-        evaluation = EVALUATIONS[cls.evaluation]
-        assert algorithm.eval_axis == evaluation.eval_axis, name
-        assert (algorithm.personal_params is not None) == evaluation.personal, name
-        declared[name] = (cls.evaluation, cls.one_shot, cls.needs_model)
-    assert {n for n, (e, _, _) in declared.items() if e == "ensemble"} == {"bpcfl"}
-    assert {n for n, (e, _, _) in declared.items() if e == "personal"} == {
+        evaluation = prepare(config).algorithm.evaluation
+        assert isinstance(evaluation, Evaluation) and callable(evaluation.params), name
+        declared[name] = (evaluation.ensemble, evaluation.personal is not None, cls.one_shot, cls.needs_model)
+    assert {n for n, (ensemble, *_) in declared.items() if ensemble} == {"bpcfl"}
+    assert {n for n, (_, personal, *_) in declared.items() if personal} == {
         "pfedbayes",
         "pfedbayes_subset",
         "coreset_pfedbayes",
     }
-    assert {n for n, (_, one_shot, needs_model) in declared.items() if one_shot or needs_model} == {"bpcfl"}
-
-
-def test_an_algorithm_that_does_not_fit_its_declared_evaluation_is_refused(tmp_path, monkeypatch):
-    """FedAvg declares one model; an algorithm built with personal models anyway is a bug in the method's
-    declaration, named before any file is written."""
-    import experiments.driver as driver
-
-    monkeypatch.setattr(driver, "build_algorithm", _with_personal(build_algorithm))
-    out = tmp_path / "run"
-    with pytest.raises(ValueError, match=r"declares evaluation 'model'.*FedAvgConfig.evaluation"):
-        run_experiment(default_config("fedavg", **PFEDME), out, progress=False, verbose=False)
-    assert not out.exists()
+    assert {n for n, (*_, one_shot, needs_model) in declared.items() if one_shot or needs_model} == {"bpcfl"}
 
 
 def test_a_configuration_refused_when_traced_writes_no_run_folder(tmp_path):

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sidejax.fl import Evaluation
 from sidejax.fl.evaluate import (
     EvalResult,
+    build_algorithm_evaluator,
     build_ensemble_evaluator,
     build_evaluator,
     build_personal_evaluator,
@@ -224,6 +226,55 @@ def test_evaluators_match_float64_oracle_with_padding_that_does_not_divide_the_b
         assert_metrics_match_oracle(ens({"t": jnp.asarray(t)}, x, yj, mj), oracle(pbar, y, mask))
     # unmasked: n = 203 is a compile-time constant (XLA would turn a division by it into a product)
     assert_metrics_match_oracle(ens({"t": jnp.asarray(t)}, x, yj), oracle(pbar, y, np.ones_like(mask)))
+
+
+def _assert_results_equal(got: EvalResult, want: EvalResult) -> None:
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_algorithm_evaluator_composes_the_model_evaluators_as_the_evaluation_says():
+    """``build_algorithm_evaluator`` reads the models from the state with the ``Evaluation``'s functions and
+    scores them with the same compiled evaluators a driver would build by hand (bit for bit): one model by
+    ``build_evaluator``, an ensemble by ``build_ensemble_evaluator``, personal models by
+    ``build_personal_evaluator`` pooled by ``client_mean``."""
+    logits, y, mask = random_problem(n=120)
+    x, yj = jnp.asarray(logits), jnp.asarray(y)
+    client_test = (x.reshape(3, 40, -1), yj.reshape(3, 40), jnp.asarray(mask).reshape(3, 40))
+    state = {"t": jnp.float32(1.5), "ts": jnp.array([1.0, 0.5, 2.0], jnp.float32)}
+    one = Evaluation(lambda s: {"t": s["t"]})
+    evaluate = build_algorithm_evaluator(one, temperature_model, batch_size=50)
+    got = evaluate(state, (x, yj))
+    assert got.personal is None
+    _assert_results_equal(
+        got.model, jax.jit(build_evaluator(temperature_model, batch_size=50))({"t": 1.5}, x, yj)
+    )
+    with pytest.raises(ValueError, match="client_test was given, but the evaluation has no personal models"):
+        evaluate(state, (x, yj), client_test)
+    # an ensemble of three temperatures, and the same three as the clients' personal models
+    both = Evaluation(lambda s: {"t": s["ts"]}, ensemble=True, personal=lambda s: {"t": s["ts"]})
+    evaluate = build_algorithm_evaluator(both, temperature_model, batch_size=50)
+    got = evaluate(state, (x, yj, jnp.asarray(mask)), client_test)
+    ensemble = jax.jit(build_ensemble_evaluator(temperature_model, batch_size=50))
+    _assert_results_equal(got.model, ensemble({"t": state["ts"]}, x, yj, jnp.asarray(mask)))
+    personal = jax.jit(build_personal_evaluator(temperature_model, batch_size=50))
+    _assert_results_equal(got.personal, client_mean(personal({"t": state["ts"]}, *client_test)))
+    with pytest.raises(ValueError, match="client_test .* is required: the evaluation has personal models"):
+        evaluate(state, (x, yj))
+
+
+@pytest.mark.parametrize(
+    "evaluation, match",
+    [
+        (lambda s: s, "evaluation must be a sidejax.fl.Evaluation, got function"),
+        (Evaluation(None), "evaluation.params must be callable"),
+        (Evaluation(lambda s: s, ensemble="sample"), "evaluation.ensemble must be a bool, got 'sample'"),
+        (Evaluation(lambda s: s, personal={"t": 1}), "evaluation.personal must be None or callable"),
+    ],
+)
+def test_algorithm_evaluator_refuses_a_malformed_evaluation(evaluation, match):
+    with pytest.raises(ValueError, match=match):
+        build_algorithm_evaluator(evaluation, temperature_model)
 
 
 @pytest.fixture(scope="module")

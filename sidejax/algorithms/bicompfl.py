@@ -87,7 +87,7 @@ from sidejax.coding.base import (
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, unpack_fixed
 from sidejax.coding.klms import KLMSConfig, KLMSState, klms_coder
 from sidejax.distributions import Bernoulli
-from sidejax.fl.base import Algorithm, ClientInfo, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import (
     ClientKeys,
@@ -649,7 +649,7 @@ def bicompfl_gr(
         receive=functools.partial(_gr_receive, coder, n_ul),
         client_update=functools.partial(_gr_client_update, loss_fn, local, estimator, coder, n_ul),
         server_update=functools.partial(_gr_server_update, coder, n_ul),
-        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=num_clients,
         metrics=_metrics,
     )
@@ -1011,7 +1011,7 @@ def bicompfl_gr_reconst(
         receive=functools.partial(_reconst_receive, coder, config, n_dl, num_clients),
         client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, n_ul),
         server_update=functools.partial(_reconst_server_update, coder, n_ul),
-        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=num_clients,
         metrics=_metrics,
     )
@@ -1080,7 +1080,7 @@ def bicompfl_pr(
         receive=functools.partial(_pr_receive, coder, config, n_dl, groups),
         client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, n_ul),
         server_update=functools.partial(_pr_server_update, coder, n_ul),
-        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=cpr,
         metrics=_metrics,
     )

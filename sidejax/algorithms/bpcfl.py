@@ -24,7 +24,7 @@ One round (the only one: the method is one-shot, paper Alg. 1 / docs/papers/bpcf
    (the likelihood summed over the coreset, explicit scale ``β``: docs/papers/bpcfl.md#s8-7) with an
    :class:`Inference`: :func:`map_inference` (SGD / Adam MAP, one "sample"), :func:`hmc_inference` (full-batch
    HMC through blackjax) or :func:`sgld_inference` (an addition beyond the paper). The samples are the server
-   state; ``eval_params`` returns them with a leading sample axis (``eval_axis = "sample"``: the Bayesian
+   state; ``eval_params`` returns them with a leading sample axis (``evaluation.ensemble``: the Bayesian
    predictive ``(1/S) Σ_s p(y | f(x, θ_s))``).
 
 Resolutions applied (docs/papers/bpcfl.md#s8): the inner chain and the pretraining descend the mean-reduced
@@ -67,7 +67,15 @@ from sidejax.bayes.pseudocoresets import (
 from sidejax.coding.base import Coder, EmptyState, Message, empty_message, included
 from sidejax.coding.pseudocoreset import pack_pseudocoreset, pseudocoreset_coder, unpack_pseudocoreset
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, Batch, ClientData, ClientInfo, RoundState, initial_round_state
+from sidejax.fl.base import (
+    Algorithm,
+    Batch,
+    ClientData,
+    ClientInfo,
+    Evaluation,
+    RoundState,
+    initial_round_state,
+)
 from sidejax.keys import EXPERTS, PSEUDOCORESET, SERVER, ClientKeys, client_streams, draw_key, stream_key
 from sidejax.types import Params, PRNGKey
 from sidejax.utils import check_count, keep_unless_none, tree_all_finite
@@ -620,8 +628,7 @@ def bpcfl(
         server_update=functools.partial(
             bpcfl_server_update, loss_fn, settings, inference, coder, input_shape
         ),
-        eval_params=_eval_params,
+        evaluation=Evaluation(_eval_params, ensemble=True),
         clients_per_round=num_clients,
-        eval_axis="sample",
         metrics=_metrics,
     )

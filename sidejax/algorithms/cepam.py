@@ -50,7 +50,7 @@ from sidejax.algorithms.dense import receive_vector, vector_downlink
 from sidejax.coding.base import Coder, EmptyState, Message, included
 from sidejax.coding.lattice import NoisePrior
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, Batch, ClientInfo, RoundInfo, initial_round_state
+from sidejax.fl.base import Algorithm, Batch, ClientInfo, Evaluation, RoundInfo, initial_round_state
 from sidejax.keys import ORDER, ClientKeys, client_streams, epoch_key, step_key, stream_key
 from sidejax.types import Params
 from sidejax.utils import check_count, keep_unless_none, masked_mean, stack_clients, tree_all_finite
@@ -259,7 +259,7 @@ def cepam(
             _client_update, train, optimizer, coder, bool(persistent_optimizer), use_levels
         ),
         server_update=functools.partial(_server_update, coder, use_levels),
-        eval_params=lambda state: state.server.params,
+        evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=clients_per_round,
         metrics=_metrics,
     )

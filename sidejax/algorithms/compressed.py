@@ -85,7 +85,7 @@ from sidejax.coding.base import (
 from sidejax.coding.bitstream import mask_to_length, sent_words, unpack_fixed
 from sidejax.coding.compress import scaled_sign_coder
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundInfo, RoundState, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
@@ -512,7 +512,7 @@ def compressed_metrics(info: RoundInfo) -> dict:
     }
 
 
-def compressed_algorithm(method: ErrorFeedbackMethod, local: LocalTraining, loss_fn: Callable) -> Algorithm:
+def compressed_algorithm(method: ErrorFeedbackMethod, loss_fn: Callable, local: LocalTraining) -> Algorithm:
     """The :class:`sidejax.fl.Algorithm` of an :class:`ErrorFeedbackMethod` (the builders below make the
     method)."""
     return Algorithm(
@@ -521,7 +521,7 @@ def compressed_algorithm(method: ErrorFeedbackMethod, local: LocalTraining, loss
         receive=functools.partial(compressed_receive, method),
         client_update=functools.partial(compressed_client_update, method, local.trainer(loss_fn)),
         server_update=functools.partial(compressed_server_update, method),
-        eval_params=lambda state: state.server.params,
+        evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=method.clients_per_round,
         metrics=compressed_metrics,
     )
@@ -561,7 +561,7 @@ def memsgd(
       coder: the compressor (default :func:`sidejax.coding.scaled_sign_coder`).
     """
     method = _method("memsgd", coder, server_lr, clients_per_round)
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
 
 
 def doublesqueeze(
@@ -578,7 +578,7 @@ def doublesqueeze(
     Args: as :func:`memsgd`.
     """
     method = _method("doublesqueeze", coder, server_lr, clients_per_round, downlink_rounds=1)
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
 
 
 def neolithic(
@@ -600,7 +600,7 @@ def neolithic(
     method = _method(
         "neolithic", coder, server_lr, clients_per_round, uplink_rounds=rounds, downlink_rounds=rounds
     )
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)
 
 
 def cser(
@@ -620,4 +620,4 @@ def cser(
     """
     period = check_count(period, "period", 1)
     method = _method("cser", coder, server_lr, clients_per_round, reset_period=period)
-    return compressed_algorithm(method, local, loss_fn)
+    return compressed_algorithm(method, loss_fn, local)

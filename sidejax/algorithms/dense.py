@@ -35,7 +35,7 @@ from sidejax.coding.base import (
     included,
     split_message,
 )
-from sidejax.fl.base import Algorithm, ClientInfo, RoundInfo, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundInfo, RoundState, initial_round_state
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.layout import FlatLayout, flat_layout
 from sidejax.types import Params
@@ -232,7 +232,7 @@ def dense_algorithm(
         server_update=lambda rkey, server, ids, shared, msgs, w: dense_server_update(
             method, coder, rkey, server, shared, msgs, w
         ),
-        eval_params=lambda state: state.server.params,
+        evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=clients_per_round,
         metrics=coder_metrics,
     )

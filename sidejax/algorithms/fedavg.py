@@ -36,7 +36,7 @@ from sidejax.coding.base import (
     included,
 )
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundState, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import ClientKeys, client_streams
 from sidejax.types import Params
@@ -178,6 +178,6 @@ def fedavg(
         receive=functools.partial(fedavg_receive, coder),
         client_update=functools.partial(fedavg_client_update, local.trainer(loss_fn), coder),
         server_update=functools.partial(fedavg_server_update, server_optimizer, coder),
-        eval_params=lambda state: state.server.params,
+        evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=clients_per_round,
     )

@@ -85,7 +85,7 @@ from sidejax.algorithms.fedavg import (
 )
 from sidejax.coding.base import Coder, float32_coder, included
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, ClientInfo, RoundState
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundState
 from sidejax.fl.local import build_sampling_trainer
 from sidejax.keys import ClientKeys, client_streams
 from sidejax.types import Params
@@ -378,6 +378,6 @@ def fedpa(
         receive=functools.partial(fedavg_receive, coder),
         client_update=functools.partial(fedpa_client_update, train, settings, coder),
         server_update=functools.partial(fedpa_server_update, server_optimizer, coder),
-        eval_params=lambda state: state.server.params,
+        evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=clients_per_round,
     )

@@ -59,7 +59,7 @@ from sidejax.coding.base import (
 )
 from sidejax.coding.sample import mask_coder
 from sidejax.distributions import Bernoulli
-from sidejax.fl.base import Algorithm, ClientInfo, RoundState, initial_round_state
+from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundState, initial_round_state
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import EVAL, LOSS, MASK, SCORES, ClientKeys, client_streams, leaf_key, stream_key
 from sidejax.layout import flat_layout
@@ -369,7 +369,7 @@ def fedpm(
         receive=functools.partial(fedpm_receive, coder),
         client_update=functools.partial(fedpm_client_update, loss_fn, local, coder, estimator),
         server_update=functools.partial(fedpm_server_update, coder, reset_priors),
-        eval_params=functools.partial(fedpm_eval_params, eval_mask),
+        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=clients_per_round,
         metrics=fedpm_metrics,
     )

@@ -47,7 +47,7 @@ from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms.dense import DenseMethod, dense_algorithm
 from sidejax.algorithms.qsgd import qsgd_method
-from sidejax.coding.base import Coder
+from sidejax.coding.base import Coder, float32_coder
 from sidejax.coding.sample import elias_coder
 from sidejax.distributions import DiagGaussian
 from sidejax.fl.base import Algorithm, Batch
@@ -184,7 +184,7 @@ def sgld(
     *,
     num_clients: int,
     clients_per_round: int,
-    coder: Coder,
+    coder: Coder | None = None,
     settings: LangevinSettings | None = None,
 ) -> Algorithm:
     """Builds federated SGLD whose clients send one sample of :math:`N(H_c, \\sigma^2 I)`: SGLD-KLMS with
@@ -196,9 +196,10 @@ def sgld(
       num_clients: as :func:`qlsd`.
       clients_per_round: as :func:`qlsd`.
       settings: as :func:`qlsd`.
-      coder: the coder of the Gaussian samples.
+      coder: the coder of the Gaussian samples (default ``float32_coder()``: the uncompressed sample).
     """
     settings = _check(settings, num_clients, clients_per_round)
+    coder = float32_coder() if coder is None else coder
     step_size = settings.step_size
     sigma = sgld_klms_sigma(step_size, num_clients, clients_per_round)
 

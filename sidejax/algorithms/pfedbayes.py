@@ -60,7 +60,7 @@ Deviations and resolutions (docs/papers/coreset_pfedbayes.md#s6), all documented
 Per-example log-likelihoods come from the library's loss contract: ``ℓ_j(θ) = −loss_fn(θ, {x_j, y_j})`` on a
 one-example batch (vmapped), so ``loss_fn`` must be the mean **negative log-likelihood**
 (:func:`sidejax.fl.classification_loss` is: softmax cross-entropy = ``−log p(y|x)``). Evaluation uses the
-posterior means (``eval_params``: the global ``μ``; ``personal_params``: every client's personal ``μ``).
+posterior means (``eval_params``: the global ``μ``; ``evaluation.personal``: every client's personal ``μ``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from sidejax.bayes.coresets import aiht, projected_potentials
 from sidejax.bayes.variational import MeanField, init_mean_field, mean_field_kl, sample
 from sidejax.coding.base import Coder, EmptyState, float32_coder, included
 from sidejax.distributions import PointMass
-from sidejax.fl.base import Algorithm, Batch, ClientInfo, RoundInfo, initial_round_state
+from sidejax.fl.base import Algorithm, Batch, ClientInfo, Evaluation, RoundInfo, initial_round_state
 from sidejax.fl.local import epoch_order
 from sidejax.keys import (
     ORDER,
@@ -529,7 +529,7 @@ def _eval_global(state):
     return state.server.posterior.mu
 
 
-def _algorithm(loss_fn, settings, coder, clients_per_round, *, init, client_update, metrics, personal_params):
+def _algorithm(loss_fn, settings, coder, clients_per_round, *, init, client_update, metrics, personal):
     """The shared downlink, server and evaluation kernels around a builder's own ``init`` and client, after
     the checks every builder shares (:func:`_common`).
 
@@ -546,10 +546,9 @@ def _algorithm(loss_fn, settings, coder, clients_per_round, *, init, client_upda
         receive=functools.partial(_receive, coder),
         client_update=functools.partial(client_fn, settings, coder, log_lik, *client_args),
         server_update=functools.partial(_server_update, settings, coder),
-        eval_params=_eval_global,
+        evaluation=Evaluation(_eval_global, personal=personal),
         clients_per_round=clients_per_round,
         metrics=metrics,
-        personal_params=personal_params,
     )
 
 
@@ -588,7 +587,8 @@ def pfedbayes(
       coder: the uplink coder of the localized global ``(μ, ρ)`` (default float32: ``64 P`` bits).
 
     Returns:
-      An :class:`sidejax.fl.Algorithm` with ``personal_params`` (every client's personal posterior mean).
+      An :class:`sidejax.fl.Algorithm` whose ``evaluation.personal`` is every client's personal posterior
+      mean.
     """
     return _algorithm(
         loss_fn,
@@ -598,7 +598,7 @@ def pfedbayes(
         init=(_pfb_init,),
         client_update=(_pfb_client,),
         metrics=_metrics,
-        personal_params=lambda state: state.clients.personal.posterior.mu,
+        personal=lambda state: state.clients.personal.posterior.mu,
     )
 
 
@@ -664,7 +664,7 @@ def pfedbayes_subset(
         init=(_subset_init, k),
         client_update=(_subset_client, k, bool(reweight)),
         metrics=_metrics,
-        personal_params=lambda state: state.clients.personal.posterior.mu,
+        personal=lambda state: state.clients.personal.posterior.mu,
     )
 
 
@@ -746,8 +746,8 @@ def coreset_pfedbayes(
       coder: the uplink coder of the coreset track's localized global (default float32).
 
     Returns:
-      An :class:`sidejax.fl.Algorithm`; ``personal_params`` are the coreset tracks' means (``q̂_w``, the
-      paper's personal model, docs/papers/coreset_pfedbayes.md#s2-6); the algorithm's metrics log
+      An :class:`sidejax.fl.Algorithm`; its ``evaluation.personal`` gives the coreset tracks' means (``q̂_w``,
+      the paper's personal model, docs/papers/coreset_pfedbayes.md#s2-6); the algorithm's metrics log
       ``KL(q̂_w ‖ q̂)``, ``f/‖y‖²`` (NaN in a round without A-IHT), ``Σw``, ``|supp w|`` and A-IHT's
       iterations.
 
@@ -779,5 +779,5 @@ def coreset_pfedbayes(
         init=(_coreset_init, k),
         client_update=(_coreset_client, coreset, k),
         metrics=_coreset_metrics,
-        personal_params=lambda state: state.clients.coreset_track.posterior.mu,
+        personal=lambda state: state.clients.coreset_track.posterior.mu,
     )

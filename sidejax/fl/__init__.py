@@ -9,6 +9,7 @@ from sidejax.fl.base import (
     ClientInfo,
     ClientUpdate,
     EmptyState,
+    Evaluation,
     ReceiveFn,
     RoundInfo,
     RoundState,
@@ -18,6 +19,8 @@ from sidejax.fl.base import (
 )
 from sidejax.fl.evaluate import (
     EvalResult,
+    Scores,
+    build_algorithm_evaluator,
     build_ensemble_evaluator,
     build_evaluator,
     build_personal_evaluator,
@@ -63,6 +66,7 @@ __all__ = [
     "ClientInfo",
     "ClientUpdate",
     "EmptyState",
+    "Evaluation",
     "ReceiveFn",
     "no_metrics",
     "ClientMap",
@@ -82,6 +86,8 @@ __all__ = [
     "initial_round_state",
     "ServerUpdate",
     "EvalResult",
+    "Scores",
+    "build_algorithm_evaluator",
     "build_evaluator",
     "build_ensemble_evaluator",
     "build_personal_evaluator",

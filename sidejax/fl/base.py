@@ -9,7 +9,8 @@ An algorithm is a set of pure role kernels (optax/blackjax style), held in :clas
 - ``client_update(keys, received, client_state, data) -> (client_state, Message, ClientInfo)``;
 - ``server_update(round_key, server, client_ids, shared_keys, messages, weights)
   -> (server, server_info, uplink_errors)``;
-- ``eval_params(state) -> params`` (optionally with a leading sample or client axis) and ``metrics``.
+- ``evaluation``: an :class:`Evaluation`, what the state is evaluated as (the global model, or an ensemble's
+  samples, and a personalized method's personal models), and ``metrics``.
 
 The engine (:func:`sidejax.fl.build_round_step`) composes them into one round and chooses how to map the
 clients (:class:`sidejax.fl.ClientMap`, passed once). States are carried by ``lax.scan``; infos are emitted,
@@ -41,8 +42,8 @@ __all__ = [
     "ReceiveFn",
     "ClientUpdate",
     "ServerUpdate",
+    "Evaluation",
     "Algorithm",
-    "EVAL_AXES",
     "no_metrics",
 ]
 
@@ -220,13 +221,37 @@ class ServerUpdate(Protocol):
         with none included the server keeps its previous state (:func:`sidejax.utils.keep_unless_none`)."""
 
 
-EVAL_AXES = (None, "sample", "client")
-
-
 def no_metrics(info: RoundInfo) -> dict:
     """The default metrics hook: nothing beyond the engine's own columns."""
     del info
     return {}
+
+
+class Evaluation(NamedTuple):
+    """What an algorithm's state is evaluated as: the one evaluation contract of every algorithm
+    (:func:`sidejax.fl.build_algorithm_evaluator` builds its evaluator).
+
+    Three shapes, all from this one value:
+
+    - one global model: ``Evaluation(params)``, scored on a common test set;
+    - an ensemble: ``Evaluation(params, ensemble=True)``: ``params(state)``'s leaves have a leading axis of
+      ``S`` posterior samples / ensemble members, scored by their predictive average
+      ``p̄ = (1/S) Σ_s softmax(f(x, θ_s))`` (docs/papers/bpcfl.md#a5; BPC-FL);
+    - with personal models: ``personal`` set (either of the above for the global model): client ``c``'s own
+      model, scored on client ``c``'s own test set, the clients pooled by example count
+      (docs/papers/coreset_pfedbayes.md#s2-6; the pFedBayes family).
+
+    Attributes:
+      params: ``params(state: RoundState) -> Params``: the global model (with ``ensemble``, the stacked
+        samples).
+      ensemble: whether ``params`` has the leading sample axis (static).
+      personal: ``None``, or ``personal(state: RoundState) -> Params`` with a leading axis over **all**
+        clients (client ``c``'s personal model, e.g. pFedBayes' personal posterior mean).
+    """
+
+    params: Callable[[RoundState], Params]
+    ensemble: bool = False
+    personal: Callable[[RoundState], Params] | None = None
 
 
 class Algorithm(NamedTuple):
@@ -239,18 +264,11 @@ class Algorithm(NamedTuple):
       receive: :class:`ReceiveFn`.
       client_update: :class:`ClientUpdate`.
       server_update: :class:`ServerUpdate`.
-      eval_params: ``eval_params(state: RoundState) -> Params``: the model(s) to evaluate. With ``eval_axis``
-        ``"sample"`` the leaves have a leading axis of posterior samples / ensemble members (evaluated by
-        their predictive average), with ``"client"`` a leading axis of personal models (one per client,
-        evaluated on each client's own data).
+      evaluation: :class:`Evaluation`: the model(s) to evaluate and how (one model, an ensemble's samples,
+        personal models); :attr:`eval_params` is its ``params``.
       clients_per_round: participants per round (static; the algorithm's math may depend on it).
-      eval_axis: ``None``, ``"sample"`` or ``"client"`` (static).
       metrics: ``metrics(info: RoundInfo) -> dict[str, array]``: the algorithm's own diagnostics, one value
         per round (leading rounds axis when ``info`` is stacked), logged generically by drivers.
-      personal_params: ``None``, or for a personalized method ``personal_params(state) -> Params`` with a
-        leading axis over **all** clients (client ``c``'s personal model, e.g. pFedBayes' personal posterior
-        mean), evaluated beside ``eval_params``' global model, each on its own client's test set
-        (:func:`sidejax.fl.build_personal_evaluator`).
     """
 
     init: Callable[[PRNGKey, Params, int], RoundState]
@@ -258,8 +276,12 @@ class Algorithm(NamedTuple):
     receive: ReceiveFn
     client_update: ClientUpdate
     server_update: ServerUpdate
-    eval_params: Callable[[RoundState], Params]
+    evaluation: Evaluation
     clients_per_round: int
-    eval_axis: str | None = None
     metrics: Callable[[RoundInfo], dict] = no_metrics
-    personal_params: Callable[[RoundState], Params] | None = None
+
+    @property
+    def eval_params(self) -> Callable[[RoundState], Params]:
+        """``eval_params(state) -> Params``: the global model (``evaluation.params``; with
+        ``evaluation.ensemble`` a leading sample axis)."""
+        return self.evaluation.params

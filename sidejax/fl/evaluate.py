@@ -13,8 +13,11 @@ are integers) and memory holds one batch of activations at a time.
 - :func:`build_personal_evaluator`: params with a leading **client** axis, each evaluated on its own padded
   test set ``x [clients, n, ...]``; per-client results, reduced by :func:`client_mean`.
 
+:func:`build_algorithm_evaluator` composes them as an algorithm's :class:`sidejax.fl.Evaluation` says: the
+one evaluator of a round state, for every algorithm.
+
 ``apply_fn`` is called as ``apply_fn({'params': p}, x, train=False)`` and returns logits ``[batch, C]``.
-The builders return pure, un-jitted functions (wrap them in ``jax.jit``).
+The three model builders return pure, un-jitted functions (wrap them in ``jax.jit``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sidejax.fl.base import Evaluation, RoundState
 from sidejax.metrics import (
     DEFAULT_NUM_BINS,
     ClassificationStats,
@@ -44,6 +48,8 @@ __all__ = [
     "build_evaluator",
     "build_ensemble_evaluator",
     "build_personal_evaluator",
+    "Scores",
+    "build_algorithm_evaluator",
     "client_mean",
     "eval_result",
 ]
@@ -284,3 +290,91 @@ def client_mean(result: EvalResult) -> EvalResult:
     return EvalResult(
         accuracy=mean(result.accuracy), loss=mean(result.loss), num_examples=total, ece=mean(result.ece)
     )
+
+
+class Scores(NamedTuple):
+    """The scores of one round state (:func:`build_algorithm_evaluator`).
+
+    Attributes:
+      model: the global model's :class:`EvalResult` on the common test set (an ensemble: its predictive
+        average's).
+      personal: ``None``, or the personal models' results, each on its client's own test set, pooled over
+        the clients by :func:`client_mean`.
+    """
+
+    model: EvalResult
+    personal: EvalResult | None = None
+
+
+def build_algorithm_evaluator(
+    evaluation: Evaluation,
+    apply_fn: Callable,
+    *,
+    batch_size: int = 1000,
+    num_bins: int = DEFAULT_NUM_BINS,
+    samples_per_step: int = 1,
+    clients_per_step: int = 1,
+):
+    """Builds ``evaluate(state, test, client_test=None) -> Scores`` for an algorithm's
+    :class:`sidejax.fl.Evaluation` (``algorithm.evaluation``): the one evaluator of every algorithm.
+
+    The global model ``evaluation.params(state)`` is scored by :func:`build_evaluator`, or with
+    ``evaluation.ensemble`` by :func:`build_ensemble_evaluator` (the samples' predictive average); a
+    personalized method's ``evaluation.personal(state)`` (a leading axis over all clients) by
+    :func:`build_personal_evaluator`, pooled by :func:`client_mean`.
+
+    The models are read from the state where ``evaluate`` runs (on the host between rounds, as a driver
+    does, or traced under an outer ``jax.jit``); the model evaluators are compiled here (``jax.jit``, once
+    per input shape).
+
+    Args:
+      evaluation: the algorithm's :class:`sidejax.fl.Evaluation`.
+      apply_fn: ``apply_fn({'params': p}, x, train=False) -> logits [batch, C]``.
+      batch_size: examples per ``lax.map`` step (static).
+      num_bins: ECE bins ``B``.
+      samples_per_step: an ensemble's samples evaluated at once (:func:`build_ensemble_evaluator`).
+      clients_per_step: personal models evaluated at once (:func:`build_personal_evaluator`).
+
+    Returns:
+      ``evaluate(state, test, client_test=None)``: ``test = (x [n, ...], y [n])`` or ``(x, y, mask)``, the
+      common test set; ``client_test = (x [clients, n, ...], y [clients, n], mask [clients, n])``, every
+      client's own test set (required exactly when ``evaluation.personal`` is set). A :class:`Scores`.
+
+    Raises:
+      ValueError: ``evaluation`` is not an :class:`sidejax.fl.Evaluation` (or its fields are not a callable
+        ``params``, a bool ``ensemble``, a callable or ``None`` ``personal``); in ``evaluate``, a
+        ``client_test`` missing for personal models or given without them.
+    """
+    if not isinstance(evaluation, Evaluation):
+        raise ValueError(f"evaluation must be a sidejax.fl.Evaluation, got {type(evaluation).__name__}")
+    if not callable(evaluation.params):
+        raise ValueError(f"evaluation.params must be callable (state -> params), got {evaluation.params!r}")
+    if not isinstance(evaluation.ensemble, bool):
+        raise ValueError(f"evaluation.ensemble must be a bool, got {evaluation.ensemble!r}")
+    if evaluation.personal is not None and not callable(evaluation.personal):
+        raise ValueError(f"evaluation.personal must be None or callable, got {evaluation.personal!r}")
+    common = dict(batch_size=batch_size, num_bins=num_bins)
+    if evaluation.ensemble:
+        model = build_ensemble_evaluator(apply_fn, **common, samples_per_step=samples_per_step)
+    else:
+        model = build_evaluator(apply_fn, **common)
+    model = jax.jit(model)
+    personal = None
+    if evaluation.personal is not None:
+        personal = jax.jit(build_personal_evaluator(apply_fn, **common, clients_per_step=clients_per_step))
+
+    def evaluate(state: RoundState, test, client_test=None) -> Scores:
+        if personal is not None and client_test is None:
+            raise ValueError(
+                "client_test (every client's own test set) is required: the evaluation has personal models"
+            )
+        if personal is None and client_test is not None:
+            raise ValueError(
+                "client_test was given, but the evaluation has no personal models (personal is None)"
+            )
+        scores = Scores(model(evaluation.params(state), *test))
+        if personal is None:
+            return scores
+        return scores._replace(personal=client_mean(personal(evaluation.personal(state), *client_test)))
+
+    return evaluate

@@ -149,7 +149,7 @@ def test_the_client_phase_in_parts_gives_the_same_uploads_and_posterior(one_roun
 def test_eval_params_are_the_posterior_samples(one_round):
     algo, state0, [(state, _), _] = one_round
     samples = algo.eval_params(state)
-    assert algo.eval_axis == "sample"
+    assert algo.evaluation.ensemble
     for leaf, init in zip(jax.tree.leaves(samples), jax.tree.leaves(state0.server.params), strict=True):
         assert leaf.shape == (1, *init.shape)
     # MAP moved away from the initialisation

@@ -203,12 +203,12 @@ def test_coreset_pfedbayes_is_deterministic_and_its_coresets_are_sparse_and_nonn
     assert np.isnan(np.asarray(metrics["coreset_objective"])[1])
     assert np.all(np.asarray(metrics["coreset_objective"])[[0, 2]] < 1)
     # personal models: one per client (the coreset tracks' means); non-participants keep the initial one
-    personal = algo.personal_params(final)
+    personal = algo.evaluation.personal(final)
     assert jax.tree.leaves(personal)[0].shape[0] == 10
     idle = int(np.flatnonzero(~participated)[0])
     assert tree_equal(
         jax.tree.map(lambda a: a[idle], personal),
-        jax.tree.map(lambda a: a[idle], algo.personal_params(state)),
+        jax.tree.map(lambda a: a[idle], algo.evaluation.personal(state)),
     )
 
 

@@ -21,6 +21,7 @@ from sidejax.fl import (
     Algorithm,
     ClientInfo,
     ClientMap,
+    Evaluation,
     LocalTraining,
     as_client_map,
     build_round_step,
@@ -293,7 +294,7 @@ def echo_algorithm(clients_per_round: int) -> Algorithm:
         receive=receive,
         client_update=client_update,
         server_update=server_update,
-        eval_params=lambda state: state.server.secrets,
+        evaluation=Evaluation(lambda state: state.server.secrets),
         clients_per_round=clients_per_round,
     )
 
