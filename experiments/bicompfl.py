@@ -113,7 +113,14 @@ def _fixed(b: int, log2k: int) -> dict[str, Any]:
 
 
 def _downlink(b: int, log2k: int) -> dict[str, Any]:
-    return {**_fixed(b, log2k), "method.downlink_block_size": b, "method.downlink_num_candidates": 2**log2k}
+    # the downlink's CRC-32 off, stated in every preset: the paper's bit counts carry no check (with it, 32
+    # more bits per downlink sample; docs/papers/bicompfl.md#dep-extras)
+    return {
+        **_fixed(b, log2k),
+        "method.downlink_block_size": b,
+        "method.downlink_num_candidates": 2**log2k,
+        "method.downlink_crc32": False,
+    }
 
 
 # the non-stochastic baselines: Adam, local lr 3e-4, server lr 0.1 (docs/papers/bicompfl.md#s4-1 [P])

@@ -26,6 +26,7 @@ from sidejax.algorithms import (
     BPCFLSettings,
     FedPASettings,
     LangevinSettings,
+    bicompfl_downlink,
     bpcfl,
     check_client_sizes,
     hmc_inference,
@@ -36,7 +37,6 @@ from sidejax.algorithms.bpcfl import check_settings
 from sidejax.algorithms.fedpa import SHRINKAGE_FORMS, check_fedpa_settings
 from sidejax.algorithms.mirror import mirror_descent
 from sidejax.algorithms.pfedbayes import KL_SCALE_MODES, CoresetSettings, PFedBayesSettings
-from sidejax.coding import KLMSConfig
 from sidejax.fl import Algorithm, LocalTraining
 
 __all__ = [
@@ -652,11 +652,14 @@ class _DownlinkConfig(BICompFLConfig):
       downlink_block_size: b of the downlink's fixed blocks.
       downlink_num_candidates: n_IS of the downlink (a power of two).
       num_downlink_samples: n_DL (unset: n * n_UL, the paper's choice).
+      downlink_crc32: end every downlink sample with a CRC-32 that covers the prior, so a party whose
+        estimate is out of sync is reported (+32 bits per sample); the paper's bit counts carry none.
     """
 
     downlink_block_size: int = 128
     downlink_num_candidates: int = 16
     num_downlink_samples: int | None = None
+    downlink_crc32: bool = True
 
     def check(self) -> None:
         k = self.downlink_num_candidates
@@ -667,11 +670,8 @@ class _DownlinkConfig(BICompFLConfig):
         )
 
     def algorithm(self, b: Build) -> Algorithm:
-        downlink = KLMSConfig(
-            log2_num_candidates=self.downlink_num_candidates.bit_length() - 1,
-            adaptive=False,
-            block_size=self.downlink_block_size,
-        )
+        log2k = self.downlink_num_candidates.bit_length() - 1
+        downlink = bicompfl_downlink(self.downlink_block_size, log2k, crc32=self.downlink_crc32)
         return self.call(b, downlink=downlink)
 
 

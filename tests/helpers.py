@@ -14,6 +14,7 @@ from sidejax.algorithms import (
     BPCFLSettings,
     FedPASettings,
     LangevinSettings,
+    bicompfl_downlink,
     bicompfl_gr,
     bicompfl_gr_reconst,
     bicompfl_pr,
@@ -206,6 +207,7 @@ def fake_cifar_batch(path, n, label_key, seed):
 
 _KEYS_KLMS = klms_coder(SMALL_KLMS)
 _BI_FIXED = KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=64)
+_BI_DOWN = bicompfl_downlink(64, 2, crc32=False)  # the same blocks, without the downlink's default CRC
 
 
 def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int = 3) -> dict:
@@ -242,7 +244,7 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
             LocalTraining(optax.adam(0.1), **local),
             num_clients=num_clients,
             coder=klms_coder(_BI_FIXED),
-            downlink=_BI_FIXED,
+            downlink=_BI_DOWN,
             num_uplink_samples=2,
             split_downlink=True,
             **common,
@@ -308,7 +310,7 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
             LocalTraining(optax.adam(0.1), **local),
             num_clients=num_clients,
             coder=klms_coder(_BI_FIXED),
-            downlink=_BI_FIXED,
+            downlink=_BI_DOWN,
         ),
         "pfedbayes": pfedbayes(
             loss,

@@ -8,7 +8,8 @@
 - :func:`signsgd`: (stochastic) SignSGD and SignSGD-KLMS.
 - :func:`qlsd`, :func:`sgld`: Bayesian FL with Langevin dynamics (QLSD; SGLD-KLMS).
 - :func:`bicompfl_gr`, :func:`bicompfl_gr_reconst`, :func:`bicompfl_pr`: BICompFL, bi-directional
-  importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL).
+  importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL);
+  :func:`bicompfl_downlink`, the importance-sampled downlink coder (CRC-32 on by default).
 - :func:`memsgd`, :func:`doublesqueeze`, :func:`neolithic`, :func:`cser`: the non-stochastic
   bi-directionally compressed baselines (error feedback, scaled-sign compressor).
 - :func:`cepam`: CEPAM's FedAvg around a privacy mechanism coder (LRSUQ, additive noise, SDQ), with
@@ -23,7 +24,13 @@
   (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
 """
 
-from sidejax.algorithms.bicompfl import bicompfl_gr, bicompfl_gr_reconst, bicompfl_pr, fixed_rates
+from sidejax.algorithms.bicompfl import (
+    bicompfl_downlink,
+    bicompfl_gr,
+    bicompfl_gr_reconst,
+    bicompfl_pr,
+    fixed_rates,
+)
 from sidejax.algorithms.bpcfl import (
     BPCFLServer,
     BPCFLSettings,
@@ -115,6 +122,7 @@ __all__ = [
     "sampled_sgd",
     "CepamServer",
     "CepamClient",
+    "bicompfl_downlink",
     "bicompfl_gr",
     "bicompfl_gr_reconst",
     "bicompfl_pr",

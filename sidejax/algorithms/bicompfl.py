@@ -36,6 +36,10 @@ Round ``t`` (the engine's order: downlink, local work, uplink, aggregation):
      groups (docs/papers/bicompfl.md#s3-6 [A]); the other coordinates keep :math:`\\hat\\theta_{j,t}`, so
      every coordinate is refreshed within ``n`` rounds and the downlink costs about ``1/n`` of PR's.
 
+   These three take the downlink coder as an argument (:func:`bicompfl_downlink`: Fixed-KLMS with the
+   CRC-32 on by default, since every party must hold bit-identical priors); a group is coded as the live
+   prefix of a static buffer (:attr:`sidejax.coding.Coder.live_prefix`).
+
 **Exact priors.** Every average is a count of 0/1 samples mapped through a lookup table,
 :math:`c(k/N)` for :math:`k = 0..N` (:func:`clip_table`, float64 then float32), so the federator and
 every client compute bit-identical priors in any compiled program (no reduction order, no fused
@@ -73,11 +77,11 @@ from sidejax.algorithms.fedpm import (
     train_mask,
 )
 from sidejax.bits import BITS_DTYPE, as_bits
-from sidejax.blocks import blocks_from_starts
 from sidejax.coding.base import (
     ERR_LENGTH,
     Coder,
     Message,
+    check_live_prefix,
     concat_messages,
     concat_stacked,
     included,
@@ -85,7 +89,7 @@ from sidejax.coding.base import (
     stream_errors,
 )
 from sidejax.coding.bitstream import mask_to_length, pack_fixed, unpack_fixed
-from sidejax.coding.klms import KLMSConfig, KLMSState, klms_coder
+from sidejax.coding.klms import KLMSConfig, klms_coder
 from sidejax.distributions import Bernoulli
 from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, initial_round_state
 from sidejax.fl.local import LocalTraining
@@ -114,6 +118,7 @@ __all__ = [
     "ReconstServer",
     "PRServer",
     "EstimateClient",
+    "bicompfl_downlink",
     "bicompfl_gr",
     "bicompfl_gr_reconst",
     "bicompfl_pr",
@@ -311,16 +316,24 @@ class BiServerInfo(NamedTuple):
     downlink_kl_bits: jax.Array
 
 
-def _train_and_send(loss_fn, local, estimator, coder, num_samples, keys, weights, theta, coder_state, data):
-    """Alg. 1 from ``theta``, then ``num_samples`` uplink samples of ``Bern(phi)`` against ``Bern(theta)``."""
+def _train_and_send(loss_fn, local, estimator, coder, num_samples, keys, received, theta, data):
+    """Every variant's client work: Alg. 1 from ``theta`` (the model or estimate just ``received``), then
+    ``num_samples`` uplink samples of ``Bern(phi)`` against ``Bern(theta)`` with the coder state received:
+    ``(message, ClientInfo)``."""
     train_key, sample_key = client_streams(keys.private)
-    phi, linfo = train_mask(loss_fn, local, estimator, weights, theta, train_key, data)
+    phi, linfo = train_mask(loss_fn, local, estimator, received.weights, theta, train_key, data)
     q, p = Bernoulli(phi), Bernoulli(theta)
     message, infos = encode_samples(
-        coder, ClientKeys(keys.shared, sample_key), q, p, coder_state, num_samples
+        coder, ClientKeys(keys.shared, sample_key), q, p, received.coder, num_samples
     )
-    finite = linfo.finite & jnp.all(jnp.isfinite(phi))
-    return message, linfo, finite, jnp.all(jnp.asarray(infos.valid)), jnp.sum(q.kl_bits(p))
+    info = ClientInfo(
+        loss=linfo.loss,
+        finite=linfo.finite & jnp.all(jnp.isfinite(phi)),
+        extra=BiClientExtra(jnp.sum(q.kl_bits(p)), received.broadcast_bits),
+        valid=jnp.all(jnp.asarray(infos.valid)),
+        downlink_errors=received.errors,
+    )
+    return message, info
 
 
 def _kl_bits(a, b) -> jax.Array:
@@ -365,15 +378,39 @@ def _check_init_clients(name: str, want: int, got: int) -> None:
         )
 
 
-def _check_downlink(config: KLMSConfig) -> KLMSConfig:
-    if not isinstance(config, KLMSConfig):
-        raise TypeError(f"downlink must be a KLMSConfig, got {type(config).__name__}")
-    if config.adaptive:
-        raise ValueError(
-            "the downlink uses the Fixed allocation (the paper runs PR, SplitDL and GR-Reconst only with "
-            "Fixed blocks): pass downlink=KLMSConfig(adaptive=False, block_size=..., log2_num_candidates=...)"
+def bicompfl_downlink(block_size: int, log2_num_candidates: int, *, crc32: bool = True) -> Coder:
+    """The importance-sampled downlink of GR-Reconst, PR and SplitDL: Fixed-KLMS blocks of ``block_size``
+    with :math:`n_{IS}` = ``2 ** log2_num_candidates`` candidates (docs/papers/bicompfl.md#s3-8),
+    ``klms_coder(KLMSConfig(adaptive=False, block_size=..., log2_num_candidates=..., crc32=...))``.
+
+    The CRC-32 is on by default: the protocol needs every party to hold bit-identical priors, and the check
+    covers a fingerprint of the prior, so a receiver whose estimate has drifted from the federator's copy
+    reports ``ERR_CRC`` (``ClientInfo.downlink_errors``) instead of decoding a plausible wrong estimate. It
+    costs 32 bits per downlink message (each of the ``n_DL`` samples). ``crc32=False`` gives the paper's bit
+    counts, which carry no check (docs/papers/bicompfl.md#dep-extras)."""
+    return klms_coder(
+        KLMSConfig(
+            adaptive=False, block_size=block_size, log2_num_candidates=log2_num_candidates, crc32=crc32
         )
-    return config
+    )
+
+
+def _check_downlink(downlink: Coder) -> None:
+    """The downlink coder codes a (group of the) model against the receiver's estimate, ahead of the uplink
+    coder's protocol stream: it must use ``p``, write self-delimiting streams (``frame``: the receiver cuts
+    them off) and code a live prefix of a group-sized buffer (``live_prefix``)."""
+    if not isinstance(downlink, Coder):
+        raise TypeError(
+            "downlink must be a sidejax.coding.Coder (e.g. bicompfl_downlink(block_size, "
+            f"log2_num_candidates)), got {type(downlink).__name__}"
+        )
+    if not downlink.uses_prior or downlink.frame is None:
+        raise ValueError(
+            f"downlink: coder {downlink.name!r} must code against the receiver's prior (uses_prior) and "
+            "write self-delimiting streams (Coder.frame), since the uplink coder's protocol stream follows "
+            "it; use bicompfl_downlink(block_size, log2_num_candidates)"
+        )
+    check_live_prefix(downlink, "downlink")
 
 
 def _metrics(info) -> dict:
@@ -516,9 +553,9 @@ def _composite_frame(coder: Coder, num_samples: int):
 
     def frame(state, words, offset):
         def body(o, _):
-            return o + jnp.asarray(coder.frame(state, words, o.astype(jnp.int32)), jnp.float32), None
+            return o + as_bits(coder.frame(state, words, o)), None
 
-        start = jnp.asarray(offset, jnp.float32)
+        start = as_bits(offset)
         end, _ = jax.lax.scan(body, start, None, length=num_samples)
         return end - start
 
@@ -563,24 +600,10 @@ def _gr_receive(coder, num_samples, dkey, keys, server: GRServer, me: GRClient, 
 
 
 def _gr_client_update(loss_fn, local, estimator, coder, num_samples, keys, received: _GRReceived, me, data):
-    message, linfo, finite, valid, kl = _train_and_send(
-        loss_fn,
-        local,
-        estimator,
-        coder,
-        num_samples,
-        keys,
-        received.weights,
-        received.theta,
-        received.coder,
-        data,
+    message, info = _train_and_send(
+        loss_fn, local, estimator, coder, num_samples, keys, received, received.theta, data
     )
-    new = me._replace(theta=received.theta, coder=received.coder, message=message)
-    extra = BiClientExtra(kl, received.broadcast_bits)
-    info = ClientInfo(
-        loss=linfo.loss, finite=finite, extra=extra, valid=valid, downlink_errors=received.errors
-    )
-    return new, message, info
+    return me._replace(theta=received.theta, coder=received.coder, message=message), message, info
 
 
 def _gr_server_update(coder, num_samples, rkey, server: GRServer, client_ids, shared_keys, messages, weights):
@@ -660,63 +683,55 @@ def bicompfl_gr(
 
 
 class _Group(NamedTuple):
-    start: jax.Array  # first coordinate
-    length: jax.Array  # coordinates
-    num_blocks: jax.Array
+    """One downlink group: the static ``width`` of the buffer every group is coded in (the largest group),
+    and the group's ``start`` and ``length`` (its live coordinates, traced)."""
+
+    width: int
+    start: jax.Array
+    length: jax.Array
 
 
-def _group_of(config: KLMSConfig, dim: int, num_groups: int, group) -> _Group:
-    b = config.block_size
-    bounds = jnp.asarray(split_groups(-(-dim // b), num_groups))
+def _group_of(downlink: Coder, dim: int, num_groups: int, group) -> _Group:
+    """Group ``group`` of ``num_groups`` contiguous groups aligned to the downlink coder's blocks
+    (:attr:`sidejax.coding.LivePrefix.block`, :func:`split_groups`); one group is the whole model."""
+    b = downlink.live_prefix.block
+    bounds = split_groups(-(-dim // b), num_groups)
+    width = int(np.max(np.diff(bounds))) * b if num_groups > 1 else dim
+    bounds = jnp.asarray(bounds)
     start = bounds[group] * b
-    end = jnp.minimum(bounds[group + 1] * b, dim)
-    return _Group(start, end - start, bounds[group + 1] - bounds[group])
+    return _Group(width, start, jnp.minimum(bounds[group + 1] * b, dim) - start)
 
 
-def _group_width(config: KLMSConfig, dim: int, num_groups: int) -> int:
-    """Static: coordinates of the largest group (the sub-vector every downlink is coded over)."""
-    bounds = split_groups(-(-dim // config.block_size), num_groups)
-    return int(np.max(np.diff(bounds))) * config.block_size if num_groups > 1 else dim
+def _sub(vec, g: _Group):
+    """``vec[g.start : g.start + g.width]`` from ``vec`` padded with 1/2. Past ``d`` the pads carry
+    q = p = 1/2 and add exactly 0 to every log-weight (docs/papers/bicompfl.md#s2-1). In a SplitDL group
+    narrower than ``g.width`` the coordinates past ``g.length`` are the next group's: the downlink coder
+    carries them in the group's last live block (:attr:`sidejax.coding.LivePrefix.init`), so they enter
+    that block's importance weights, and their decoded values are dropped."""
+    padded = jnp.concatenate([vec, jnp.full((g.width,), 0.5, vec.dtype)])
+    return jax.lax.dynamic_slice(padded, (g.start,), (g.width,))
 
 
-def _sub(vec, g: _Group, width: int):
-    """``vec[g.start : g.start + width]`` from ``vec`` padded with 1/2 (pads: q = p, so they add exactly 0
-    to every log-weight; docs/papers/bicompfl.md#s2-1)."""
-    padded = jnp.concatenate([vec, jnp.full((width,), 0.5, vec.dtype)])
-    return jax.lax.dynamic_slice(padded, (g.start,), (width,))
-
-
-def _group_state(config: KLMSConfig, g: _Group, width: int) -> KLMSState:
-    """Fixed blocks of ``config.block_size`` over the group's sub-vector (``g.num_blocks`` live blocks; the
-    padding joins the last live block)."""
-    mb = -(-width // config.block_size)
-    starts = jnp.arange(mb + 1, dtype=jnp.int32) * config.block_size
-    blocks = blocks_from_starts(starts, g.num_blocks, width, mb)
-    return KLMSState(blocks, jnp.asarray(False), jnp.asarray(False))
-
-
-def _downlink_encode(config: KLMSConfig, num_samples: int, keys: ClientKeys, target, prior, g: _Group, width):
+def _downlink_encode(downlink: Coder, num_samples: int, keys: ClientKeys, target, prior, g: _Group):
     """``num_samples`` IS samples of ``Bern(target)`` against ``Bern(prior)`` on group ``g``, and what the
     receiver will decode from them (the sender knows its choice): ``(message, new_prior, errors)``."""
-    coder = klms_coder(config)
-    state = _group_state(config, g, width)
-    q, p = Bernoulli(_sub(target, g, width)), Bernoulli(_sub(prior, g, width))
-    message, _ = encode_samples(coder, keys, q, p, state, num_samples)
-    new_prior, errors = _downlink_decode(config, num_samples, keys.shared, prior, g, width, message)
+    state = downlink.live_prefix.init(g.width, g.length)
+    q, p = Bernoulli(_sub(target, g)), Bernoulli(_sub(prior, g))
+    message, _ = encode_samples(downlink, keys, q, p, state, num_samples)
+    new_prior, errors = _downlink_decode(downlink, num_samples, keys.shared, prior, g, state, message)
     return message, new_prior, errors
 
 
-def _downlink_decode(config: KLMSConfig, num_samples: int, shared_key, prior, g: _Group, width, message):
-    """The receiver: decode the samples against its own ``prior`` and refresh exactly the group's
-    coordinates with :math:`c(\\text{mean})`; ``(new_prior, errors)``."""
-    coder = klms_coder(config)
-    state = _group_state(config, g, width)
-    p = Bernoulli(_sub(prior, g, width))
-    cap = config.capacity_words(width)
-    samples, _, errors = decode_samples(coder, shared_key, p, state, message, num_samples, cap)
+def _downlink_decode(downlink: Coder, num_samples: int, shared_key, prior, g: _Group, state, message):
+    """The receiver: decode the samples (coded with the downlink coder's ``state`` for ``g``) against its
+    own ``prior`` and refresh exactly the group's coordinates with :math:`c(\\text{mean})`;
+    ``(new_prior, errors)``."""
+    p = Bernoulli(_sub(prior, g))
+    cap = downlink.capacity_words(g.width)
+    samples, _, errors = decode_samples(downlink, shared_key, p, state, message, num_samples, cap)
     fresh = clipped_mean(_counts(samples, 0), num_samples)
-    pos = g.start + jnp.arange(width)
-    upd = jnp.zeros(prior.shape[0] + width, prior.dtype).at[pos].set(fresh)[: prior.shape[0]]
+    pos = g.start + jnp.arange(g.width)
+    upd = jnp.zeros(prior.shape[0] + g.width, prior.dtype).at[pos].set(fresh)[: prior.shape[0]]
     coords = jnp.arange(prior.shape[0])
     inside = (coords >= g.start) & (coords < g.start + g.length)
     return jnp.where(inside, upd, prior), errors
@@ -771,15 +786,14 @@ def _reconst_init(coder, want_clients, key, params, num_clients):
     return initial_round_state(server, clients, num_clients)
 
 
-def _reconst_broadcast(coder, config, num_dl, num_clients, dkey, server: ReconstServer, client_ids):
+def _reconst_broadcast(coder, downlink, num_dl, num_clients, dkey, server: ReconstServer, client_ids):
     """One broadcast: ``n_DL`` IS samples of :math:`\\theta_{t+1}` against :math:`\\hat\\theta_t`
     (:func:`sidejax.keys.downlink_keys` ``(dkey)``), then the uplink coder's protocol stream; the
     federator sets its own :math:`\\hat\\theta_{t+1}` from the samples it chose."""
     del num_clients, client_ids
-    dim = server.theta.shape[0]
-    g = _group_of(config, dim, 1, 0)
+    g = _group_of(downlink, server.theta.shape[0], 1, 0)
     keys = downlink_keys(dkey)
-    msg, theta_hat, _ = _downlink_encode(config, num_dl, keys, server.theta, server.theta_hat, g, dim)
+    msg, theta_hat, _ = _downlink_encode(downlink, num_dl, keys, server.theta, server.theta_hat, g)
     live = server.fresh
     msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
     message = concat_messages(msg, coder.downlink(server.coder))
@@ -788,19 +802,17 @@ def _reconst_broadcast(coder, config, num_dl, num_clients, dkey, server: Reconst
     return new, message
 
 
-def _reconst_receive(coder, config, num_dl, num_clients, dkey, keys, server: ReconstServer, me, message):
+def _reconst_receive(coder, downlink, num_dl, num_clients, dkey, keys, server: ReconstServer, me, message):
     """Every client decodes the same samples against its own (common) estimate."""
     del keys
-    dim = me.theta_hat.shape[0]
-    g = _group_of(config, dim, 1, 0)
-    live = server.fresh
-    head, rest = _cut(message, _is_bits(config, num_dl, g, live), _downlink_words(config, num_dl, dim))
-    new, errors = _downlink_decode(config, num_dl, downlink_keys(dkey).shared, me.theta_hat, g, dim, head)
+    g = _group_of(downlink, me.theta_hat.shape[0], 1, 0)
+    shared = downlink_keys(dkey).shared
+    new, errors, rest = _downlink_receive(downlink, num_dl, shared, me.theta_hat, g, server.fresh, message)
     return _Received(
         weights=server.weights,
-        theta_hat=jnp.where(live, new, me.theta_hat),
+        theta_hat=new,
         coder=coder.receive(server.coder, rest),
-        errors=jnp.where(live, errors, 0),
+        errors=errors,
         broadcast_bits=message.num_bits / num_clients,  # one stream heard by all n clients
     )
 
@@ -818,14 +830,21 @@ def _cut(message: Message, head_bits, head_words: int) -> tuple[Message, Message
     return Message(head, as_bits(head_bits)), Message(rest, as_bits(message.num_bits) - head_bits)
 
 
-def _is_bits(config: KLMSConfig, num_samples: int, g: _Group, live) -> jax.Array:
-    """Length of ``num_samples`` Fixed-KLMS messages over ``g`` (known to the receiver before parsing)."""
-    one = g.num_blocks * config.log2_num_candidates + (32 if config.crc32 else 0)
-    return jnp.where(live, num_samples * one, 0).astype(BITS_DTYPE)
-
-
-def _downlink_words(config: KLMSConfig, num_samples: int, width: int) -> int:
-    return samples_words(config.capacity_words(width), num_samples)
+def _downlink_receive(
+    downlink: Coder, num_samples: int, shared_key, prior, g: _Group, live, message: Message
+):
+    """A receiver's side of one downlink message (:func:`_downlink_encode`'s samples, then the uplink coder's
+    protocol stream): the samples' length is read with the downlink coder's ``frame`` from the state both
+    ends build for ``g`` (none was sent unless ``live``); they are decoded against ``prior``.
+    ``(new_prior, errors, rest)``: ``prior`` and no error when nothing was sent, and the protocol stream."""
+    state = downlink.live_prefix.init(g.width, g.length)
+    head_bits = jnp.where(
+        live, as_bits(_composite_frame(downlink, num_samples)(state, message.payload, 0)), 0
+    )
+    head_words = samples_words(downlink.capacity_words(g.width), num_samples)
+    head, rest = _cut(message, head_bits, head_words)
+    new, errors = _downlink_decode(downlink, num_samples, shared_key, prior, g, state, head)
+    return jnp.where(live, new, prior), jnp.where(live, errors, 0), rest
 
 
 # --------------------------------------------------------------------------------------------------
@@ -867,27 +886,24 @@ def _pr_init(coder, want_clients, key, params, num_clients):
     return initial_round_state(server, clients, num_clients)
 
 
-def _pr_group(config, num_groups, dim, round_index, client_id) -> _Group:
-    return _group_of(config, dim, num_groups, (client_id + round_index) % num_groups)
+def _pr_group(downlink, num_groups, dim, round_index, client_id) -> _Group:
+    return _group_of(downlink, dim, num_groups, (client_id + round_index) % num_groups)
 
 
-def _pr_broadcast(coder, config, num_dl, num_groups, dkey, server: PRServer, client_ids):
+def _pr_broadcast(coder, downlink, num_dl, num_groups, dkey, server: PRServer, client_ids):
     """Per participant ``i``: ``n_DL`` IS samples of :math:`\\theta_{t+1}` (on ``i``'s group for SplitDL)
     against the federator's copy of :math:`\\hat\\theta_{i,t}`, with randomness only the two share
     (:func:`sidejax.keys.downlink_keys` ``(dkey, i)``), then the uplink coder's protocol stream. The
     federator updates its copy from the samples it chose. Participants are coded one at a time
     (``lax.map``: the encoder's memory budget holds for any number of clients)."""
     dim = server.theta.shape[0]
-    width = _group_width(config, dim, num_groups)
     live = server.fresh
     proto = coder.downlink(server.coder)
 
     def one(i):
-        g = _pr_group(config, num_groups, dim, server.round, i)
+        g = _pr_group(downlink, num_groups, dim, server.round, i)
         hat = server.theta_hat[i]
-        msg, new_hat, _ = _downlink_encode(
-            config, num_dl, downlink_keys(dkey, i), server.theta, hat, g, width
-        )
+        msg, new_hat, _ = _downlink_encode(downlink, num_dl, downlink_keys(dkey, i), server.theta, hat, g)
         msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
         coords = jnp.arange(dim)
         inside = (coords >= g.start) & (coords < g.start + g.length)
@@ -902,46 +918,30 @@ def _pr_broadcast(coder, config, num_dl, num_groups, dkey, server: PRServer, cli
     return new, msgs
 
 
-def _pr_receive(coder, config, num_dl, num_groups, dkey, keys, server: PRServer, me: EstimateClient, message):
+def _pr_receive(
+    coder, downlink, num_dl, num_groups, dkey, keys, server: PRServer, me: EstimateClient, message
+):
     """Client ``i`` decodes its samples against its *own* estimate (the group from the public round index)
     and refreshes exactly the group's coordinates."""
     del keys
-    dim = me.theta_hat.shape[0]
-    width = _group_width(config, dim, num_groups)
-    g = _pr_group(config, num_groups, dim, server.round, me.client_id)
-    live = server.fresh
-    head, rest = _cut(message, _is_bits(config, num_dl, g, live), _downlink_words(config, num_dl, width))
+    g = _pr_group(downlink, num_groups, me.theta_hat.shape[0], server.round, me.client_id)
     shared = downlink_keys(dkey, me.client_id).shared
-    new, errors = _downlink_decode(config, num_dl, shared, me.theta_hat, g, width, head)
+    new, errors, rest = _downlink_receive(downlink, num_dl, shared, me.theta_hat, g, server.fresh, message)
     return _Received(
         weights=server.weights,
-        theta_hat=jnp.where(live, new, me.theta_hat),
+        theta_hat=new,
         coder=coder.receive(server.coder, rest),
-        errors=jnp.where(live, errors, 0),
+        errors=errors,
         broadcast_bits=message.num_bits,  # per-client messages: no broadcast saving
     )
 
 
 def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, received: _Received, me, data):
     """GR-Reconst and PR clients: Alg. 1 from the estimate just received, uplink against it."""
-    message, linfo, finite, valid, kl = _train_and_send(
-        loss_fn,
-        local,
-        estimator,
-        coder,
-        num_samples,
-        keys,
-        received.weights,
-        received.theta_hat,
-        received.coder,
-        data,
+    message, info = _train_and_send(
+        loss_fn, local, estimator, coder, num_samples, keys, received, received.theta_hat, data
     )
-    new = me._replace(theta_hat=received.theta_hat)
-    extra = BiClientExtra(kl, received.broadcast_bits)
-    info = ClientInfo(
-        loss=linfo.loss, finite=finite, extra=extra, valid=valid, downlink_errors=received.errors
-    )
-    return new, message, info
+    return me._replace(theta_hat=received.theta_hat), message, info
 
 
 def _reconst_server_update(
@@ -975,7 +975,7 @@ def bicompfl_gr_reconst(
     *,
     num_clients: int,
     coder: Coder,
-    downlink: KLMSConfig,
+    downlink: Coder,
     num_uplink_samples: int = 1,
     num_downlink_samples: int | None = None,
     estimator: str = "fedpm",
@@ -994,26 +994,23 @@ def bicompfl_gr_reconst(
       eval_mask: as :func:`bicompfl_gr`.
       num_clients: ``n``.
       coder: the uplink coder (any coder that uses ``p``; ``klms_coder(KLMSConfig(adaptive=False, ...))``).
-      downlink: the downlink's Fixed-KLMS settings (``KLMSConfig(adaptive=False, block_size=b,
-        log2_num_candidates=log2 n_IS)``).
+      downlink: the downlink coder, :func:`bicompfl_downlink` ``(b, log2 n_IS)`` (Fixed-KLMS with the CRC-32
+        that keeps the parties' priors in check; ``crc32=False`` for the paper's bit counts). Any coder
+        that uses ``p``, frames its streams and declares a :attr:`sidejax.coding.Coder.live_prefix`.
       num_uplink_samples: ``n_UL`` ([P] 1).
       num_downlink_samples: ``n_DL`` (default ``n * n_UL`` [P]).
 
     The evaluated model is the federator's :math:`\\theta_{t+1}`.
     """
     _check_common("bicompfl_gr_reconst", coder, estimator, num_uplink_samples, num_clients)
-    config = _check_downlink(downlink)
-    n_dl = _num_dl(num_downlink_samples, num_clients, num_uplink_samples)
-    n_ul = num_uplink_samples
-    return Algorithm(
-        init=functools.partial(_reconst_init, coder, num_clients),
-        broadcast=functools.partial(_reconst_broadcast, coder, config, n_dl, num_clients),
-        receive=functools.partial(_reconst_receive, coder, config, n_dl, num_clients),
-        client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, n_ul),
-        server_update=functools.partial(_reconst_server_update, coder, n_ul),
-        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
+    return _downlink_algorithm(
+        (_reconst_init, _reconst_broadcast, _reconst_receive, _reconst_server_update),
+        num_clients,  # the downlink kernels' n
+        (loss_fn, local, estimator, eval_mask, coder, num_uplink_samples),
+        downlink,
+        _num_dl(num_downlink_samples, num_clients, num_uplink_samples),
+        num_clients=num_clients,
         clients_per_round=num_clients,
-        metrics=_metrics,
     )
 
 
@@ -1023,13 +1020,37 @@ def _num_dl(num_downlink_samples, num_clients, num_uplink_samples) -> int:
     return check_count(num_downlink_samples, "num_downlink_samples")
 
 
+def _downlink_algorithm(
+    kernels, arg, client, downlink, num_dl, *, num_clients, clients_per_round
+) -> Algorithm:
+    """The :class:`sidejax.fl.Algorithm` of a variant with an importance-sampled downlink (GR-Reconst, PR):
+    its ``kernels`` ``(init, broadcast, receive, server_update)`` bound to the uplink coder, the checked
+    ``downlink`` coder and its ``num_dl`` samples; ``arg`` is the downlink kernels' own static argument
+    (GR-Reconst: ``n``, PR: the number of SplitDL groups). ``client`` is the builder's
+    ``(loss_fn, local, estimator, eval_mask, coder, num_uplink_samples)``; the clients' work is
+    :func:`_hat_client_update`."""
+    _check_downlink(downlink)
+    init, broadcast, receive, server_update = kernels
+    loss_fn, local, estimator, eval_mask, coder, num_ul = client
+    return Algorithm(
+        init=functools.partial(init, coder, num_clients),
+        broadcast=functools.partial(broadcast, coder, downlink, num_dl, arg),
+        receive=functools.partial(receive, coder, downlink, num_dl, arg),
+        client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, num_ul),
+        server_update=functools.partial(server_update, coder, num_ul),
+        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
+        clients_per_round=clients_per_round,
+        metrics=_metrics,
+    )
+
+
 def bicompfl_pr(
     loss_fn: Callable,
     local: LocalTraining,
     *,
     num_clients: int,
     coder: Coder,
-    downlink: KLMSConfig,
+    downlink: Coder,
     clients_per_round: int | None = None,
     num_uplink_samples: int = 1,
     num_downlink_samples: int | None = None,
@@ -1059,7 +1080,8 @@ def bicompfl_pr(
       eval_mask: as :func:`bicompfl_gr`.
       num_clients: ``n``.
       coder: the uplink coder (``klms_coder(KLMSConfig(adaptive=False, ...))`` [P]).
-      downlink: the downlink's Fixed-KLMS settings.
+      downlink: the downlink coder, as :func:`bicompfl_gr_reconst`; SplitDL's groups are aligned to its
+        blocks (:attr:`sidejax.coding.LivePrefix.block`).
       clients_per_round: participants per round (default ``n``).
       num_uplink_samples: ``n_UL`` ([P] 1).
       num_downlink_samples: ``n_DL`` (default ``n * n_UL`` [P]).
@@ -1068,19 +1090,13 @@ def bicompfl_pr(
     The evaluated model is the federator's :math:`\\theta_{t+1}` (docs/papers/bicompfl.md#s8-9).
     """
     _check_common("bicompfl_pr", coder, estimator, num_uplink_samples, num_clients)
-    config = _check_downlink(downlink)
-    n_dl = _num_dl(num_downlink_samples, num_clients, num_uplink_samples)
     cpr = num_clients if clients_per_round is None else clients_per_round
-    cpr = check_count(cpr, "clients_per_round", 1, num_clients)
-    groups = num_clients if split_downlink else 1
-    n_ul = num_uplink_samples
-    return Algorithm(
-        init=functools.partial(_pr_init, coder, num_clients),
-        broadcast=functools.partial(_pr_broadcast, coder, config, n_dl, groups),
-        receive=functools.partial(_pr_receive, coder, config, n_dl, groups),
-        client_update=functools.partial(_hat_client_update, loss_fn, local, estimator, coder, n_ul),
-        server_update=functools.partial(_pr_server_update, coder, n_ul),
-        evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
-        clients_per_round=cpr,
-        metrics=_metrics,
+    return _downlink_algorithm(
+        (_pr_init, _pr_broadcast, _pr_receive, _pr_server_update),
+        num_clients if split_downlink else 1,  # SplitDL's groups
+        (loss_fn, local, estimator, eval_mask, coder, num_uplink_samples),
+        downlink,
+        _num_dl(num_downlink_samples, num_clients, num_uplink_samples),
+        num_clients=num_clients,
+        clients_per_round=check_count(cpr, "clients_per_round", 1, num_clients),
     )

@@ -29,6 +29,11 @@ Every message in sidejax, uplink or downlink, compressed or not, is built by a :
   inside jit for a ``dim``-coordinate input; ``deterministic``, whether the coder adds no randomness of its
   own; ``fixed_bits(dim)``, the one length of every message for ``dim`` coordinates, or ``None`` when the
   length depends on the values or the protocol state (:attr:`Coder.fixed_length`).
+- ``live_prefix`` (:class:`LivePrefix`, or ``None``): whether the coder can code only the first ``live``
+  coordinates of a static ``dim``-coordinate buffer, ``live`` a traced count (BICompFL's SplitDL codes one
+  group of blocks of a group-sized buffer). ``live_prefix.init(dim, live)`` is the state to encode and
+  decode with; the message costs what ``live`` coordinates cost. A coder that declares none codes every
+  coordinate; :func:`check_live_prefix` is the refusal, naming the argument, for callers that need it.
 
 A :class:`Message` holds exactly what crosses the wire (``payload``: ``uint32`` words, LSB first) and its
 length in bits (``num_bits``), computed from the payload inside jit. Coders compose the way optax transforms
@@ -56,6 +61,8 @@ __all__ = [
     "EmptyState",
     "Coder",
     "StreamCheck",
+    "LivePrefix",
+    "check_live_prefix",
     "ERR_LENGTH",
     "ERR_PARTITION",
     "ERR_PARSE",
@@ -161,6 +168,26 @@ class StreamCheck(NamedTuple):
     errors: jax.Array
 
 
+class LivePrefix(NamedTuple):
+    """How a coder codes only a live prefix of its input (:attr:`Coder.live_prefix`).
+
+    Attributes:
+      init: ``init(dim, live) -> state``: the protocol state with which ``encode`` and ``decode`` code only
+        the first ``live`` coordinates of a ``dim``-coordinate ``q`` / ``p`` (``dim`` static, ``live`` an
+        int32 scalar that may be traced, ``1 <= live <= dim``). ``init(dim, dim)`` is ``Coder.init(dim)``.
+        The message costs what ``live`` coordinates cost (``fixed_bits(live)`` for a fixed-length coder;
+        ``frame`` reads it from the state), inside the buffer of ``capacity_words(dim)`` words. The decoded
+        sample means nothing past ``live``: the coordinates there are padding, and a caller sets
+        ``q = p`` on them (a coder may carry them in its last live block, where ``q = p`` adds nothing).
+      block: the prefix is coded in whole blocks of ``block`` coordinates (``ceil(live / block)`` of them):
+        cutting a vector into parts at multiples of ``block`` costs no bit more than coding it whole (what
+        SplitDL's block-aligned groups rely on, docs/papers/bicompfl.md#s3-6).
+    """
+
+    init: Callable[[int, Any], Any]
+    block: int
+
+
 class Coder(NamedTuple):
     """A coder: pure functions only (see the module docstring for the contract).
 
@@ -195,6 +222,10 @@ class Coder(NamedTuple):
         receiver's knowledge). A coder with ``frame`` writes *self-delimiting* streams, so several of its
         messages can travel back to back with no length fields in between (BICompFL-GR relays the
         clients' uplink streams this way, :func:`split_stacked`); ``None`` when its streams are not.
+      live_prefix: a :class:`LivePrefix` when the coder can code only the first ``live`` (traced)
+        coordinates of a static ``dim``-coordinate buffer (Fixed-KLMS, and :func:`with_crc` /
+        :func:`with_side_info` around it); ``None`` (the default) when it codes every coordinate.
+        :func:`check_live_prefix` refuses a coder without one.
     """
 
     init: Callable[[int], Any]
@@ -209,11 +240,24 @@ class Coder(NamedTuple):
     frame: Callable[[Any, jax.Array, Any], jax.Array] | None = None
     deterministic: bool = False
     fixed_bits: Callable[[int], int] | None = None
+    live_prefix: LivePrefix | None = None
 
     @property
     def fixed_length(self) -> bool:
         """Whether every message has one length per dimension (:attr:`fixed_bits` is declared)."""
         return self.fixed_bits is not None
+
+
+def check_live_prefix(coder: Coder, argument: str = "coder") -> LivePrefix:
+    """``coder.live_prefix``, or a ``ValueError`` naming ``argument`` when the coder declares none (it codes
+    every coordinate of its input, so it cannot code a live prefix of a static buffer)."""
+    if coder.live_prefix is None:
+        raise ValueError(
+            f"{argument}: coder {coder.name!r} cannot code only the first `live` coordinates of a buffer "
+            "(Coder.live_prefix is None); use a coder that declares one, e.g. "
+            "klms_coder(KLMSConfig(adaptive=False, ...))"
+        )
+    return coder.live_prefix
 
 
 def empty_message() -> Message:
@@ -480,6 +524,7 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
         name=f"{coder.name}+side",
         deterministic=coder.deterministic,
         fixed_bits=fixed_bits,
+        live_prefix=coder.live_prefix,  # ``live`` counts the inner vector; the side values always travel
     )
 
 
@@ -530,7 +575,8 @@ def with_crc(coder: Coder) -> Coder:
     not ``deterministic``, since the checksum depends on the shared key.
 
     Everything else is the inner coder's: state, protocol (``update`` sees the inner report with the
-    check's verdict in its ``valid`` and ``errors``), downlink, and ``frame`` (plus 32 bits), so a checked
+    check's verdict in its ``valid`` and ``errors``), downlink, ``live_prefix`` (a prefix's message plus
+    32 bits), and ``frame`` (plus 32 bits), so a checked
     stream stays self-delimiting. Works inside and outside ``jit``, for any coder, and the coders with a
     checksum of their own (``KLMSConfig(crc32=True)``, ``KLMSAvgConfig(crc32=True)``) compute the same
     :func:`stream_crc` inside their streams.

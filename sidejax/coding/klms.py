@@ -83,6 +83,7 @@ from sidejax.coding.base import (
     ERR_PARTITION,
     ERR_PRIOR,
     Coder,
+    LivePrefix,
     Message,
     stream_crc,
     stream_errors,
@@ -335,12 +336,30 @@ class KLMSServerInfo(NamedTuple):
     stream_errors: jax.Array
 
 
-def klms_init(dim: int, config: KLMSConfig) -> KLMSState:
-    """Initial state: fixed blocks of ``config.block_size``; adaptive mode starts with an update round."""
+def klms_init(dim: int, config: KLMSConfig, live=None) -> KLMSState:
+    """Initial state: fixed blocks of ``config.block_size``; adaptive mode starts with an update round.
+
+    ``live`` (Fixed mode only; an int32 scalar, traced or not, ``1 <= live <= dim``): code only the first
+    ``live`` coordinates (:class:`sidejax.coding.LivePrefix`): the ``ceil(live / block_size)`` blocks that
+    hold them are live, the last of them running to ``dim`` (the coordinates past ``live`` ride in it: a
+    caller pads them with ``q = p``, which adds nothing to its log-weights), and every message is
+    ``ceil(live / block_size) log2 K`` bits (+32 with the CRC), i.e. ``config.fixed_bits(live)``.
+    """
     if dim < 1:
         raise ValueError(f"dim must be >= 1, got {dim}")
     mb = config.num_max_blocks(dim)
-    blocks = blocks_from_boundaries(jnp.arange(dim) % config.block_size == 0, mb)
+    coords = jnp.arange(dim)
+    starts = coords % config.block_size == 0
+    if live is not None:
+        if config.adaptive:
+            raise ValueError(
+                "live: adaptive KLMS partitions the whole vector by its KL, so it cannot code a live prefix; "
+                "use KLMSConfig(adaptive=False)"
+            )
+        if isinstance(live, int) and not 1 <= live <= dim:
+            raise ValueError(f"live must be in 1..dim={dim}, got {live}")
+        starts = starts & (coords < live)
+    blocks = blocks_from_boundaries(starts, mb)
     return KLMSState(blocks, jnp.asarray(config.adaptive), jnp.asarray(False))
 
 
@@ -657,6 +676,8 @@ def klms_coder(config: KLMSConfig) -> Coder:
 
     ``config`` (K, the block sizes, the trigger) enters here once; the returned functions close over it.
     ``q`` and ``p`` are factorized distributions over the flat vector (:mod:`sidejax.distributions`).
+    Fixed-KLMS declares a :attr:`sidejax.coding.Coder.live_prefix` (``klms_init(dim, config, live)``, in
+    blocks of ``block_size``); Adaptive-KLMS, whose partition follows the whole vector's KL, declares none.
     """
     if not isinstance(config, KLMSConfig):
         raise TypeError(f"klms_coder needs a KLMSConfig, got {type(config).__name__}")
@@ -673,4 +694,7 @@ def klms_coder(config: KLMSConfig) -> Coder:
         frame=lambda state, words, bit_offset: klms_frame(state, words, bit_offset, config),
         deterministic=False,  # the candidates come from the shared key, the choice from the private one
         fixed_bits=None if config.adaptive else config.fixed_bits,
+        live_prefix=None
+        if config.adaptive
+        else LivePrefix(lambda dim, live: klms_init(dim, config, live), config.block_size),
     )

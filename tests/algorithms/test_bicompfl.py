@@ -19,6 +19,7 @@ from helpers import tree_equal
 
 from sidejax.algorithms.bicompfl import (
     CLIP,
+    bicompfl_downlink,
     bicompfl_gr,
     bicompfl_gr_reconst,
     bicompfl_pr,
@@ -38,6 +39,9 @@ ROUNDS = 3
 FIXED = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=128)
 ADAPTIVE = KLMSConfig(log2_num_candidates=4, block_size=128, max_block_size=256)
 CRC = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=128, crc32=True)
+# the downlink: the library's default, with the CRC-32, and without it (the paper's bit counts)
+DOWN_CRC = bicompfl_downlink(128, 4)
+DOWN = bicompfl_downlink(128, 4, crc32=False)
 
 
 def _local():
@@ -49,13 +53,13 @@ def _builders(loss):
         "gr": lambda: bicompfl_gr(loss, _local(), num_clients=N, coder=klms_coder(FIXED)),
         "gr_adaptive": lambda: bicompfl_gr(loss, _local(), num_clients=N, coder=klms_coder(ADAPTIVE)),
         "gr_reconst": lambda: bicompfl_gr_reconst(
-            loss, _local(), num_clients=N, coder=klms_coder(FIXED), downlink=FIXED
+            loss, _local(), num_clients=N, coder=klms_coder(FIXED), downlink=DOWN
         ),
         "pr_partial": lambda: bicompfl_pr(  # with the CRC (prior fingerprint) on both links
-            loss, _local(), num_clients=N, clients_per_round=6, coder=klms_coder(CRC), downlink=CRC
+            loss, _local(), num_clients=N, clients_per_round=6, coder=klms_coder(CRC), downlink=DOWN_CRC
         ),
         "pr_split": lambda: bicompfl_pr(
-            loss, _local(), num_clients=N, coder=klms_coder(FIXED), downlink=FIXED, split_downlink=True
+            loss, _local(), num_clients=N, coder=klms_coder(FIXED), downlink=DOWN, split_downlink=True
         ),
     }
 
@@ -250,10 +254,10 @@ def test_a_run_is_deterministic_including_the_bit_log(runs, digits_fed):
 
 
 def test_a_party_whose_prior_is_out_of_sync_is_detected(runs, digits_fed):
-    """With the CRC (which covers a fingerprint of the prior) a client whose estimate differs from the
-    federator's copy in one coordinate, by one ulp, is caught: on the downlink by the client (its estimate is
-    then overwritten by the refresh) and, in round 0 when no downlink precedes the uplink, by the federator.
-    Without the CRC both would decode silently to garbage."""
+    """With the CRC (which covers a fingerprint of the prior; the default downlink has it) a client whose
+    estimate differs from the federator's copy in one coordinate, by one ulp, is caught: on the downlink by
+    the client (its estimate is then overwritten by the refresh) and, in round 0 when no downlink precedes
+    the uplink, by the federator. Without the CRC both would decode silently to garbage."""
     algo, states, _ = runs("pr_partial")
 
     def corrupt(state, client):
@@ -274,6 +278,14 @@ def test_a_party_whose_prior_is_out_of_sync_is_detected(runs, digits_fed):
         slot = int(np.flatnonzero(ids == client)[0])
         assert errors[slot] & ERR_CRC, link
         assert (np.delete(errors, slot) == 0).all(), link
+
+
+def test_the_default_downlink_carries_the_crc():
+    """The library's downlink coder checks the priors by default (issue 28): every message ends in the
+    CRC-32, 32 bits more than the paper's unchecked one; a group is coded as a live prefix of its blocks."""
+    d = 2778
+    assert DOWN_CRC.fixed_bits(d) == DOWN.fixed_bits(d) + 32 == 22 * 4 + 32
+    assert DOWN_CRC.live_prefix.block == DOWN.live_prefix.block == 128
 
 
 def test_host_decode_raises_on_a_mismatched_prior_or_a_partition_for_another_model():
@@ -299,10 +311,18 @@ def test_builders_reject_bad_settings(small_model):
         bicompfl_gr(loss, local, num_clients=N, coder=mask_coder())
     with pytest.raises(ValueError, match="self-delimiting"):
         bicompfl_gr(loss, local, num_clients=N, coder=with_side_info(klms_coder(FIXED), 1))
-    with pytest.raises(ValueError, match="Fixed"):
-        bicompfl_pr(loss, local, num_clients=N, coder=klms_coder(FIXED), downlink=ADAPTIVE)
+    # the downlink is a Coder that uses p, frames its streams and codes a group (Coder.live_prefix): an
+    # adaptive KLMS partition follows the whole vector's KL, so it is refused
+    with pytest.raises(ValueError, match=r"downlink: coder 'klms' .*live_prefix is None"):
+        bicompfl_pr(loss, local, num_clients=N, coder=klms_coder(FIXED), downlink=klms_coder(ADAPTIVE))
+    with pytest.raises(
+        ValueError, match="downlink: coder 'golomb-mask' must code against the receiver's prior"
+    ):
+        bicompfl_gr_reconst(loss, local, num_clients=N, coder=klms_coder(FIXED), downlink=mask_coder())
+    with pytest.raises(TypeError, match="downlink must be a sidejax.coding.Coder"):
+        bicompfl_pr(loss, local, num_clients=N, coder=klms_coder(FIXED), downlink=FIXED)
     with pytest.raises(ValueError, match="clients_per_round"):
-        bicompfl_pr(loss, local, num_clients=N, coder=klms_coder(FIXED), downlink=FIXED, clients_per_round=11)
+        bicompfl_pr(loss, local, num_clients=N, coder=klms_coder(FIXED), downlink=DOWN, clients_per_round=11)
     with pytest.raises(ValueError, match="num_uplink_samples"):
         bicompfl_gr(loss, local, num_clients=N, coder=klms_coder(FIXED), num_uplink_samples=0)
     gr = bicompfl_gr(loss, local, num_clients=N, coder=klms_coder(FIXED))

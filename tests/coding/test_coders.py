@@ -13,7 +13,10 @@ For each coder, on a fixed (q, p) pair:
    ``downlink(state)`` rebuilds the state they encode against;
 7. the declared fields are true: ``capacity_words(dim)`` is the payload of ``encode`` inside jit for
    several dims, ``deterministic`` and ``fixed_bits`` agree with encoding under other keys, other inputs
-   and another protocol state (what callers used to find out by compiling probe programs).
+   and another protocol state (what callers used to find out by compiling probe programs);
+8. ``live_prefix``: a coder that declares one codes the first ``live`` (traced) coordinates of a static
+   buffer as it codes those coordinates alone; every other coder is refused by ``check_live_prefix``,
+   which names the argument.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from sidejax.blocks import block_sizes
 from sidejax.coding import (
     KLMSAvgConfig,
     KLMSConfig,
+    check_live_prefix,
     elias_coder,
     equal_blocks,
     fixed_width_coder,
     float32_coder,
     klms_avg_coder,
     klms_coder,
+    klms_init,
     mask_coder,
     pack_pseudocoreset,
     pseudocoreset_coder,
@@ -464,6 +469,53 @@ def test_declared_fixed_length_agrees_with_encoding_other_inputs_and_states(case
         assert lengths == {coder.fixed_bits(DIM)}
     else:
         assert len(lengths) > 1, lengths
+
+
+def test_live_prefix_codes_the_live_coordinates_alone_or_is_refused(case):
+    """``Coder.live_prefix`` (issue 28): with ``live_prefix.init(DIM, live)`` and ``live`` traced (here 3
+    blocks and one coordinate), a ``DIM``-coordinate input whose coordinates past ``live`` are padding
+    (``q = p``) gives the message of the first ``live`` coordinates coded alone (``init(live)``): the same
+    words and length (``fixed_bits(live)``, read back by ``frame``), in the buffer of
+    ``capacity_words(DIM)``, decoded to the same values; ``init(DIM, DIM)`` is ``init(DIM)``, and
+    ``with_crc`` keeps it. A coder that declares none is refused, naming the argument."""
+    _, coder, make, _, state, _, _ = case
+    if coder.live_prefix is None:
+        with pytest.raises(
+            ValueError, match=r"^downlink: coder .*first `live` coordinates.*live_prefix is None"
+        ):
+            check_live_prefix(coder, "downlink")
+        return
+    prefix = check_live_prefix(coder)
+    assert with_crc(coder).live_prefix is prefix
+    live = 3 * prefix.block + 1
+    q, p = make(12)
+    padded = jax.tree.map(lambda a, b: jnp.where(jnp.arange(DIM) < live, a, b), q, p)
+    keys = _keys(12)
+
+    @jax.jit
+    def code(live):
+        s = prefix.init(DIM, live)
+        message, _ = coder.encode(keys, padded, p, s)
+        sample, decoded = coder.decode(keys.shared, p, s, message)
+        return message, sample, decoded, coder.frame(s, message.payload, 0)
+
+    message, sample, decoded, framed = code(jnp.int32(live))
+    alone = coder.init(live)
+    want, _ = coder.encode(keys, _resized(q, live), _resized(p, live), alone)  # outside jit: the words sent
+    want_sample, _ = coder.decode(keys.shared, _resized(p, live), alone, want)
+    assert bool(decoded.valid)
+    assert int(message.num_bits) == int(want.num_bits) == int(framed) == coder.fixed_bits(live)
+    assert message.payload.shape == (coder.capacity_words(DIM),)
+    np.testing.assert_array_equal(np.asarray(message.payload)[: want.payload.shape[0]], want.payload)
+    np.testing.assert_array_max_ulp(np.asarray(sample)[:live], np.asarray(want_sample), maxulp=4)
+    assert tree_equal(prefix.init(DIM, DIM), state)
+
+
+def test_klms_live_prefix_is_fixed_mode_only_and_checks_a_known_count():
+    with pytest.raises(ValueError, match="^live: adaptive KLMS"):
+        klms_init(DIM, _ADAPTIVE, live=5)
+    with pytest.raises(ValueError, match=r"^live must be in 1\.\.dim=203, got 204"):
+        klms_init(DIM, _FIXED, live=DIM + 1)
 
 
 def test_klms_downlink_length_matches_the_protocol():
