@@ -703,11 +703,11 @@ def _group_of(downlink: Coder, dim: int, num_groups: int, group) -> _Group:
 
 
 def _sub(vec, g: _Group):
-    """``vec[g.start : g.start + g.width]`` from ``vec`` padded with 1/2. Past ``d`` the pads carry
-    q = p = 1/2 and add exactly 0 to every log-weight (docs/papers/bicompfl.md#s2-1). In a SplitDL group
-    narrower than ``g.width`` the coordinates past ``g.length`` are the next group's: the downlink coder
-    carries them in the group's last live block (:attr:`sidejax.coding.LivePrefix.init`), so they enter
-    that block's importance weights, and their decoded values are dropped."""
+    """``vec[g.start : g.start + g.width]`` from ``vec`` padded with 1/2 past ``d``. In a SplitDL group
+    narrower than ``g.width`` the coordinates past ``g.length`` are the next group's; the downlink coder
+    carries them in the group's last live block (:attr:`sidejax.coding.LivePrefix.init`), so
+    :func:`_downlink_encode` sets the target to the prior there (q = p adds exactly 0 to every log-weight,
+    docs/papers/bicompfl.md#s2-1) and the receiver drops their decoded values."""
     padded = jnp.concatenate([vec, jnp.full((g.width,), 0.5, vec.dtype)])
     return jax.lax.dynamic_slice(padded, (g.start,), (g.width,))
 
@@ -716,7 +716,9 @@ def _downlink_encode(downlink: Coder, num_samples: int, keys: ClientKeys, target
     """``num_samples`` IS samples of ``Bern(target)`` against ``Bern(prior)`` on group ``g``, and what the
     receiver will decode from them (the sender knows its choice): ``(message, new_prior, errors)``."""
     state = downlink.live_prefix.init(g.width, g.length)
-    q, p = Bernoulli(_sub(target, g)), Bernoulli(_sub(prior, g))
+    p = _sub(prior, g)
+    mine = jnp.arange(g.width) < g.length  # the group's own coordinates; q = p on the rest
+    q, p = Bernoulli(jnp.where(mine, _sub(target, g), p)), Bernoulli(p)
     message, _ = encode_samples(downlink, keys, q, p, state, num_samples)
     new_prior, errors = _downlink_decode(downlink, num_samples, keys.shared, prior, g, state, message)
     return message, new_prior, errors

@@ -19,6 +19,8 @@ from helpers import tree_equal
 
 from sidejax.algorithms.bicompfl import (
     CLIP,
+    _downlink_encode,
+    _group_of,
     bicompfl_downlink,
     bicompfl_gr,
     bicompfl_gr_reconst,
@@ -286,6 +288,25 @@ def test_the_default_downlink_carries_the_crc():
     d = 2778
     assert DOWN_CRC.fixed_bits(d) == DOWN.fixed_bits(d) + 32 == 22 * 4 + 32
     assert DOWN_CRC.live_prefix.block == DOWN.live_prefix.block == 128
+
+
+def test_a_splitdl_group_codes_only_its_own_coordinates():
+    """A group narrower than the widest one is coded in a buffer whose last live block runs into the next
+    group; there the target is the prior (q = p), so the message and the receiver's refreshed prior do not
+    depend on the target outside the group, and the prior outside it is unchanged."""
+    down = bicompfl_downlink(4, 3, crc32=False)
+    dim, groups = 4 * 7, 3  # 7 blocks in groups of 2, 2, 3: groups 0 and 1 are one block narrower
+    keys = client_keys(jax.random.key(5), 1)
+    u = jax.random.uniform(jax.random.key(7), (2, dim), minval=0.05, maxval=0.95)
+    target, prior = u[0], u[1]
+    group = _group_of(down, dim, groups, 0)
+    assert group.width == 12 and int(group.length) == 8
+    other = target.at[8:].set(1.0 - target[8:])  # the target changed outside group 0 only
+    a = _downlink_encode(down, 2, keys, target, prior, group)
+    b = _downlink_encode(down, 2, keys, other, prior, group)
+    assert tree_equal(a, b)
+    np.testing.assert_array_equal(a[1][8:], prior[8:])
+    assert int(a[2]) == 0
 
 
 def test_host_decode_raises_on_a_mismatched_prior_or_a_partition_for_another_model():
