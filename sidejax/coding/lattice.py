@@ -107,7 +107,7 @@ from sidejax.coding.lrsuq import (
 )
 from sidejax.distributions import PointMass
 from sidejax.lattices import Lattice
-from sidejax.utils import is_concrete
+from sidejax.utils import check_positive, is_concrete
 
 __all__ = [
     "NoisePrior",
@@ -872,15 +872,9 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
       gamma: the normalisation scale ``γ > 0``.
       mode: ``"normalise"`` or ``"clip"``.
     """
-    if (
-        isinstance(gamma, bool)
-        or not isinstance(gamma, numbers.Real)
-        or not (math.isfinite(gamma) and gamma > 0)
-    ):
-        raise ValueError(f"gamma must be a finite real number > 0, got {gamma!r}")
+    gamma = check_positive(gamma, "gamma")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    gamma = float(gamma)
     normalise = mode == "normalise"
 
     def encode(keys, q, p, state):
