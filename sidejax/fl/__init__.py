@@ -1,104 +1,11 @@
 """The federated round engine, local training and evaluation (the algorithms are in
 :mod:`sidejax.algorithms`)."""
 
-from sidejax.fl.base import (
-    Algorithm,
-    Batch,
-    BroadcastFn,
-    ClientData,
-    ClientInfo,
-    ClientUpdate,
-    EmptyState,
-    ReceiveFn,
-    RoundInfo,
-    RoundState,
-    ServerUpdate,
-    initial_round_state,
-    no_metrics,
-)
-from sidejax.fl.evaluate import (
-    EvalResult,
-    build_ensemble_evaluator,
-    build_evaluator,
-    build_personal_evaluator,
-    client_mean,
-    eval_result,
-)
-from sidejax.fl.local import (
-    LocalInfo,
-    LocalTraining,
-    build_local_trainer,
-    build_sampling_trainer,
-    classification_loss,
-    epoch_order,
-    masked_mean,
-    num_local_steps,
-)
-from sidejax.fl.rounds import (
-    CLIENT_AXIS,
-    CLIENT_STRATEGIES,
-    ClientMap,
-    ClientPhase,
-    PartialRound,
-    as_client_map,
-    build_round_step,
-    check_federation,
-    client_state_split,
-    default_client_strategy,
-    finish_round,
-    gather_to_host,
-    mesh_client_map,
-    place_federation,
-    run_clients,
-    run_rounds,
-    sample_clients,
-    start_round,
-)
+from sidejax.fl import base, evaluate, local, rounds
+from sidejax.fl.base import *
+from sidejax.fl.evaluate import *
+from sidejax.fl.local import *
+from sidejax.fl.rounds import *
 
-__all__ = [
-    "Algorithm",
-    "Batch",
-    "BroadcastFn",
-    "ClientData",
-    "ClientInfo",
-    "ClientUpdate",
-    "EmptyState",
-    "ReceiveFn",
-    "no_metrics",
-    "ClientMap",
-    "mesh_client_map",
-    "place_federation",
-    "gather_to_host",
-    "client_state_split",
-    "CLIENT_AXIS",
-    "ClientPhase",
-    "PartialRound",
-    "start_round",
-    "run_clients",
-    "finish_round",
-    "as_client_map",
-    "RoundInfo",
-    "RoundState",
-    "initial_round_state",
-    "ServerUpdate",
-    "EvalResult",
-    "build_evaluator",
-    "build_ensemble_evaluator",
-    "build_personal_evaluator",
-    "client_mean",
-    "eval_result",
-    "LocalInfo",
-    "LocalTraining",
-    "build_local_trainer",
-    "build_sampling_trainer",
-    "classification_loss",
-    "epoch_order",
-    "masked_mean",
-    "num_local_steps",
-    "CLIENT_STRATEGIES",
-    "build_round_step",
-    "check_federation",
-    "default_client_strategy",
-    "run_rounds",
-    "sample_clients",
-]
+# every submodule's public names (its __all__), declared once there
+__all__ = [*base.__all__, *evaluate.__all__, *local.__all__, *rounds.__all__]
