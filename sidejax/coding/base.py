@@ -39,7 +39,6 @@ messages, and :func:`concat_messages` / :func:`split_message` join and cut strea
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -354,21 +353,20 @@ def split_stacked(message: Message, frame: Callable, state: Any, num_parts: int,
 
 def configured_coder(config, protocol: tuple[Callable, ...], **fields) -> Coder:
     """The :class:`Coder` of a stateful protocol whose functions take its static ``config`` as their last
-    argument, bound to ``config`` here once: ``protocol`` is ``(init, encode, decode, update, downlink,
-    receive, frame)``, in the order of the Coder's fields (``init(dim, config)``, ``encode(keys, q, p, state,
-    config)``, ..., ``frame(state, words, bit_offset, config)``). ``capacity_words`` is
-    ``config.capacity_words``; ``fields`` sets the others (``name``, ``deterministic``, ``fixed_bits``)."""
-    init, encode, decode, update, downlink, receive, frame = (
-        functools.partial(fn, config=config) for fn in protocol
-    )
+    argument, bound to ``config`` here once with the contract's signatures (``decode(shared_key, p, state,
+    message)``, ...): ``protocol`` is ``(init, encode, decode, update, downlink, receive, frame)`` in the
+    order of the Coder's fields (``init(dim, config)``, ``encode(keys, q, p, state, config)``, ...,
+    ``frame(state, words, bit_offset, config)``). ``capacity_words`` is ``config.capacity_words``; ``fields``
+    sets the others (``name``, ``deterministic``, ``fixed_bits``)."""
+    init, encode, decode, update, downlink, receive, frame = protocol
     return Coder(
-        init=init,
-        encode=encode,
-        decode=decode,
-        update=update,
-        downlink=downlink,
-        receive=receive,
-        frame=frame,
+        init=lambda dim: init(dim, config),
+        encode=lambda keys, q, p, state: encode(keys, q, p, state, config),
+        decode=lambda shared_key, p, state, message: decode(shared_key, p, state, message, config),
+        update=lambda state, decoded: update(state, decoded, config),
+        downlink=lambda state: downlink(state, config),
+        receive=lambda state, message: receive(state, message, config),
+        frame=lambda state, words, bit_offset: frame(state, words, bit_offset, config),
         capacity_words=config.capacity_words,
         **fields,
     )
