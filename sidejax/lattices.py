@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sidejax.utils import check_positive
+
 __all__ = ["Lattice", "integer_lattice", "hexagonal", "d4", "e8"]
 
 _SQRT3 = math.sqrt(3.0)
@@ -168,7 +170,7 @@ class Lattice:
             raise ValueError(f"dim must be {fixed[self.kind]} for kind {self.kind!r}, got {self.dim!r}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, numbers.Integral) or self.dim < 1:
             raise ValueError(f"dim must be a positive integer, got {self.dim!r}")
-        object.__setattr__(self, "scale", _check_scale(self.scale))
+        object.__setattr__(self, "scale", check_positive(self.scale, "scale"))
 
     @property
     def name(self) -> str:
@@ -233,15 +235,6 @@ def _nearest(lattice: Lattice, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return point, coords
 
 
-def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise ValueError(f"scale must be a finite real number > 0, got {scale!r}")
-    scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0.0:
-        raise ValueError(f"scale must be a finite real number > 0, got {scale!r}")
-    return scale
-
-
 def integer_lattice(n: int, scale: float = 1.0) -> Lattice:
     """The scaled integer lattice ``s Z^n``: ``Q(x) = s·floor(x/s + 1/2)``, cell ``s[−1/2, 1/2)^n``,
     volume ``s^n``, covering radius ``s√n/2``, packing radius ``s/2``.
@@ -251,7 +244,7 @@ def integer_lattice(n: int, scale: float = 1.0) -> Lattice:
     """
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n!r}")
-    return Lattice("Z", int(n), _check_scale(scale))
+    return Lattice("Z", int(n), check_positive(scale, "scale"))
 
 
 def hexagonal(scale: float = 1.0) -> Lattice:
@@ -261,7 +254,7 @@ def hexagonal(scale: float = 1.0) -> Lattice:
     Raises:
         ValueError: if ``scale`` is not finite and ``> 0``.
     """
-    return Lattice("A2", 2, _check_scale(scale))
+    return Lattice("A2", 2, check_positive(scale, "scale"))
 
 
 def d4(scale: float = 1.0) -> Lattice:
@@ -271,7 +264,7 @@ def d4(scale: float = 1.0) -> Lattice:
     Raises:
         ValueError: if ``scale`` is not finite and ``> 0``.
     """
-    return Lattice("D4", 4, _check_scale(scale))
+    return Lattice("D4", 4, check_positive(scale, "scale"))
 
 
 def e8(scale: float = 1.0) -> Lattice:
@@ -281,4 +274,4 @@ def e8(scale: float = 1.0) -> Lattice:
     Raises:
         ValueError: if ``scale`` is not finite and ``> 0``.
     """
-    return Lattice("E8", 8, _check_scale(scale))
+    return Lattice("E8", 8, check_positive(scale, "scale"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -14,6 +15,7 @@ __all__ = [
     "is_concrete",
     "tree_all_finite",
     "check_count",
+    "check_positive",
     "stack_clients",
     "enable_x64",
     "masked_mean",
@@ -51,6 +53,15 @@ def check_count(value, name: str, minimum: int = 1, maximum: int | None = None) 
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)
+
+
+def check_positive(value, name: str) -> float:
+    """``value`` as a ``float`` if it is a finite real number ``> 0`` (not a bool); else ``ValueError`` naming
+    ``name``. For the static scales of lattices, noise laws and normalisations."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
+    return float(value)
 
 
 def stack_clients(tree: PyTree, num_clients: int) -> PyTree:

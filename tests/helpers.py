@@ -109,6 +109,20 @@ SMALL_ALGORITHMS = (
 )
 
 
+def cond_branch_counts(jaxpr) -> list[int]:
+    """The number of branches of every ``cond`` (``lax.cond``/``lax.switch``) in ``jaxpr`` and the jaxprs
+    nested in its equations, in program order: how a test sees which static buckets a program can run."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append(len(eqn.params["branches"]))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if hasattr(sub, "jaxpr"):
+                    out += cond_branch_counts(sub.jaxpr)
+    return out
+
+
 def small_algorithm(name: str, loss, clients: int):
     """One of :data:`SMALL_ALGORITHMS` on ``loss`` with ``clients`` participants per round (10 clients in
     all), its KLMS variant with :data:`SMALL_KLMS`."""

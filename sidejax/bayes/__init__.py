@@ -4,74 +4,11 @@
 :mod:`sidejax.bayes.pseudocoresets` (BPC-fKL's forward-KL gradient, the initialisation and the
 server's aggregation of pseudocoresets)."""
 
-from sidejax.bayes.coresets import (
-    AIHTResult,
-    aiht,
-    coreset_objective,
-    project_sparse_nonnegative,
-    projected_potentials,
-)
-from sidejax.bayes.inference import (
-    DivergenceWarning,
-    HMCResult,
-    MAPResult,
-    SGLDResult,
-    hmc,
-    map_estimate,
-    sgld,
-)
-from sidejax.bayes.pseudocoresets import (
-    FKLGradient,
-    Pseudocoreset,
-    aggregate_pseudocoresets,
-    coreset_logdensity,
-    cycled_labels,
-    expert_trajectories,
-    fkl_gradient,
-    fkl_surrogate,
-    init_pseudocoreset,
-    inner_chain,
-    learn_pseudocoreset,
-    trajectory_pairs,
-)
-from sidejax.bayes.variational import (
-    MeanField,
-    diag_gaussian_kl,
-    init_mean_field,
-    mean_field_kl,
-    sample,
-    scales,
-)
+from sidejax.bayes import coresets, inference, pseudocoresets, variational
+from sidejax.bayes.coresets import *
+from sidejax.bayes.inference import *
+from sidejax.bayes.pseudocoresets import *
+from sidejax.bayes.variational import *
 
-__all__ = [
-    "AIHTResult",
-    "aiht",
-    "coreset_objective",
-    "project_sparse_nonnegative",
-    "projected_potentials",
-    "MeanField",
-    "diag_gaussian_kl",
-    "init_mean_field",
-    "mean_field_kl",
-    "sample",
-    "scales",
-    "DivergenceWarning",
-    "HMCResult",
-    "SGLDResult",
-    "hmc",
-    "sgld",
-    "MAPResult",
-    "map_estimate",
-    "FKLGradient",
-    "fkl_gradient",
-    "fkl_surrogate",
-    "inner_chain",
-    "Pseudocoreset",
-    "aggregate_pseudocoresets",
-    "coreset_logdensity",
-    "cycled_labels",
-    "init_pseudocoreset",
-    "learn_pseudocoreset",
-    "trajectory_pairs",
-    "expert_trajectories",
-]
+# every submodule's public names (its __all__), declared once there
+__all__ = [*coresets.__all__, *inference.__all__, *pseudocoresets.__all__, *variational.__all__]

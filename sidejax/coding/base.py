@@ -71,6 +71,8 @@ __all__ = [
     "ERR_INPUT",
     "WITHHELD_BITS",
     "stream_errors",
+    "failed_checks",
+    "kl_ideal_bits",
     "withhold",
     "included",
     "empty_message",
@@ -79,10 +81,12 @@ __all__ = [
     "concat_stacked",
     "split_stacked",
     "stateless_coder",
+    "configured_coder",
     "encode_float32",
     "decode_float32",
     "float32_coder",
     "with_side_info",
+    "wrap_coder",
     "prior_fingerprint",
     "stream_crc",
     "CRCDecoded",
@@ -135,6 +139,31 @@ def stream_errors(errors) -> list[str]:
     """Host side: the reasons encoded in a decoded stream's ``errors`` bitmask, as sentences."""
     code = int(errors)
     return [text for bit, text in _ERROR_TEXT.items() if code & bit]
+
+
+_CHECK_BITS = {
+    "length": ERR_LENGTH,
+    "partition": ERR_PARTITION,
+    "parse": ERR_PARSE,
+    "prior": ERR_PRIOR,
+    "crc": ERR_CRC,
+    "input": ERR_INPUT,
+}
+
+
+def failed_checks(**passed) -> jax.Array:
+    """A decoder's int32 ``errors`` bitmask from its checks: each keyword (``length``, ``partition``,
+    ``parse``, ``prior``, ``crc``, ``input``) is a bool array that is True where that check passed, and
+    the mask has the check's bit (:data:`ERR_LENGTH`, ..., :data:`ERR_INPUT`) set where it failed; the
+    checks' shapes broadcast. ``failed_checks(length=ok_len, parse=ok_parse)`` is
+    ``where(ok_len, 0, ERR_LENGTH) | where(ok_parse, 0, ERR_PARSE)``."""
+    unknown = sorted(set(passed) - set(_CHECK_BITS))
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}: the checks are {sorted(_CHECK_BITS)}")
+    errors = jnp.int32(0)
+    for check, ok in passed.items():
+        errors = errors | jnp.where(ok, 0, _CHECK_BITS[check]).astype(jnp.int32)
+    return errors
 
 
 def withhold(messages: Message, send: jax.Array) -> Message:
@@ -366,6 +395,27 @@ def split_stacked(message: Message, frame: Callable, state: Any, num_parts: int,
     return Message(parts, bits), ok
 
 
+def configured_coder(config, protocol: tuple[Callable, ...], **fields) -> Coder:
+    """The :class:`Coder` of a stateful protocol whose functions take its static ``config`` as their last
+    argument, bound to ``config`` here once with the contract's signatures (``decode(shared_key, p, state,
+    message)``, ...): ``protocol`` is ``(init, encode, decode, update, downlink, receive, frame)`` in the
+    order of the Coder's fields (``init(dim, config)``, ``encode(keys, q, p, state, config)``, ...,
+    ``frame(state, words, bit_offset, config)``). ``capacity_words`` is ``config.capacity_words``; ``fields``
+    sets the others (``name``, ``deterministic``, ``fixed_bits``)."""
+    init, encode, decode, update, downlink, receive, frame = protocol
+    return Coder(
+        init=lambda dim: init(dim, config),
+        encode=lambda keys, q, p, state: encode(keys, q, p, state, config),
+        decode=lambda shared_key, p, state, message: decode(shared_key, p, state, message, config),
+        update=lambda state, decoded: update(state, decoded, config),
+        downlink=lambda state: downlink(state, config),
+        receive=lambda state, message: receive(state, message, config),
+        frame=lambda state, words, bit_offset: frame(state, words, bit_offset, config),
+        capacity_words=config.capacity_words,
+        **fields,
+    )
+
+
 def stateless_coder(
     encode,
     decode,
@@ -453,7 +503,7 @@ def float32_coder() -> Coder:
         else:
             ok_tail = jnp.asarray(True)
         ok = ok_tail & (jnp.asarray(message.num_bits) == 32 * words.shape[0])
-        errors = jnp.where(ok, 0, ERR_LENGTH).astype(jnp.int32)
+        errors = failed_checks(length=ok)
         return decode_float32(Message(words, message.num_bits)), StreamCheck(ok, errors)
 
     return stateless_coder(
@@ -505,27 +555,48 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
     def update(state, decoded):
         return coder.update(state, decoded.inner._replace(valid=decoded.valid, errors=decoded.errors))
 
+    # concat_messages' buffer: the side words, the inner buffer and one word for the shift
+    return wrap_coder(
+        coder, encode, decode, update, name=f"{coder.name}+side", bits=head, words=num_values + 1
+    )
+
+
+def wrap_coder(
+    coder: Coder, encode, decode, update, *, name: str, bits: int = 0, words: int = 0, frame=None, **fields
+) -> Coder:
+    """The :class:`Coder` of a wrapper around ``coder`` (:func:`with_side_info`, :func:`with_crc`,
+    :func:`sidejax.coding.clip_update`): its own ``encode``, ``decode``, ``update`` and ``name``; every
+    message is the inner stream plus ``bits`` bits of the wrapper's (a header or a checksum), held in a
+    buffer of ``words`` more words than the inner coder's (``capacity_words``); ``fixed_bits`` grows by
+    ``bits`` where the inner coder declares it. ``frame`` is the wrapper's own (``None``: its streams are not
+    self-delimiting). ``init``, ``downlink``, ``receive``, ``uses_prior`` and ``deterministic`` are the
+    inner coder's unless ``fields`` replaces them."""
     fixed_bits = None
     if coder.fixed_bits is not None:
 
         def fixed_bits(dim):
-            return head + coder.fixed_bits(dim)
+            return bits + coder.fixed_bits(dim)
 
-    return Coder(
-        init=coder.init,
+    return coder._replace(
         encode=encode,
         decode=decode,
         update=update,
-        downlink=coder.downlink,
-        receive=coder.receive,
-        # concat_messages' buffer: the side words, the inner buffer and one word for the shift
-        capacity_words=lambda dim: num_values + coder.capacity_words(dim) + 1,
-        uses_prior=coder.uses_prior,
-        name=f"{coder.name}+side",
-        deterministic=coder.deterministic,
+        name=name,
+        capacity_words=lambda dim: words + coder.capacity_words(dim),
         fixed_bits=fixed_bits,
-        live_prefix=coder.live_prefix,  # ``live`` counts the inner vector; the side values always travel
+        frame=frame,
+        **fields,
     )
+
+
+def _kl_ideal_bits(info) -> jax.Array:
+    """The ideal rate of the message, :math:`D_{KL}(q \\| p)` in bits (the Coder contract's name)."""
+    return info.kl_bits
+
+
+#: The ``ideal_bits`` property of an encoder info that stores the ideal rate as its ``kl_bits`` field
+#: (:class:`sidejax.coding.KLMSClientInfo`, :class:`sidejax.coding.KLMSAvgClientInfo`).
+kl_ideal_bits = property(_kl_ideal_bits)
 
 
 def prior_fingerprint(p) -> jax.Array:
@@ -601,11 +672,7 @@ def with_crc(coder: Coder) -> Coder:
             inner_words = inner_words[: sent_words(inner_bits)]
         sample, inner = coder.decode(shared_key, p, state, Message(inner_words, inner_bits))
         ok = (nb >= 32) & (sent == stream_crc(shared_key, prior(p), inner_words, inner_bits))
-        errors = (
-            jnp.asarray(inner.errors, jnp.int32)
-            | jnp.where(nb >= 32, 0, ERR_LENGTH)
-            | jnp.where(ok | (nb < 32), 0, ERR_CRC)
-        ).astype(jnp.int32)
+        errors = jnp.asarray(inner.errors, jnp.int32) | failed_checks(length=nb >= 32, crc=ok | (nb < 32))
         return sample, CRCDecoded(inner, errors == 0, errors)
 
     def update(state, decoded):
@@ -617,20 +684,15 @@ def with_crc(coder: Coder) -> Coder:
         def frame(state, words, bit_offset):
             return coder.frame(state, words, bit_offset) + 32
 
-    fixed_bits = None
-    if coder.fixed_bits is not None:
-
-        def fixed_bits(dim):
-            return coder.fixed_bits(dim) + 32
-
-    return coder._replace(
-        encode=encode,
-        decode=decode,
-        update=update,
-        frame=frame,
+    # concat_messages' buffer: the inner buffer, the checksum word and one word for the shift
+    return wrap_coder(
+        coder,
+        encode,
+        decode,
+        update,
         name=f"{coder.name}+crc",
-        # concat_messages' buffer: the inner buffer, the checksum word and one word for the shift
-        capacity_words=lambda dim: coder.capacity_words(dim) + 2,
+        bits=32,
+        words=2,
+        frame=frame,
         deterministic=False,  # the checksum covers the shared key
-        fixed_bits=fixed_bits,
     )

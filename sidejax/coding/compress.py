@@ -23,7 +23,13 @@ import jax
 import jax.numpy as jnp
 
 from sidejax.bits import as_bits
-from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
+from sidejax.coding.base import (
+    Coder,
+    Message,
+    StreamCheck,
+    failed_checks,
+    stateless_coder,
+)
 from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
 from sidejax.distributions import dist_dim, is_valid
 from sidejax.utils import is_concrete
@@ -93,11 +99,7 @@ def scaled_sign_coder() -> Coder:
         scale = jax.lax.bitcast_convert_type(words[0], jnp.float32)
         ok_scale = jnp.isfinite(scale) & (scale >= 0)
         negative = unpack_fixed(words[1:], dim, 1) == 1
-        errors = (
-            jnp.where(ok_len, 0, ERR_LENGTH)
-            | jnp.where(ok_parse, 0, ERR_PARSE)
-            | jnp.where(ok_scale, 0, ERR_INPUT)
-        ).astype(jnp.int32)
+        errors = failed_checks(length=ok_len, parse=ok_parse, input=ok_scale)
         return jnp.where(negative, -scale, scale), StreamCheck(errors == 0, errors)
 
     return stateless_coder(

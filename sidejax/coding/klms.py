@@ -77,14 +77,12 @@ from sidejax.blocks import (
     kl_blocks,
 )
 from sidejax.coding.base import (
-    ERR_CRC,
-    ERR_LENGTH,
-    ERR_PARSE,
-    ERR_PARTITION,
-    ERR_PRIOR,
     Coder,
     LivePrefix,
     Message,
+    configured_coder,
+    failed_checks,
+    kl_ideal_bits,
     stream_crc,
     stream_errors,
 )
@@ -288,10 +286,7 @@ class KLMSClientInfo(NamedTuple):
     statistic: jax.Array
     valid: jax.Array
 
-    @property
-    def ideal_bits(self) -> jax.Array:
-        """The ideal rate of the message, :math:`D_{KL}(q \\| p)` in bits (the Coder contract's name)."""
-        return self.kl_bits
+    ideal_bits = kl_ideal_bits
 
 
 class KLMSDecoded(NamedTuple):
@@ -543,13 +538,9 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
         ok_crc = sent == stream_crc(shared_key, p, words, offset)
         offset = offset + 32
     ok_parse = offset == as_bits(message.num_bits)
-    errors = (
-        jnp.where(ok_length, 0, ERR_LENGTH)
-        | jnp.where(ok_partition, 0, ERR_PARTITION)
-        | jnp.where(ok_parse, 0, ERR_PARSE)
-        | jnp.where(is_valid(p), 0, ERR_PRIOR)
-        | jnp.where(ok_crc, 0, ERR_CRC)
-    ).astype(jnp.int32)
+    errors = failed_checks(
+        length=ok_length, partition=ok_partition, parse=ok_parse, prior=is_valid(p), crc=ok_crc
+    )
     valid = errors == 0
     sample = importance_decode(shared_key, p, blocks, indices)
     if is_concrete(errors) and not bool(valid):
@@ -681,17 +672,10 @@ def klms_coder(config: KLMSConfig) -> Coder:
     """
     if not isinstance(config, KLMSConfig):
         raise TypeError(f"klms_coder needs a KLMSConfig, got {type(config).__name__}")
-    return Coder(
-        init=lambda dim: klms_init(dim, config),
-        encode=lambda keys, q, p, state: klms_encode(keys, q, p, state, config),
-        decode=lambda shared_key, p, state, message: klms_decode(shared_key, p, state, message, config),
-        update=lambda state, decoded: klms_server_update(state, decoded, config),
-        downlink=lambda state: klms_downlink(state, config),
-        receive=lambda state, message: klms_receive(state, message, config),
-        capacity_words=config.capacity_words,
-        uses_prior=True,
+    return configured_coder(
+        config,
+        (klms_init, klms_encode, klms_decode, klms_server_update, klms_downlink, klms_receive, klms_frame),
         name="klms",
-        frame=lambda state, words, bit_offset: klms_frame(state, words, bit_offset, config),
         deterministic=False,  # the candidates come from the shared key, the choice from the private one
         fixed_bits=None if config.adaptive else config.fixed_bits,
         live_prefix=None

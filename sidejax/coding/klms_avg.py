@@ -95,12 +95,11 @@ import jax.numpy as jnp
 from sidejax.bits import as_bits
 from sidejax.blocks import Blocks
 from sidejax.coding.base import (
-    ERR_CRC,
-    ERR_LENGTH,
-    ERR_PARSE,
-    ERR_PRIOR,
     Coder,
     Message,
+    configured_coder,
+    failed_checks,
+    kl_ideal_bits,
     stream_crc,
     stream_errors,
 )
@@ -269,10 +268,7 @@ class KLMSAvgClientInfo(NamedTuple):
     proposal: jax.Array
     valid: jax.Array
 
-    @property
-    def ideal_bits(self) -> jax.Array:
-        """The ideal rate of the message, :math:`D_{KL}(q \\| p)` in bits (the Coder contract's name)."""
-        return self.kl_bits
+    ideal_bits = kl_ideal_bits
 
 
 class KLMSAvgDecoded(NamedTuple):
@@ -596,12 +592,7 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state is the
     # one built for this vector, which the frame of a relayed stream relies on)
     ok_parse = (offset == as_bits(message.num_bits)) & (state.dim == dim)
-    errors = (
-        jnp.where(ok_length, 0, ERR_LENGTH)
-        | jnp.where(ok_parse, 0, ERR_PARSE)
-        | jnp.where(is_valid(p), 0, ERR_PRIOR)
-        | jnp.where(ok_crc, 0, ERR_CRC)
-    ).astype(jnp.int32)
+    errors = failed_checks(length=ok_length, parse=ok_parse, prior=is_valid(p), crc=ok_crc)
     valid = errors == 0
     sample = importance_decode(shared_key, p, equal_blocks(dim, b), indices)
     if is_concrete(errors) and not bool(valid):
@@ -701,17 +692,15 @@ def klms_avg_coder(config: KLMSAvgConfig) -> Coder:
     ``p`` are factorized distributions over the flat vector (:mod:`sidejax.distributions`)."""
     if not isinstance(config, KLMSAvgConfig):
         raise TypeError(f"klms_avg_coder needs a KLMSAvgConfig, got {type(config).__name__}")
-    return Coder(
-        init=lambda dim: klms_avg_init(dim, config),
-        encode=lambda keys, q, p, state: klms_avg_encode(keys, q, p, state, config),
-        decode=lambda shared_key, p, state, message: klms_avg_decode(shared_key, p, state, message, config),
-        update=lambda state, decoded: klms_avg_server_update(state, decoded, config),
-        downlink=lambda state: klms_avg_downlink(state, config),
-        receive=lambda state, message: klms_avg_receive(state, message, config),
-        capacity_words=config.capacity_words,
-        uses_prior=True,
-        name="klms-avg",
-        frame=lambda state, words, bit_offset: klms_avg_frame(state, words, bit_offset, config),
-        deterministic=False,  # shared candidates, a private choice
-        fixed_bits=None,  # the block size, hence the index count, and the size field follow the protocol
+    protocol = (
+        klms_avg_init,
+        klms_avg_encode,
+        klms_avg_decode,
+        klms_avg_server_update,
+        klms_avg_downlink,
+        klms_avg_receive,
+        klms_avg_frame,
     )
+    # shared candidates, a private choice; the block size, hence the index count, and the size field follow
+    # the protocol (no fixed length)
+    return configured_coder(config, protocol, name="klms-avg", deterministic=False, fixed_bits=None)

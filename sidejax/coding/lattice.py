@@ -69,18 +69,17 @@ import jax.numpy as jnp
 from sidejax import keys as keymod
 from sidejax.bits import as_bits
 from sidejax.coding.base import (
-    ERR_INPUT,
-    ERR_LENGTH,
-    ERR_PARSE,
     Coder,
     Message,
     StreamCheck,
     concat_messages,
     decode_float32,
     encode_float32,
+    failed_checks,
     float32_coder,
     split_message,
     stateless_coder,
+    wrap_coder,
 )
 from sidejax.coding.bitstream import (
     INVALID_LENGTH,
@@ -107,7 +106,7 @@ from sidejax.coding.lrsuq import (
 )
 from sidejax.distributions import PointMass
 from sidejax.lattices import Lattice
-from sidejax.utils import is_concrete
+from sidejax.utils import check_positive, is_concrete
 
 __all__ = [
     "NoisePrior",
@@ -588,9 +587,7 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     signed = jnp.where(sign == 1, -value.astype(jnp.int32), value.astype(jnp.int32))
     good = ok_len & ok_parse & ok_pos
     flat = jnp.zeros((dim,), jnp.int32).at[jnp.where(live & good, idx, dim)].set(signed, mode="drop")
-    errors = (
-        jnp.where(ok_len, 0, ERR_LENGTH) | jnp.where(ok_parse, 0, ERR_PARSE) | jnp.where(ok_pos, 0, ERR_INPUT)
-    ).astype(jnp.int32)
+    errors = failed_checks(length=ok_len, parse=ok_parse, input=ok_pos)
     return jnp.where(good, h, 0), flat.reshape(blocks, n), errors
 
 
@@ -670,7 +667,7 @@ def _vector_coder(
         h, coords, errors = decode_lattice_stream(
             words, message.num_bits, blocks=blocks_of(d), n=blocks_of.n, trial_m=trial_m, method=method
         )
-        errors = errors | jnp.where(ok_size, 0, ERR_LENGTH).astype(jnp.int32)
+        errors = errors | failed_checks(length=ok_size)
         x_hat = reconstruct(shared_key, h, coords, d, level)
         out = center + jnp.where(errors == 0, x_hat, 0.0)
         return out, StreamCheck(errors == 0, errors)
@@ -872,15 +869,9 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
       gamma: the normalisation scale ``γ > 0``.
       mode: ``"normalise"`` or ``"clip"``.
     """
-    if (
-        isinstance(gamma, bool)
-        or not isinstance(gamma, numbers.Real)
-        or not (math.isfinite(gamma) and gamma > 0)
-    ):
-        raise ValueError(f"gamma must be a finite real number > 0, got {gamma!r}")
+    gamma = check_positive(gamma, "gamma")
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-    gamma = float(gamma)
     normalise = mode == "normalise"
 
     def encode(keys, q, p, state):
@@ -907,8 +898,7 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
             head, body = split_message(message, (32,))
             norm = decode_float32(head)[0]
             y, decoded = coder.decode(shared_key, zero, state, body)
-            bad_norm = ~(jnp.isfinite(norm) & (norm >= 0))
-            errors = decoded.errors | jnp.where(bad_norm, ERR_INPUT, 0).astype(jnp.int32)
+            errors = decoded.errors | failed_checks(input=jnp.isfinite(norm) & (norm >= 0))
             out = center + (norm / gamma) * y
         else:
             y, decoded = coder.decode(shared_key, zero, state, message)
@@ -919,27 +909,14 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
     def update(state, decoded):
         return coder.update(state, decoded.inner)
 
-    capacity_words, fixed_bits = coder.capacity_words, coder.fixed_bits
-    if normalise:  # concat_messages(norm, inner): the norm's word, the inner buffer, one word for the shift
-
-        def capacity_words(dim):
-            return coder.capacity_words(dim) + 2
-
-        if coder.fixed_bits is not None:
-
-            def fixed_bits(dim):
-                return 32 + coder.fixed_bits(dim)
-
-    return Coder(
-        init=coder.init,
-        encode=encode,
-        decode=decode,
-        update=update,
-        downlink=coder.downlink,
-        receive=coder.receive,
-        capacity_words=capacity_words,
-        uses_prior=True,
+    # normalise: concat_messages(norm, inner), the norm's word, the inner buffer and one word for the shift
+    return wrap_coder(
+        coder,
+        encode,
+        decode,
+        update,
         name=f"{mode}({gamma:g})+{coder.name}",
-        deterministic=coder.deterministic,
-        fixed_bits=fixed_bits,
+        bits=32 if normalise else 0,
+        words=2 if normalise else 0,
+        uses_prior=True,
     )

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,7 @@ from sidejax import keys
 from sidejax.distributions import uniform_open
 from sidejax.lattices import Lattice
 from sidejax.types import PRNGKey
+from sidejax.utils import check_positive
 
 __all__ = [
     "GaussianNoise",
@@ -73,15 +73,6 @@ __all__ = [
 _COORD_LIMIT = 2.0**29
 
 
-def _check_positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class GaussianNoise:
     """The error law ``N(0, σ² I_n)`` of an LRSUQ (any lattice dimension ``n``); hashable (a static argument).
@@ -93,7 +84,7 @@ class GaussianNoise:
     sigma: float
 
     def __post_init__(self):
-        object.__setattr__(self, "sigma", _check_positive("sigma", self.sigma))
+        object.__setattr__(self, "sigma", check_positive(self.sigma, "sigma"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +99,7 @@ class LaplaceNoise:
     b: float
 
     def __post_init__(self):
-        object.__setattr__(self, "b", _check_positive("b", self.b))
+        object.__setattr__(self, "b", check_positive(self.b, "b"))
 
 
 def _check_lattice(lattice) -> None:

@@ -26,9 +26,6 @@ import jax.numpy as jnp
 
 from sidejax.bits import as_bits
 from sidejax.coding.base import (
-    ERR_INPUT,
-    ERR_LENGTH,
-    ERR_PARSE,
     Coder,
     Message,
     StreamCheck,
@@ -36,6 +33,7 @@ from sidejax.coding.base import (
     concat_messages,
     decode_float32,
     encode_float32,
+    failed_checks,
     split_message,
     stateless_coder,
 )
@@ -156,11 +154,7 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
             labels = jnp.minimum(index, num_classes - 1).astype(jnp.float32)
         n = unpack_fixed(jnp.pad(count_msg.payload, (0, 1)), 1, 32)[0]
         ok_n = (n >= 1) & (n <= MAX_EXAMPLES)
-        errors = (
-            jnp.where(ok_len, 0, ERR_LENGTH)
-            | jnp.where(ok_parse, 0, ERR_PARSE)
-            | jnp.where(ok_labels & ok_n, 0, ERR_INPUT)
-        ).astype(jnp.int32)
+        errors = failed_checks(length=ok_len, parse=ok_parse, input=ok_labels & ok_n)
         value = jnp.concatenate([z, labels, n.astype(jnp.float32)[None]])
         return value, StreamCheck(errors == 0, errors)
 

@@ -20,7 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidejax.bits import as_bits, enumerative_mask_bits
-from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
+from sidejax.coding.base import (
+    Coder,
+    Message,
+    StreamCheck,
+    failed_checks,
+    stateless_coder,
+)
 from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
 from sidejax.coding.lossless import (
     elias_levels_capacity_words,
@@ -83,7 +89,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         index = unpack_fixed(words, dim, width).astype(jnp.int32)
         ok_sym = jnp.all(index < len(symbols))
         ok_parse = as_bits(message.num_bits) == width * dim
-        errors = _errors(ok_len, ok_parse, ok_sym)
+        errors = failed_checks(length=ok_len, parse=ok_parse, input=ok_sym)
         x = jnp.asarray(symbols, jnp.float32)[jnp.minimum(index, len(symbols) - 1)]
         return x, StreamCheck(errors == 0, errors)
 
@@ -102,10 +108,27 @@ def _n(message: Message) -> int:
     return jnp.asarray(message.payload).shape[0]
 
 
-def _errors(ok_len, ok_parse, ok_sym) -> jax.Array:
-    return (
-        jnp.where(ok_len, 0, ERR_LENGTH) | jnp.where(ok_parse, 0, ERR_PARSE) | jnp.where(ok_sym, 0, ERR_INPUT)
-    ).astype(jnp.int32)
+def _lossless_sample_coder(name: str, encode_sample, decode_stream, capacity_words) -> Coder:
+    """A sample-then-code coder whose stream is a lossless code of the sample ``x`` drawn from ``q`` (private
+    key): ``encode_sample(x) -> (words, num_bits, in_alphabet, ideal_bits)`` codes it, ``valid`` is
+    ``is_valid(q) & in_alphabet``; ``decode_stream(words, num_bits, dim) -> (x, ok)`` reads it back, and a
+    stream that does not parse (``ok`` False) is :data:`ERR_PARSE`. Stateless, deterministic, no prior."""
+
+    def encode(keys, q, p):
+        del p
+        x = q.sample(keys.private)
+        words, num_bits, in_alphabet, ideal_bits = encode_sample(x)
+        return Message(_trim(words, num_bits), num_bits), SampleInfo(is_valid(q) & in_alphabet, ideal_bits)
+
+    def decode(shared_key, p, message):
+        del shared_key
+        x, ok = decode_stream(jnp.asarray(message.payload, jnp.uint32), message.num_bits, dist_dim(p))
+        errors = failed_checks(parse=ok)
+        return x.astype(jnp.float32), StreamCheck(errors == 0, errors)
+
+    return stateless_coder(
+        encode, decode, uses_prior=False, name=name, capacity_words=capacity_words, deterministic=True
+    )
 
 
 def elias_coder(max_level: int) -> Coder:
@@ -117,29 +140,15 @@ def elias_coder(max_level: int) -> Coder:
     if max_level < 1:
         raise ValueError(f"max_level must be >= 1, got {max_level}")
 
-    def encode(keys, q, p):
-        del p
-        levels = q.sample(keys.private)
-        ok = is_valid(q) & jnp.all(jnp.abs(levels) <= max_level)
+    def encode_levels(levels):
         words, num_bits = elias_levels_encode(levels.astype(jnp.int32), max_level=max_level)
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
+        return words, num_bits, jnp.all(jnp.abs(levels) <= max_level), _NAN
 
-    def decode(shared_key, p, message):
-        del shared_key
-        dim = dist_dim(p)
-        levels, ok = elias_levels_decode(
-            jnp.asarray(message.payload, jnp.uint32), message.num_bits, dim=dim, max_level=max_level
-        )
-        errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
-        return levels.astype(jnp.float32), StreamCheck(errors == 0, errors)
+    def decode_levels(words, num_bits, dim):
+        return elias_levels_decode(words, num_bits, dim=dim, max_level=max_level)
 
-    return stateless_coder(
-        encode,
-        decode,
-        uses_prior=False,
-        name="elias",
-        capacity_words=lambda dim: elias_levels_capacity_words(dim, max_level),
-        deterministic=True,
+    return _lossless_sample_coder(
+        "elias", encode_levels, decode_levels, lambda dim: elias_levels_capacity_words(dim, max_level)
     )
 
 
@@ -148,24 +157,11 @@ def mask_coder() -> Coder:
     lengths (:func:`sidejax.coding.lossless.mask_encode`): close to :math:`d H_b(k/d)` bits for a mask with
     ``k`` ones, the cost of the arithmetic code FedPM reports."""
 
-    def encode(keys, q, p):
-        del p
-        mask = q.sample(keys.private)
+    def encode_mask(mask):
         words, num_bits = mask_encode(mask)
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(is_valid(q), enumerative_mask_bits(mask))
+        return words, num_bits, jnp.asarray(True), enumerative_mask_bits(mask)
 
-    def decode(shared_key, p, message):
-        del shared_key
-        dim = dist_dim(p)
-        mask, ok = mask_decode(jnp.asarray(message.payload, jnp.uint32), message.num_bits, dim=dim)
-        errors = jnp.where(ok, 0, ERR_PARSE).astype(jnp.int32)
-        return mask.astype(jnp.float32), StreamCheck(errors == 0, errors)
+    def decode_mask(words, num_bits, dim):
+        return mask_decode(words, num_bits, dim=dim)
 
-    return stateless_coder(
-        encode,
-        decode,
-        uses_prior=False,
-        name="golomb-mask",
-        capacity_words=mask_capacity_words,
-        deterministic=True,
-    )
+    return _lossless_sample_coder("golomb-mask", encode_mask, decode_mask, mask_capacity_words)

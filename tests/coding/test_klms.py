@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_equal
+from helpers import cond_branch_counts, tree_equal
 
 from sidejax.blocks import block_sizes, block_sums, blocks_from_starts, kl_blocks
 from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PRIOR, Message, stream_errors
@@ -224,18 +224,6 @@ def test_gaussian_decode_is_the_same_computation_in_jit_eager_and_vmap():
     np.testing.assert_array_max_ulp(np.asarray(y_vmap[1]), np.asarray(y_jit), maxulp=4)
 
 
-def _cond_branch_counts(jaxpr) -> list[int]:
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            out.append(len(eqn.params["branches"]))
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                if hasattr(sub, "jaxpr"):
-                    out += _cond_branch_counts(sub.jaxpr)
-    return out
-
-
 def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
     """Issue 12 (speed): the encoder sized its [blocks, K] log-weights and Gumbel draw to max_blocks = dim
     (61,706 x 256 at the klms_fmnist preset) for ~600 live blocks. In rounds on the broadcast partition it
@@ -267,7 +255,7 @@ def test_encoder_work_is_sized_to_the_live_bucket_and_sends_the_same_messages():
     state = klms_init(D, CFG)._replace(update=jnp.asarray(False))
     for cfg, switched in ((CFG, True), (full, False)):
         jaxpr = jax.make_jaxpr(lambda s, cfg=cfg: klms_encode(KEYS, Q, P, s, cfg))(state).jaxpr
-        assert (3 in _cond_branch_counts(jaxpr)) == switched
+        assert (3 in cond_branch_counts(jaxpr)) == switched
 
 
 def test_fixed_mode_sends_indices_only():

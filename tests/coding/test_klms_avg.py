@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tree_equal
+from helpers import cond_branch_counts, tree_equal
 
 from sidejax.coding import concat_stacked, split_stacked
 from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PARSE, ERR_PRIOR, Message
@@ -104,18 +104,6 @@ def test_streaming_encoder_chooses_the_oracles_indices_for_every_block_size():
         assert not np.asarray(indices)[M:].any() and int(fallback) == 0
 
 
-def _cond_branch_counts(jaxpr) -> list[int]:
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            out.append(len(eqn.params["branches"]))
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                if hasattr(sub, "jaxpr"):
-                    out += _cond_branch_counts(sub.jaxpr)
-    return out
-
-
 def test_under_vmap_over_clients_only_the_row_bucket_of_the_shared_size_runs():
     """The block size is part of the state every client shares, so vmapping the encoder over clients keeps
     the row buckets a lax.switch (one branch runs), not a select over all of them."""
@@ -125,7 +113,7 @@ def test_under_vmap_over_clients_only_the_row_bucket_of_the_shared_size_runs():
     batched = jax.make_jaxpr(jax.vmap(lambda k, q: klms_avg_encode(k, Bernoulli(q), P, state, CFG)))(
         keys, probs
     )
-    assert _cond_branch_counts(batched.jaxpr) == [len(row_buckets(48, 64))] == [3]
+    assert cond_branch_counts(batched.jaxpr) == [len(row_buckets(48, 64))] == [3]
 
 
 def test_a_block_without_support_falls_back_to_a_uniform_index_and_is_counted():
