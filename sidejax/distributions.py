@@ -322,24 +322,31 @@ class DiagGaussian(_Factorized, _DiagGaussianFields):
         return 0.5 * (var_ratio + diff * diff - 1.0 - jnp.log(var_ratio))
 
 
+class _FiniteArray:
+    """A law given by one real array (its only field) that must be finite: checked when built from
+    concrete values (:func:`check_finite`, the message naming ``"<Class> <field>"``) and by ``is_valid``."""
+
+    __slots__ = ()
+
+    def __new__(cls, value):
+        check_finite(value, f"{cls.__name__} {cls._fields[0]}")
+        return super().__new__(cls, value)
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: the array is finite; usable inside jit."""
+        return jnp.all(jnp.isfinite(self[0]))
+
+
 class _PointMassFields(NamedTuple):
     value: jax.Array
 
 
 @_register
-class PointMass(_PointMassFields):
+class PointMass(_FiniteArray, _PointMassFields):
     """The point mass at ``value`` (shape ``[dim]``): a deterministic message such as FedAvg's parameters,
     sent by the float32 coder. ``sample`` ignores its key. Concrete ``value`` must be finite."""
 
     __slots__ = ()
-
-    def __new__(cls, value):
-        check_finite(value, "PointMass value")
-        return super().__new__(cls, value)
-
-    def is_valid(self) -> jax.Array:
-        """bool scalar: ``value`` is finite; usable inside jit."""
-        return jnp.all(jnp.isfinite(self.value))
 
     def log_prob(self, x: jax.Array) -> jax.Array:
         return jnp.where(x == self.value, 0.0, -jnp.inf)
@@ -357,7 +364,7 @@ class _StochasticLevelsFields(NamedTuple):
 
 
 @_register
-class StochasticLevels(_Factorized, _StochasticLevelsFields):
+class StochasticLevels(_FiniteArray, _Factorized, _StochasticLevelsFields):
     """QSGD's unbiased stochastic rounding (Alistarh et al. 2017, eq. 1) in units of ``norm / s``.
 
     ``scaled`` :math:`= s\\, v_i / n_{l(i)}` (shape ``[dim]``, :math:`|scaled| \\le s`); a sample is the
@@ -367,14 +374,6 @@ class StochasticLevels(_Factorized, _StochasticLevelsFields):
     """
 
     __slots__ = ()
-
-    def __new__(cls, scaled):
-        check_finite(scaled, "StochasticLevels scaled")
-        return super().__new__(cls, scaled)
-
-    def is_valid(self) -> jax.Array:
-        """bool scalar: ``scaled`` is finite; usable inside jit."""
-        return jnp.all(jnp.isfinite(self.scaled))
 
     def as_ternary(self) -> Ternary:
         """For ``s = 1`` (:math:`|scaled| \\le 1`), the same law as a :class:`Ternary` over {-1, 0, +1}:
