@@ -25,7 +25,7 @@ outcomes contribute exactly 0 and a KL is infinite only where ``self`` puts mass
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -145,12 +145,53 @@ def check_finite(x, name: str) -> None:
             raise ValueError(f"{name} must be finite; found e.g. {a[~np.isfinite(a)].ravel()[:3].tolist()}")
 
 
+class _Factorized:
+    """What every factorized law derives from its own ``icdf`` and ``kl_nats``: ``sample`` draws the
+    inverse CDF of open uniforms (:func:`uniform_open`) over ``_coords_shape`` (:class:`StochasticLevels`,
+    which has no inverse CDF, overrides it), ``kl_bits`` is ``kl_nats`` in bits."""
+
+    __slots__ = ()
+
+    def _coords_shape(self) -> tuple[int, ...]:
+        """The shape of one sample: the leading field's shape."""
+        return self[0].shape
+
+    def sample(self, key, sample_shape=()) -> jax.Array:
+        return self.icdf(uniform_open(key, tuple(sample_shape) + self._coords_shape()))
+
+    def kl_bits(self, other) -> jax.Array:
+        return self.kl_nats(other) / LN2
+
+
+class _ProbabilityLaw(_Factorized):
+    """A law given by one array ``probs`` of probabilities: validated when built from concrete values
+    (:func:`check_probabilities`, the message naming ``"<Class> probs"``), rows summing to 1 along
+    ``_sums_to_one`` unless it is ``None``."""
+
+    __slots__ = ()
+    _sums_to_one: int | None = None
+
+    def __new__(cls, probs):
+        check_probabilities(probs, f"{cls.__name__} probs", axis_sums_to_one=cls._sums_to_one)
+        return super().__new__(cls, probs)
+
+    @classmethod
+    def create(cls, probs) -> Self:
+        """Validating constructor that also converts to float32."""
+        check_probabilities(probs, f"{cls.__name__} probs", axis_sums_to_one=cls._sums_to_one)
+        return cls(jnp.asarray(probs, jnp.float32))
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: every probability in [0, 1] (no NaN); usable inside jit."""
+        return _probs_ok(self.probs)
+
+
 class _BernoulliFields(NamedTuple):
     probs: jax.Array
 
 
 @_register
-class Bernoulli(_BernoulliFields):
+class Bernoulli(_ProbabilityLaw, _BernoulliFields):
     """Independent Bernoulli coordinates on {0, 1} with ``probs = P(X = 1)``, shape ``[dim]``.
 
     ``Bernoulli(probs)`` with concrete probabilities outside [0, 1] or NaN raises ``ValueError``.
@@ -158,28 +199,11 @@ class Bernoulli(_BernoulliFields):
 
     __slots__ = ()
 
-    def __new__(cls, probs):
-        check_probabilities(probs, "Bernoulli probs")
-        return super().__new__(cls, probs)
-
-    @classmethod
-    def create(cls, probs) -> Bernoulli:
-        """Validating constructor that also converts to float32."""
-        check_probabilities(probs, "Bernoulli probs")
-        return cls(jnp.asarray(probs, jnp.float32))
-
-    def is_valid(self) -> jax.Array:
-        """bool scalar: every probability in [0, 1] (no NaN); usable inside jit."""
-        return _probs_ok(self.probs)
-
     def log_prob(self, x: jax.Array) -> jax.Array:
         return jnp.where(x > 0.5, jnp.log(self.probs), jnp.log1p(-self.probs))
 
     def icdf(self, u: jax.Array) -> jax.Array:
         return (u < self.probs).astype(jnp.float32)
-
-    def sample(self, key, sample_shape=()) -> jax.Array:
-        return self.icdf(uniform_open(key, tuple(sample_shape) + self.probs.shape))
 
     def mean(self) -> jax.Array:
         return self.probs
@@ -188,16 +212,13 @@ class Bernoulli(_BernoulliFields):
         q, p = self.probs, other.probs
         return xlogy(q, q) - xlogy(q, p) + xlogy(1 - q, 1 - q) - xlogy(1 - q, 1 - p)
 
-    def kl_bits(self, other: Bernoulli) -> jax.Array:
-        return self.kl_nats(other) / LN2
-
 
 class _TernaryFields(NamedTuple):
     probs: jax.Array
 
 
 @_register
-class Ternary(_TernaryFields):
+class Ternary(_ProbabilityLaw, _TernaryFields):
     """Independent coordinates on {-1, 0, +1}; ``probs[..., i]`` is the probability of symbol i-1.
 
     Shape ``[dim, 3]``: QSGD's s = 1 symbol law (docs/papers/klms.md#s4-3). Concrete rows must be
@@ -205,15 +226,10 @@ class Ternary(_TernaryFields):
     """
 
     __slots__ = ()
+    _sums_to_one = -1
 
-    def __new__(cls, probs):
-        check_probabilities(probs, "Ternary probs", axis_sums_to_one=-1)
-        return super().__new__(cls, probs)
-
-    @classmethod
-    def create(cls, probs) -> Ternary:
-        check_probabilities(probs, "Ternary probs", axis_sums_to_one=-1)
-        return cls(jnp.asarray(probs, jnp.float32))
+    def _coords_shape(self) -> tuple[int, ...]:
+        return self.probs.shape[:-1]
 
     def is_valid(self) -> jax.Array:
         """bool scalar: entries in [0, 1] and rows summing to 1 (to 1e-5); usable inside jit."""
@@ -232,9 +248,6 @@ class Ternary(_TernaryFields):
         c1 = c0 + self.probs[..., 1]
         return jnp.where(u < c0, -1.0, jnp.where(u < c1, 0.0, 1.0)).astype(jnp.float32)
 
-    def sample(self, key, sample_shape=()) -> jax.Array:
-        return self.icdf(uniform_open(key, tuple(sample_shape) + self.probs.shape[:-1]))
-
     def mean(self) -> jax.Array:
         return self.probs[..., 2] - self.probs[..., 0]
 
@@ -242,33 +255,17 @@ class Ternary(_TernaryFields):
         q, p = self.probs, other.probs
         return jnp.sum(xlogy(q, q) - xlogy(q, p), axis=-1)
 
-    def kl_bits(self, other: Ternary) -> jax.Array:
-        return self.kl_nats(other) / LN2
-
 
 class _SignFields(NamedTuple):
     probs: jax.Array
 
 
 @_register
-class Sign(_SignFields):
+class Sign(_ProbabilityLaw, _SignFields):
     """Independent coordinates on {-1, +1} with ``probs = P(X = +1)``, shape ``[dim]`` (concrete values
     outside [0, 1] or NaN raise ``ValueError``)."""
 
     __slots__ = ()
-
-    def __new__(cls, probs):
-        check_probabilities(probs, "Sign probs")
-        return super().__new__(cls, probs)
-
-    @classmethod
-    def create(cls, probs) -> Sign:
-        check_probabilities(probs, "Sign probs")
-        return cls(jnp.asarray(probs, jnp.float32))
-
-    def is_valid(self) -> jax.Array:
-        """bool scalar: every probability in [0, 1] (no NaN); usable inside jit."""
-        return _probs_ok(self.probs)
 
     def log_prob(self, x: jax.Array) -> jax.Array:
         return jnp.where(x > 0, jnp.log(self.probs), jnp.log1p(-self.probs))
@@ -276,17 +273,11 @@ class Sign(_SignFields):
     def icdf(self, u: jax.Array) -> jax.Array:
         return jnp.where(u < self.probs, 1.0, -1.0).astype(jnp.float32)
 
-    def sample(self, key, sample_shape=()) -> jax.Array:
-        return self.icdf(uniform_open(key, tuple(sample_shape) + self.probs.shape))
-
     def mean(self) -> jax.Array:
         return 2.0 * self.probs - 1.0
 
     def kl_nats(self, other: Sign) -> jax.Array:
         return Bernoulli(self.probs).kl_nats(Bernoulli(other.probs))
-
-    def kl_bits(self, other: Sign) -> jax.Array:
-        return self.kl_nats(other) / LN2
 
 
 class _DiagGaussianFields(NamedTuple):
@@ -295,7 +286,7 @@ class _DiagGaussianFields(NamedTuple):
 
 
 @_register
-class DiagGaussian(_DiagGaussianFields):
+class DiagGaussian(_Factorized, _DiagGaussianFields):
     """Independent Gaussians ``N(loc, scale^2)``, shapes ``[dim]`` (concrete ``loc`` must be finite and
     ``scale`` finite and > 0, else ``ValueError``)."""
 
@@ -322,9 +313,6 @@ class DiagGaussian(_DiagGaussianFields):
     def icdf(self, u: jax.Array) -> jax.Array:
         return self.loc + self.scale * ndtri(u)
 
-    def sample(self, key, sample_shape=()) -> jax.Array:
-        return self.icdf(uniform_open(key, tuple(sample_shape) + self.loc.shape))
-
     def mean(self) -> jax.Array:
         return self.loc
 
@@ -333,8 +321,20 @@ class DiagGaussian(_DiagGaussianFields):
         diff = (self.loc - other.loc) / other.scale
         return 0.5 * (var_ratio + diff * diff - 1.0 - jnp.log(var_ratio))
 
-    def kl_bits(self, other: DiagGaussian) -> jax.Array:
-        return self.kl_nats(other) / LN2
+
+class _FiniteArray:
+    """A law given by one real array (its only field) that must be finite: checked when built from
+    concrete values (:func:`check_finite`, the message naming ``"<Class> <field>"``) and by ``is_valid``."""
+
+    __slots__ = ()
+
+    def __new__(cls, value):
+        check_finite(value, f"{cls.__name__} {cls._fields[0]}")
+        return super().__new__(cls, value)
+
+    def is_valid(self) -> jax.Array:
+        """bool scalar: the array is finite; usable inside jit."""
+        return jnp.all(jnp.isfinite(self[0]))
 
 
 class _PointMassFields(NamedTuple):
@@ -342,19 +342,11 @@ class _PointMassFields(NamedTuple):
 
 
 @_register
-class PointMass(_PointMassFields):
+class PointMass(_FiniteArray, _PointMassFields):
     """The point mass at ``value`` (shape ``[dim]``): a deterministic message such as FedAvg's parameters,
     sent by the float32 coder. ``sample`` ignores its key. Concrete ``value`` must be finite."""
 
     __slots__ = ()
-
-    def __new__(cls, value):
-        check_finite(value, "PointMass value")
-        return super().__new__(cls, value)
-
-    def is_valid(self) -> jax.Array:
-        """bool scalar: ``value`` is finite; usable inside jit."""
-        return jnp.all(jnp.isfinite(self.value))
 
     def log_prob(self, x: jax.Array) -> jax.Array:
         return jnp.where(x == self.value, 0.0, -jnp.inf)
@@ -372,7 +364,7 @@ class _StochasticLevelsFields(NamedTuple):
 
 
 @_register
-class StochasticLevels(_StochasticLevelsFields):
+class StochasticLevels(_FiniteArray, _Factorized, _StochasticLevelsFields):
     """QSGD's unbiased stochastic rounding (Alistarh et al. 2017, eq. 1) in units of ``norm / s``.
 
     ``scaled`` :math:`= s\\, v_i / n_{l(i)}` (shape ``[dim]``, :math:`|scaled| \\le s`); a sample is the
@@ -382,14 +374,6 @@ class StochasticLevels(_StochasticLevelsFields):
     """
 
     __slots__ = ()
-
-    def __new__(cls, scaled):
-        check_finite(scaled, "StochasticLevels scaled")
-        return super().__new__(cls, scaled)
-
-    def is_valid(self) -> jax.Array:
-        """bool scalar: ``scaled`` is finite; usable inside jit."""
-        return jnp.all(jnp.isfinite(self.scaled))
 
     def as_ternary(self) -> Ternary:
         """For ``s = 1`` (:math:`|scaled| \\le 1`), the same law as a :class:`Ternary` over {-1, 0, +1}:
@@ -405,9 +389,6 @@ class StochasticLevels(_StochasticLevelsFields):
     def kl_nats(self, other: Ternary) -> jax.Array:
         """:math:`D_{KL}` against a :class:`Ternary` (``s = 1`` only)."""
         return self.as_ternary().kl_nats(other)
-
-    def kl_bits(self, other: Ternary) -> jax.Array:
-        return self.kl_nats(other) / LN2
 
     def sample(self, key, sample_shape=()) -> jax.Array:
         r = jnp.abs(self.scaled)

@@ -34,7 +34,7 @@ from sidejax.algorithms import (
     signsgd,
 )
 from sidejax.algorithms.pfedbayes import CoresetSettings, PFedBayesSettings, coreset_pfedbayes, pfedbayes
-from sidejax.coding.klms import KLMSConfig, klms_coder
+from sidejax.coding.klms import KLMSConfig, klms_coder, klms_init
 from sidejax.coding.lattice import additive_noise_coder, clip_update
 from sidejax.coding.lrsuq import GaussianNoise
 from sidejax.fl import LocalTraining
@@ -164,6 +164,36 @@ def assert_clean_run(name: str, infos) -> None:
         assert bool(np.asarray(kinfo.updated)[0]), name  # adaptive mode starts with an update round
 
 
+def klms_uplink_bits_per_coordinate(algorithm_run, dim: int, method: str) -> dict[str, float]:
+    """Runs ``method`` and ``method + "_klms"`` (the ``algorithm_run`` fixture), checks both runs are clean
+    (:func:`assert_clean_run`) and that KLMS sends fewer uplink bits; returns each one's mean uplink bits per
+    coordinate of the ``dim``-parameter model."""
+    bpp = {}
+    for name in (method, f"{method}_klms"):
+        _, _, _, infos = algorithm_run(name)
+        assert_clean_run(name, infos)
+        bpp[name] = np.asarray(infos.uplink_bits).mean() / dim
+    assert bpp[f"{method}_klms"] < bpp[method], bpp
+    return bpp
+
+
+def assert_clients_rebuild_the_server(algo, server, dim: int, client_view) -> None:
+    """A KLMS-coded downlink carries the server's state: for the server's coder state and one just after an
+    update round (``update=False, changed=True``), a client whose state is ``client_view(sent, coder)``
+    (what it knows of the server state ``sent``, with ``coder`` its own protocol state: the initial
+    ``SMALL_KLMS`` partition of ``dim`` coordinates after an update round, for the partition is parsed from
+    the stream, else the current one) receives the broadcast as exactly ``sent``."""
+    initial = klms_init(dim, SMALL_KLMS).blocks
+    assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
+    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None)[1])
+    receive = jax.jit(lambda view, message: algo.receive(None, None, view, None, message))
+    after_update = server.coder._replace(update=jnp.asarray(False), changed=jnp.asarray(True))
+    for coder in (server.coder, after_update):
+        sent = server._replace(coder=coder)
+        known = coder._replace(blocks=initial if bool(coder.changed) else coder.blocks, update=~coder.update)
+        assert tree_equal(receive(client_view(sent, known), broadcast(sent)), sent)
+
+
 def abstract_params(spec: ModelSpec):
     """A model's parameter shapes without allocating or compiling anything (``jax.eval_shape``)."""
     return jax.eval_shape(lambda k: init_params(k, spec), jax.random.key(0))
@@ -230,6 +260,7 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
     DoubleSqueeze, NEOLITHIC, BPC-FL) get all ``num_clients``; the others ``clients_per_round``."""
     common = dict(clients_per_round=clients_per_round)
     local = dict(batch_size=32, num_epochs=2)
+    bi = dict(num_clients=num_clients, coder=klms_coder(_BI_FIXED))  # the BICompFL variants
     lang = dict(
         num_clients=num_clients, clients_per_round=clients_per_round, settings=LangevinSettings(batch_size=32)
     )
@@ -256,11 +287,10 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
         "bicompfl_pr_splitdl": bicompfl_pr(
             loss,
             LocalTraining(optax.adam(0.1), **local),
-            num_clients=num_clients,
-            coder=klms_coder(_BI_FIXED),
             downlink=_BI_DOWN,
             num_uplink_samples=2,
             split_downlink=True,
+            **bi,
             **common,
         ),
         # CEPAM's round (with-replacement sampling: ORDER under the step key) with the classic Gaussian
@@ -313,18 +343,9 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
                 step_size=1e-3, num_integration_steps=2, inverse_mass_matrix=1.0, num_burnin=1, num_samples=2
             ),
         ),
-        "bicompfl_gr": bicompfl_gr(
-            loss,
-            LocalTraining(optax.adam(0.1), **local),
-            num_clients=num_clients,
-            coder=klms_coder(_BI_FIXED),
-        ),
+        "bicompfl_gr": bicompfl_gr(loss, LocalTraining(optax.adam(0.1), **local), **bi),
         "bicompfl_gr_reconst": bicompfl_gr_reconst(
-            loss,
-            LocalTraining(optax.adam(0.1), **local),
-            num_clients=num_clients,
-            coder=klms_coder(_BI_FIXED),
-            downlink=_BI_DOWN,
+            loss, LocalTraining(optax.adam(0.1), **local), downlink=_BI_DOWN, **bi
         ),
         "pfedbayes": pfedbayes(
             loss,

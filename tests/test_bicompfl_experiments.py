@@ -5,22 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from suite_helpers import use_configs
+from suite_helpers import SMALL_FEDERATION, assert_shipped_presets, use_configs
 
 from experiments.bicompfl import SETTINGS, SUITE, VARIANTS, suite_config, variant_label
-from experiments.config import PRESET_DIR, default_config, list_presets, load_preset
-from experiments.suite import main, write_presets
+from experiments.config import default_config, load_preset
+from experiments.suite import main
 from sidejax.algorithms import fixed_rates
 
 preset_name = SUITE.preset_name
 
 _SMALL = {
-    "data.dataset": "digits",
+    **SMALL_FEDERATION,
     "data.model": "mlp_32_16",
-    "data.num_clients": 4,
     "data.train_subset": 400,
-    "run.rounds": 2,
-    "run.eval_every": 1,
     "method.batch_size": 32,
     "method.local_epochs": 1,
 }
@@ -29,14 +26,7 @@ _SMALL = {
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
     """Every (setting, variant) preset exists and is exactly what ``python -m experiments.suite bicompfl
     presets`` writes (so the presets and the table's definitions cannot drift apart)."""
-    written = write_presets(SUITE, tmp_path)
-    assert len(written) == len(SETTINGS) * len(VARIANTS)
-    for path in written:
-        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
-    names = set(list_presets())
-    for setting in SETTINGS:
-        for variant in VARIANTS:
-            assert preset_name(setting, variant) in names
+    assert_shipped_presets(SUITE, SETTINGS, VARIANTS, tmp_path)
     # the paper's settings: 10 clients, every one each round, 200 rounds (CIFAR 400), b = 256, n_IS = 256
     cfg = load_preset("bicompfl_mnist_conv4_dir01_pr_fixed")
     assert (cfg.data.partition, cfg.data.alpha, cfg.data.num_clients, cfg.run.rounds) == (

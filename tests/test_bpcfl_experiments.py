@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from suite_helpers import use_configs
+from suite_helpers import assert_shipped_presets, use_configs
 
 from experiments.bpcfl import METHODS, SETTINGS, SUITE, suite_config
-from experiments.config import PRESET_DIR, list_presets, load_preset
+from experiments.config import load_preset
 from experiments.driver import run_experiment
-from experiments.suite import main, write_presets
+from experiments.suite import main
 
 preset_name = SUITE.preset_name
 
@@ -34,17 +34,18 @@ _TINY_BPC = {
 _TINY_FL = {"run.rounds": 4, "run.eval_every": 2}
 
 
+def _run_quietly(cfg, out):
+    """``run_experiment`` without a progress bar or log lines."""
+    return run_experiment(cfg, out, progress=False, verbose=False)
+
+
 def _tiny(method: str):
     cfg = suite_config("moons", method)
     return cfg.override(_TINY_BPC if cfg.method.name == "bpcfl" else _TINY_FL)
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    written = write_presets(SUITE, tmp_path)
-    assert len(written) == len(SETTINGS) * len(METHODS)
-    for path in written:
-        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
-    assert {preset_name(s, m) for s in SETTINGS for m in METHODS} <= set(list_presets())
+    assert_shipped_presets(SUITE, SETTINGS, METHODS, tmp_path)
     # the paper's moons column (docs/papers/bpcfl.md#table-2, docs/papers/bpcfl.md#table-3,
     # docs/papers/bpcfl.md#table-7) and EMNIST's (Table 2)
     hmc = load_preset("bpcfl_moons_bpcfl_hmc")
@@ -107,18 +108,11 @@ def test_bad_configs_say_what_to_do(tmp_path):
     # K larger than a client's 20 points: refused before anything is written
     out = tmp_path / "big_k"
     with pytest.raises(ValueError, match="num_points=25 .* exceeds the data of client"):
-        run_experiment(
-            _tiny("bpcfl_sgd").override({"method.num_points": 25}), out, progress=False, verbose=False
-        )
+        _run_quietly(_tiny("bpcfl_sgd").override({"method.num_points": 25}), out)
     assert not out.exists()
     # a warm start from a folder without a finished run
     with pytest.raises(FileNotFoundError, match="run.init_from=.*no final_params"):
-        run_experiment(
-            _tiny("fedavg").override({"run.init_from": str(tmp_path)}),
-            tmp_path / "w",
-            progress=False,
-            verbose=False,
-        )
+        _run_quietly(_tiny("fedavg").override({"run.init_from": str(tmp_path)}), tmp_path / "w")
 
 
 @pytest.mark.slow  # the paper suite's table command end to end (runs, resume, table, plot): 20-30 s cold
@@ -160,9 +154,7 @@ def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     """An HMC step far past stability on the server: the run finishes, its metrics count the divergent
     transitions and the driver says so on stderr, with what to change."""
     out = tmp_path / "hmc"
-    run_experiment(
-        _tiny("bpcfl_hmc").override({"method.hmc_step_size": 5.0}), out, progress=False, verbose=False
-    )
+    _run_quietly(_tiny("bpcfl_hmc").override({"method.hmc_step_size": 5.0}), out)
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["hmc_divergent"] > 0
     err = capsys.readouterr().err
@@ -211,26 +203,14 @@ def test_a_warm_start_from_another_model_or_a_damaged_file_is_refused(tmp_path):
     """run.init_from must hold a finished run of the same model; a damaged final model is refused by its
     checksum; neither leaves a run folder behind."""
     source = tmp_path / "fedavg"
-    run_experiment(
-        _tiny("fedavg").override({"run.rounds": 1, "run.eval_every": 1}),
-        source,
-        progress=False,
-        verbose=False,
-    )
+    _run_quietly(_tiny("fedavg").override({"run.rounds": 1, "run.eval_every": 1}), source)
     other = suite_config("fmnist_cpu", "fedavg").override(
         {"data.dataset": "digits", "data.model": "mlp_32_16", "data.train_subset": 200, "run.rounds": 1}
     )
     with pytest.raises(ValueError, match="cannot initialise this run .* same data.model"):
-        run_experiment(
-            other.override({"run.init_from": str(source)}), tmp_path / "a", progress=False, verbose=False
-        )
+        _run_quietly(other.override({"run.init_from": str(source)}), tmp_path / "a")
     ckpt = source / "final_params" / "state.ckpt"
     ckpt.write_bytes(ckpt.read_bytes() + b"x")
     with pytest.raises(ValueError, match="is damaged"):
-        run_experiment(
-            _tiny("fedavg").override({"run.init_from": str(source)}),
-            tmp_path / "b",
-            progress=False,
-            verbose=False,
-        )
+        _run_quietly(_tiny("fedavg").override({"run.init_from": str(source)}), tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

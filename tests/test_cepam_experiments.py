@@ -5,32 +5,24 @@ from __future__ import annotations
 import json
 
 import pytest
-from suite_helpers import use_configs
+from suite_helpers import SMALL_FEDERATION, assert_shipped_presets, use_configs
 
 from experiments.cepam import SCHEMES, SETTINGS, SUITE, guarantee, suite_config
-from experiments.config import PRESET_DIR, default_config, list_presets, load_preset
-from experiments.suite import main, write_presets
+from experiments.config import default_config, load_preset
+from experiments.suite import main
 
 preset_name = SUITE.preset_name
 
 _SMALL = {
-    "data.dataset": "digits",
+    **SMALL_FEDERATION,
     "data.model": "mlp_32_16",
-    "data.num_clients": 4,
     "data.examples_per_client": 100,
-    "run.rounds": 2,
-    "run.eval_every": 1,
     "method.local_steps": 5,
 }
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    written = write_presets(SUITE, tmp_path)
-    assert len(written) == len(SETTINGS) * len(SCHEMES)
-    for path in written:
-        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
-    names = set(list_presets())
-    assert {preset_name(s, v) for s in SETTINGS for v in SCHEMES} <= names
+    assert_shipped_presets(SUITE, SETTINGS, SCHEMES, tmp_path)
     # the paper's setting (docs/papers/cepam.md#s3): 30 clients x 1,666, tau = 15, batch 1, momentum 0.9,
     # lr 0.01, 80 rounds
     cfg = load_preset("cepam_mnist_mlp_cepam_gauss_z3")

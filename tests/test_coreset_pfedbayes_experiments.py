@@ -6,21 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from suite_helpers import use_configs
+from suite_helpers import SMALL_FEDERATION, assert_shipped_presets, use_configs
 
-from experiments.config import PRESET_DIR, list_presets, load_preset
+from experiments.config import load_preset
 from experiments.coreset_pfedbayes import METHODS, SETTINGS, SUITE, rounds_to_fraction, suite_config
-from experiments.suite import main, write_presets
+from experiments.suite import main
 
 preset_name = SUITE.preset_name
 
 _SMALL = {
-    "data.dataset": "digits",
+    **SMALL_FEDERATION,
     "data.examples_per_label": 20,
     "data.train_fraction": 0.5,
-    "data.num_clients": 4,
-    "run.rounds": 2,
-    "run.eval_every": 1,
     "method.local_iters": 2,
     "method.personal_steps": 1,
     "method.batch_size": 16,
@@ -28,11 +25,7 @@ _SMALL = {
 
 
 def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
-    written = write_presets(SUITE, tmp_path)
-    assert len(written) == len(SETTINGS) * len(METHODS)
-    for path in written:
-        assert (PRESET_DIR / path.name).read_text() == path.read_text(), path.name
-    assert {preset_name(s, m) for s in SETTINGS for m in METHODS} <= set(list_presets())
+    assert_shipped_presets(SUITE, SETTINGS, METHODS, tmp_path)
     # the paper's setting (docs/papers/coreset_pfedbayes.md#s3-1): pFedMe's split, 10 clients x 5 labels x
     # 1,000, 20% train, MLP 784-100-10, zeta 10, Adam 1e-3 both tracks, R = 20, R_p = 5, b = 100; coreset
     # sizes: fractions of 1,000

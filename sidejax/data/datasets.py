@@ -51,25 +51,13 @@ __all__ = [
     "synthetic_regression",
 ]
 
-DATASETS: tuple[str, ...] = (
-    "digits",
-    "moons",
-    "synthetic_linear",
-    "synthetic_logistic",
-    "mnist",
-    "fashion_mnist",
-    "emnist",
-    "cifar10",
-    "cifar100",
-)
-
 #: Root of Debian's dataset packages (``apt-get install dataset-fashion-mnist``). Module-level so tests
 #: can point it elsewhere.
 DEBIAN_DATA_ROOT = "/usr/share/datasets"
 
-_FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100")
+_FILE_DATASETS = (*IDX_DATASETS, *CIFAR_FOLDERS)
 
-# Allowed keyword arguments of ``load_dataset`` per dataset, with defaults.
+# Allowed keyword arguments of ``load_dataset`` per dataset, with defaults; its keys, in order, are DATASETS.
 _DATASET_KWARGS: dict[str, dict[str, Any]] = {
     "digits": {},
     "moons": {"num_samples": 1000, "noise": 0.14, "seed": 0},
@@ -81,6 +69,9 @@ _DATASET_KWARGS: dict[str, dict[str, Any]] = {
     "cifar10": {},
     "cifar100": {},
 }
+
+#: Every name :func:`load_dataset` accepts: the built-in datasets, then the file-based ones.
+DATASETS: tuple[str, ...] = tuple(_DATASET_KWARGS)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,23 +6,24 @@ collection, so ``module.apply({"params": params}, x)`` is a pure function of
 the parameters. Padding is given as explicit integers (PyTorch convention), so
 that layer shapes match the reference implementations exactly.
 
-Parameter counts include weights *and* biases and refer to the default input
-shape and ``num_classes`` given in each docstring.
+Each is a :class:`~sidejax.models.Classifier` whose ``logits`` is a stack of
+convolution blocks (``_conv_pool_stack``) followed by
+:func:`~sidejax.models.classifier.dense_stack`. Parameter counts include weights
+*and* biases and refer to the default input shape and ``num_classes`` given in
+each docstring.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import flax.linen as nn
 import jax
 
+from sidejax.models.classifier import Classifier, dense_stack
 from sidejax.models.conv import Conv
 
 __all__ = ["LeNet5", "Conv4", "Conv6", "KLMSLeNet", "CEPAMCNN", "BPCFLConvNet"]
-
-
-def _flatten(x: jax.Array) -> jax.Array:
-    """Flattens all but the leading (batch) axis."""
-    return x.reshape((x.shape[0], -1))
 
 
 def _max_pool2(x: jax.Array) -> jax.Array:
@@ -33,20 +34,29 @@ def _avg_pool2(x: jax.Array) -> jax.Array:
     return nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
 
 
-def _two_conv_pool_mlp(
-    x: jax.Array, conv_features: tuple[int, int], hidden: int, num_classes: int
+def _conv_pool_stack(
+    x: jax.Array,
+    blocks: Sequence[Sequence[int]],
+    kernel_size: tuple[int, int],
+    paddings: Sequence[int | str],
+    pool: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-    """Conv5x5(VALID)-ReLU-MaxPool2 twice, then Dense(hidden)-ReLU-Dense(num_classes).
+    """The convolutional part of every CNN here: block ``b`` is ``Conv(w, kernel_size,
+    padding=paddings[b]) - ReLU`` for each width ``w`` in ``blocks[b]``, then ``pool``.
 
-    Called from a compact ``__call__``, so the layers (conv1, conv2, fc1, fc2) belong to the calling module.
+    Called from a model's ``logits``, so the convolutions belong to the model and are named ``conv1``,
+    ``conv2``, ... in order over all blocks.
     """
-    for i, features in enumerate(conv_features, start=1):
-        x = _max_pool2(nn.relu(Conv(features, (5, 5), padding="VALID", name=f"conv{i}")(x)))
-    x = nn.relu(nn.Dense(hidden, name="fc1")(_flatten(x)))
-    return nn.Dense(num_classes, name="fc2")(x)
+    index = 0
+    for widths, padding in zip(blocks, paddings, strict=True):
+        for features in widths:
+            index += 1
+            x = nn.relu(Conv(features, kernel_size, padding=padding, name=f"conv{index}")(x))
+        x = pool(x)
+    return x
 
 
-class LeNet5(nn.Module):
+class LeNet5(Classifier):
     """LeNet-5 with ReLU activations and average pooling (BICompFL, MNIST).
 
     Source: LeCun et al., "Gradient-based learning applied to document
@@ -76,29 +86,12 @@ class LeNet5(nn.Module):
 
     num_classes: int = 10
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 28, 28, 1]``.
-            train: Unused (the model has no train/eval-dependent layers).
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        x = nn.relu(Conv(6, (5, 5), padding=2, name="conv1")(x))
-        x = _avg_pool2(x)
-        x = nn.relu(Conv(16, (5, 5), padding="VALID", name="conv2")(x))
-        x = _avg_pool2(x)
-        x = _flatten(x)
-        x = nn.relu(nn.Dense(120, name="fc1")(x))
-        x = nn.relu(nn.Dense(84, name="fc2")(x))
-        return nn.Dense(self.num_classes, name="fc3")(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = _conv_pool_stack(x, ((6,), (16,)), (5, 5), (2, "VALID"), _avg_pool2)
+        return dense_stack(x, (120, 84), self.num_classes)
 
 
-class Conv4(nn.Module):
+class Conv4(Classifier):
     """Conv-4 network (KLMS "CONV4", BICompFL "4CNN").
 
     Source: Ramanujan et al., "What's hidden in a randomly weighted neural
@@ -129,31 +122,12 @@ class Conv4(nn.Module):
 
     num_classes: int = 10
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 28, 28, 1]``.
-            train: Unused.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        x = nn.relu(Conv(64, (3, 3), padding=1, name="conv1")(x))
-        x = nn.relu(Conv(64, (3, 3), padding=1, name="conv2")(x))
-        x = _max_pool2(x)
-        x = nn.relu(Conv(128, (3, 3), padding=1, name="conv3")(x))
-        x = nn.relu(Conv(128, (3, 3), padding=1, name="conv4")(x))
-        x = _max_pool2(x)
-        x = _flatten(x)
-        x = nn.relu(nn.Dense(256, name="fc1")(x))
-        x = nn.relu(nn.Dense(256, name="fc2")(x))
-        return nn.Dense(self.num_classes, name="fc3")(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = _conv_pool_stack(x, ((64, 64), (128, 128)), (3, 3), (1, 1), _max_pool2)
+        return dense_stack(x, (256, 256), self.num_classes)
 
 
-class Conv6(nn.Module):
+class Conv6(Classifier):
     """Conv-6 network (KLMS "CONV6", BICompFL "6CNN") for CIFAR-10.
 
     Source: Ramanujan et al., "What's hidden in a randomly weighted neural
@@ -184,29 +158,12 @@ class Conv6(nn.Module):
 
     num_classes: int = 10
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 32, 32, 3]``.
-            train: Unused.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        for i, features in enumerate((64, 128, 256)):
-            x = nn.relu(Conv(features, (3, 3), padding=1, name=f"conv{2 * i + 1}")(x))
-            x = nn.relu(Conv(features, (3, 3), padding=1, name=f"conv{2 * i + 2}")(x))
-            x = _max_pool2(x)
-        x = _flatten(x)
-        x = nn.relu(nn.Dense(256, name="fc1")(x))
-        x = nn.relu(nn.Dense(256, name="fc2")(x))
-        return nn.Dense(self.num_classes, name="fc3")(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = _conv_pool_stack(x, ((64, 64), (128, 128), (256, 256)), (3, 3), (1, 1, 1), _max_pool2)
+        return dense_stack(x, (256, 256), self.num_classes)
 
 
-class KLMSLeNet(nn.Module):
+class KLMSLeNet(Classifier):
     """LeNet (Caffe variant) for Bayesian FL on MNIST (KLMS, Table 5).
 
     Source: Isik et al., "Adaptive compression in federated learning via
@@ -235,22 +192,12 @@ class KLMSLeNet(nn.Module):
 
     num_classes: int = 10
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 28, 28, 1]``.
-            train: Unused.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        return _two_conv_pool_mlp(x, (20, 50), 500, self.num_classes)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = _conv_pool_stack(x, ((20,), (50,)), (5, 5), ("VALID", "VALID"), _max_pool2)
+        return dense_stack(x, (500,), self.num_classes)
 
 
-class CEPAMCNN(nn.Module):
+class CEPAMCNN(Classifier):
     """Small CNN of the CEPAM paper (MNIST).
 
     Source: Ling et al., "Communication-efficient and privacy-adaptable
@@ -278,22 +225,12 @@ class CEPAMCNN(nn.Module):
 
     num_classes: int = 10
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 28, 28, 1]``.
-            train: Unused.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        return _two_conv_pool_mlp(x, (6, 6), 50, self.num_classes)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = _conv_pool_stack(x, ((6,), (6,)), (5, 5), ("VALID", "VALID"), _max_pool2)
+        return dense_stack(x, (50,), self.num_classes)
 
 
-class BPCFLConvNet(nn.Module):
+class BPCFLConvNet(Classifier):
     """EMNIST-62 ConvNet used by BPC-FL (no dropout).
 
     Source: Reddi et al., "Adaptive federated optimization", ICLR 2021
@@ -324,21 +261,6 @@ class BPCFLConvNet(nn.Module):
 
     num_classes: int = 62
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 28, 28, 1]``.
-            train: Unused (no dropout).
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        x = nn.relu(Conv(32, (3, 3), padding="VALID", name="conv1")(x))
-        x = nn.relu(Conv(64, (3, 3), padding="VALID", name="conv2")(x))
-        x = _max_pool2(x)
-        x = _flatten(x)
-        x = nn.relu(nn.Dense(128, name="fc1")(x))
-        return nn.Dense(self.num_classes, name="fc2")(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = _conv_pool_stack(x, ((32, 64),), (3, 3), ("VALID",), _max_pool2)
+        return dense_stack(x, (128,), self.num_classes)

@@ -13,15 +13,12 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 
+from sidejax.models.classifier import Classifier, dense_stack, flatten
+
 __all__ = ["MLP", "MoonsMLP", "RegressionMLP"]
 
 
-def _flatten(x: jax.Array) -> jax.Array:
-    """Flattens all but the leading (batch) axis."""
-    return x.reshape((x.shape[0], -1))
-
-
-class MLP(nn.Module):
+class MLP(Classifier):
     """Fully connected classifier with configurable hidden layers.
 
     Source: the standard MNIST MLP baselines of the federated-learning
@@ -56,25 +53,11 @@ class MLP(nn.Module):
     num_classes: int = 10
     activation: Callable[[jax.Array], jax.Array] = nn.relu
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Inputs of shape ``[batch, ...]`` (flattened internally).
-            train: Unused.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        x = _flatten(x)
-        for i, width in enumerate(self.features):
-            x = self.activation(nn.Dense(width, name=f"fc{i + 1}")(x))
-        return nn.Dense(self.num_classes, name=f"fc{len(self.features) + 1}")(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        return dense_stack(x, self.features, self.num_classes, self.activation)
 
 
-class MoonsMLP(nn.Module):
+class MoonsMLP(Classifier):
     """BPC-FL two-moons classifier with GroupNorm.
 
     Source: d'Hondt, Pechenizkiy & Peharz, "One-shot federated learning with
@@ -106,19 +89,8 @@ class MoonsMLP(nn.Module):
 
     num_classes: int = 2
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Points of shape ``[batch, 2]``.
-            train: Unused.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
-        x = _flatten(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        x = flatten(x)
         for i in range(2):
             x = nn.Dense(50, name=f"fc{i + 1}")(x)
             x = nn.GroupNorm(num_groups=2, epsilon=1e-5, name=f"norm{i + 1}")(x)
@@ -126,7 +98,7 @@ class MoonsMLP(nn.Module):
         return nn.Dense(self.num_classes, name="fc3")(x)
 
 
-class RegressionMLP(nn.Module):
+class RegressionMLP(Classifier):
     """BPC-FL synthetic-regression MLP with swish activations.
 
     Source: d'Hondt, Pechenizkiy & Peharz, "One-shot federated learning with
@@ -153,19 +125,5 @@ class RegressionMLP(nn.Module):
 
     num_classes: int = 1
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes the regression output.
-
-        Args:
-            x: Inputs of shape ``[batch, 1]``.
-            train: Unused.
-
-        Returns:
-            Predictions of shape ``[batch, num_classes]``.
-        """
-        del train
-        x = _flatten(x)
-        x = nn.swish(nn.Dense(128, name="fc1")(x))
-        x = nn.swish(nn.Dense(128, name="fc2")(x))
-        return nn.Dense(self.num_classes, name="fc3")(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        return dense_stack(x, (128, 128), self.num_classes, nn.swish)

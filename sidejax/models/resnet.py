@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from sidejax.models.classifier import Classifier
 from sidejax.models.conv import Conv
 
 __all__ = ["BatchStatNorm", "BasicBlock", "ResNet18", "NORMS"]
@@ -138,7 +139,7 @@ class BasicBlock(nn.Module):
         return nn.relu(y + shortcut)
 
 
-class ResNet18(nn.Module):
+class ResNet18(Classifier):
     """ResNet-18 for 32x32 images (CIFAR variant; KLMS Table 4).
 
     Source: He et al., "Deep residual learning for image recognition", CVPR
@@ -165,6 +166,7 @@ class ResNet18(nn.Module):
     ========================================  ==========  ============
 
     Stages 2-4 open with a projection shortcut (1x1 conv, no bias, + norm).
+    Other input sizes work: the final pooling averages over whatever spatial extent remains.
     Total: **11,173,962** parameters for ``num_classes=10`` and
     **11,220,132** for ``num_classes=100``, with either normalisation.
 
@@ -193,20 +195,7 @@ class ResNet18(nn.Module):
         _check_norm(self.norm)
         super().__post_init__()
 
-    @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """Computes logits.
-
-        Args:
-            x: Images of shape ``[batch, 32, 32, 3]`` (other sizes work; the
-                final pooling averages over whatever spatial extent remains).
-            train: Unused: both normalisations behave identically in training
-                and evaluation.
-
-        Returns:
-            Logits of shape ``[batch, num_classes]``.
-        """
-        del train
+    def logits(self, x: jax.Array) -> jax.Array:
         make_norm = _norm_factory(self.norm)
         x = Conv(64, (3, 3), strides=1, padding=1, use_bias=False, name="conv1")(x)
         x = nn.relu(make_norm(name="norm1")(x))

@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import SMALL_KLMS, tree_equal
+from helpers import SMALL_KLMS, assert_clients_rebuild_the_server
 
 from sidejax.algorithms import dense_algorithm
-from sidejax.coding.klms import klms_init
 from sidejax.layout import flat_layout
 
 
@@ -47,23 +46,12 @@ def test_clients_decode_the_broadcast_into_the_servers_state(algorithm_run, name
     initial one), otherwise it keeps its own."""
     algo, _, final, _ = algorithm_run(name)
     server = final.server
-    initial = klms_init(flat_layout(server.params).dim, SMALL_KLMS).blocks
-    assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
-    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None)[1])
-    receive = jax.jit(lambda view, message: algo.receive(None, None, view, None, message))
-    after_update = server.coder._replace(update=jnp.asarray(False), changed=jnp.asarray(True))
-    for coder in (server.coder, after_update):
-        sent = server._replace(coder=coder)
-        view = sent._replace(
-            params=jax.tree.map(jnp.zeros_like, server.params),
-            prior=jax.tree.map(
-                lambda a: a if a.ndim == 0 else jnp.zeros_like(a), server.prior
-            ),  # history only
-            coder=coder._replace(
-                blocks=initial if bool(coder.changed) else coder.blocks, update=~coder.update
-            ),
-        )
-        assert tree_equal(receive(view, broadcast(sent)), sent)
+
+    def client_view(sent, coder):  # zero parameters, the prior's history only
+        zero_counts = jax.tree.map(lambda a: a if a.ndim == 0 else jnp.zeros_like(a), sent.prior)
+        return sent._replace(params=jax.tree.map(jnp.zeros_like, sent.params), prior=zero_counts, coder=coder)
+
+    assert_clients_rebuild_the_server(algo, server, flat_layout(server.params).dim, client_view)
     if name == "qsgd_klms":
         assert int(np.asarray(server.prior.counts).sum()) > 0  # the counts really travelled
 

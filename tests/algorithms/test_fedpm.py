@@ -8,10 +8,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import SMALL_KLMS, assert_clean_run, tree_equal
+from helpers import assert_clients_rebuild_the_server, klms_uplink_bits_per_coordinate, tree_equal
 
 from sidejax.algorithms import bayes_agg, bernoulli_mask, signed_constant_init
-from sidejax.coding.klms import klms_init
 from sidejax.fl import run_rounds
 from sidejax.layout import flat_layout
 
@@ -75,13 +74,7 @@ def test_mask_gradient_wrt_scores_is_the_fedpm_rule():
 
 
 def test_fedpm_and_fedpm_klms_run_clean_and_klms_sends_fewer_bits(algorithm_run, small_model):
-    d = flat_layout(small_model[1]).dim
-    bpp = {}
-    for name in ("fedpm", "fedpm_klms"):
-        _, _, _, infos = algorithm_run(name)
-        assert_clean_run(name, infos)
-        bpp[name] = np.asarray(infos.uplink_bits).mean() / d
-    assert bpp["fedpm_klms"] < bpp["fedpm"], bpp
+    klms_uplink_bits_per_coordinate(algorithm_run, flat_layout(small_model[1]).dim, "fedpm")
 
 
 def test_a_whole_run_is_deterministic_including_the_bit_log(algorithm_run, digits_fed):
@@ -102,18 +95,8 @@ def test_clients_decode_theta_and_the_protocol_state_from_the_downlink(algorithm
     exactly: after an update round the partition comes from the stream, otherwise the client keeps its own."""
     algo, _, final, _ = algorithm_run("fedpm_klms")
     server = final.server
-    initial = klms_init(server.theta.shape[0], SMALL_KLMS).blocks
-    assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
-    broadcast = jax.jit(lambda s: algo.broadcast(None, s, None)[1])
-    receive = jax.jit(lambda view, message: algo.receive(None, None, view, None, message))
-    after_update = server.coder._replace(update=jnp.asarray(False), changed=jnp.asarray(True))
-    for coder in (server.coder, after_update):
-        sent = server._replace(coder=coder)
-        known = initial if bool(coder.changed) else coder.blocks
-        view = sent._replace(
-            theta=jnp.zeros_like(server.theta), coder=coder._replace(blocks=known, update=~coder.update)
-        )
-        assert tree_equal(receive(view, broadcast(sent)), sent)
+    client_view = lambda sent, coder: sent._replace(theta=jnp.zeros_like(sent.theta), coder=coder)
+    assert_clients_rebuild_the_server(algo, server, server.theta.shape[0], client_view)
 
 
 def test_the_update_flag_survives_a_downlink_past_two_to_the_24_bits():

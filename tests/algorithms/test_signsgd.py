@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import assert_clean_run
+from helpers import klms_uplink_bits_per_coordinate
 
 from sidejax.algorithms import stochastic_sign_probs
 from sidejax.layout import flat_layout
@@ -26,10 +26,5 @@ def test_stochastic_sign_mean():
 
 def test_signsgd_sends_one_bit_per_coordinate_and_klms_fewer(algorithm_run, small_model):
     d = flat_layout(small_model[1]).dim
-    bpp = {}
-    for name in ("signsgd", "signsgd_klms"):
-        _, _, _, infos = algorithm_run(name)
-        assert_clean_run(name, infos)
-        bpp[name] = np.asarray(infos.uplink_bits).mean() / d
+    klms_uplink_bits_per_coordinate(algorithm_run, d, "signsgd")
     np.testing.assert_array_equal(algorithm_run("signsgd")[3].uplink_bits, float(d))  # the packed signs
-    assert bpp["signsgd_klms"] < bpp["signsgd"], bpp

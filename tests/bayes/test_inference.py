@@ -22,6 +22,22 @@ def _logdensity(theta):
     return -0.5 * jnp.sum(((theta["x"] - MU) / SD) ** 2)
 
 
+def _gaussian_hmc(seed, step_size, steps, inverse_mass_matrix, burnin, samples, *, start=None, **kwargs):
+    """``hmc`` on the test posterior N(MU, diag(SD²)) (``_logdensity``) from ``start`` (zeros by default)."""
+    start = {"x": jnp.zeros(3) if start is None else start}
+    return hmc(
+        jax.random.key(seed),
+        _logdensity,
+        start,
+        step_size=step_size,
+        num_integration_steps=steps,
+        inverse_mass_matrix=inverse_mass_matrix,
+        num_burnin=burnin,
+        num_samples=samples,
+        **kwargs,
+    )
+
+
 def _batch_se(values, batches=40):
     b = values.reshape(batches, -1, *values.shape[1:]).mean(axis=1)
     return b.mean(axis=0), b.std(axis=0, ddof=1) / np.sqrt(batches)
@@ -30,16 +46,7 @@ def _batch_se(values, batches=40):
 def test_hmc_recovers_a_gaussian_posterior_mean_and_variance():
     """T11 (docs/papers/bpcfl.md#t11): N(μ, diag(s²)) with M⁻¹ = diag(s²) (ε = 0.2, L = 7, a trajectory that
     is not a resonant half-period): sample mean and variance within 4 batch-means standard errors."""
-    out = hmc(
-        jax.random.key(0),
-        _logdensity,
-        {"x": jnp.zeros(3)},
-        step_size=0.2,
-        num_integration_steps=7,
-        inverse_mass_matrix=SD**2,
-        num_burnin=100,
-        num_samples=4000,
-    )
+    out = _gaussian_hmc(0, 0.2, 7, SD**2, 100, 4000)
     x = np.asarray(out.samples["x"], np.float64)
     assert x.shape == (4000, 3) and int(out.num_divergent) == 0
     mean, se = _batch_se(x)
@@ -58,60 +65,22 @@ def test_energy_error_is_second_order_and_acceptance_tends_to_one():
     posterior mean."""
     errs = []
     for eps, steps in ((0.04, 10), (0.02, 20), (0.01, 40)):
-        out = hmc(
-            jax.random.key(1),
-            _logdensity,
-            {"x": jnp.asarray(MU + SD)},
-            step_size=eps,
-            num_integration_steps=steps,
-            inverse_mass_matrix=1.0,
-            num_burnin=1,
-            num_samples=400,
-            mode="chains",
-        )
+        out = _gaussian_hmc(1, eps, steps, 1.0, 1, 400, start=jnp.asarray(MU + SD), mode="chains")
         errs.append(float(np.mean(np.abs(np.asarray(out.energy_error, np.float64)))))
     assert 3.0 < errs[0] / errs[1] < 5.0 and 3.0 < errs[1] / errs[2] < 5.0, errs
     assert float(np.mean(np.asarray(out.acceptance_rate))) > 0.999
-    out = hmc(
-        jax.random.key(2),
-        _logdensity,
-        {"x": jnp.zeros(3)},
-        step_size=0.2,
-        num_integration_steps=7,
-        inverse_mass_matrix=SD**2,
-        num_burnin=30,
-        num_samples=800,
-        mode="chains",
-    )
+    out = _gaussian_hmc(2, 0.2, 7, SD**2, 30, 800, mode="chains")
     x = np.asarray(out.samples["x"], np.float64)
     assert np.all(np.abs(x.mean(axis=0) - MU) < 4 * x.std(axis=0, ddof=1) / np.sqrt(800))
 
 
 def test_divergences_are_reported_not_silent():
     with pytest.warns(DivergenceWarning, match=r"transitions diverged.*lower step_size"):
-        out = hmc(
-            jax.random.key(0),
-            _logdensity,
-            {"x": jnp.zeros(3)},
-            step_size=50.0,
-            num_integration_steps=10,
-            inverse_mass_matrix=1.0,
-            num_burnin=5,
-            num_samples=10,
-        )
+        out = _gaussian_hmc(0, 50.0, 10, 1.0, 5, 10)
     assert int(out.num_divergent) == 15 and bool(np.all(out.divergent))
     with warnings.catch_warnings():
         warnings.simplefilter("error", DivergenceWarning)  # a good step size: no warning
-        hmc(
-            jax.random.key(0),
-            _logdensity,
-            {"x": jnp.zeros(3)},
-            step_size=0.2,
-            num_integration_steps=7,
-            inverse_mass_matrix=1.0,
-            num_burnin=5,
-            num_samples=10,
-        )
+        _gaussian_hmc(0, 0.2, 7, 1.0, 5, 10)
 
 
 def test_sgld_reaches_its_discretised_stationary_law_and_minibatches_are_unbiased():

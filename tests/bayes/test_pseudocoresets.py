@@ -161,21 +161,16 @@ def test_bad_input():
     phi_z, yhat, *_ = _problem()
     coreset = {"yhat": jnp.asarray(yhat, jnp.float32)}
     th = jnp.zeros((2, 3))
+
+    def gradient(**settings):
+        return fkl_gradient(
+            _loss(phi_z), coreset, th, th, jax.random.key(0), optimizer=optax.sgd(0.1), **settings
+        )
+
     with pytest.raises(ValueError, match="chain_length must be an integer >= 0"):
-        fkl_gradient(
-            _loss(phi_z), coreset, th, th, jax.random.key(0), optimizer=optax.sgd(0.1), chain_length=-1
-        )
+        gradient(chain_length=-1)
     with pytest.raises(ValueError, match="noise_std must be a finite number >= 0"):
-        fkl_gradient(
-            _loss(phi_z),
-            coreset,
-            th,
-            th,
-            jax.random.key(0),
-            optimizer=optax.sgd(0.1),
-            chain_length=1,
-            noise_std=-1.0,
-        )
+        gradient(chain_length=1, noise_std=-1.0)
     with pytest.raises(ValueError, match="num_noise must be an integer >= 1"):
         fkl_surrogate(_loss(phi_z), coreset, th, th, jax.random.key(0), noise_std=0.0, num_noise=0)
 

@@ -295,11 +295,19 @@ def case(request):
     return name, coder, make, oracle, state, encode, decode
 
 
+def _encoded(case, seed, encode=None):
+    """The case's ``q, p = make(seed)`` under keys ``_keys(seed)``, encoded with ``encode`` (by default the
+    case's jitted encoder): returns ``keys, q, p, message, info``."""
+    _, _, make, _, state, jit_encode, _ = case
+    q, p = make(seed)
+    keys = _keys(seed)
+    message, info = (encode or jit_encode)(keys, q, p, state)
+    return keys, q, p, message, info
+
+
 def test_decode_reproduces_the_encoders_choice(case):
     _, coder, make, oracle, state, encode, decode = case
-    q, p = make(0)
-    keys = _keys(0)
-    message, info = encode(keys, q, p, state)
+    keys, q, p, message, info = _encoded(case, 0)
     sample, decoded = decode(keys.shared, p, state, message)
     assert bool(decoded.valid) and int(decoded.errors) == 0
     assert bool(info.valid)
@@ -315,9 +323,7 @@ def test_decode_reproduces_the_encoders_choice(case):
 
 def test_num_bits_is_the_stream_length(case):
     _, coder, make, _, state, encode, decode = case
-    q, p = make(1)
-    keys = _keys(1)
-    message, _ = coder.encode(keys, q, p, state)  # outside jit: exactly the words sent
+    keys, q, p, message, _ = _encoded(case, 1, coder.encode)  # outside jit: exactly the words sent
     nb = float(message.num_bits)
     assert nb > 0 and nb == int(nb)
     words = np.asarray(message.payload)
@@ -337,9 +343,7 @@ def test_a_withheld_message_decodes_invalid(case):
     (:func:`sidejax.coding.withhold`, length -1: the sender's input was invalid and it sent no stream) is
     rejected by every decoder, and :func:`sidejax.coding.included` excludes it."""
     _, coder, make, _, state, encode, decode = case
-    q, p = make(4)
-    keys = _keys(4)
-    message, _ = encode(keys, q, p, state)
+    keys, q, p, message, _ = _encoded(case, 4)
     held = withhold(message, jnp.asarray(False))
     assert int(held.num_bits) == WITHHELD_BITS
     _, decoded = decode(keys.shared, p, state, held)
@@ -350,9 +354,7 @@ def test_a_withheld_message_decodes_invalid(case):
 
 def test_outputs_finite(case):
     _, coder, make, _, state, encode, decode = case
-    q, p = make(2)
-    keys = _keys(2)
-    message, _ = encode(keys, q, p, state)
+    keys, q, p, message, _ = _encoded(case, 2)
     sample, _ = decode(keys.shared, p, state, message)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(sample))
     assert np.isfinite(float(message.num_bits))
@@ -378,9 +380,7 @@ def test_decoder_cannot_see_q_or_the_private_key(case):
 
 def test_protocol_state_round_trips_through_the_downlink(case):
     _, coder, make, _, state, encode, decode = case
-    q, p = make(5)
-    keys = _keys(5)
-    message, _ = encode(keys, q, p, state)
+    keys, q, p, message, _ = _encoded(case, 5)
     _, decoded = decode(keys.shared, p, state, message)
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), decoded)
     new_state, _ = coder.update(state, stacked)
