@@ -14,6 +14,7 @@ __all__ = [
     "is_concrete",
     "tree_all_finite",
     "check_count",
+    "check_number",
     "stack_clients",
     "enable_x64",
     "masked_mean",
@@ -51,6 +52,20 @@ def check_count(value, name: str, minimum: int = 1, maximum: int | None = None) 
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)
+
+
+def check_number(value, name: str, requirement: str, ok) -> float:
+    """``value`` as a ``float`` if it is a host number (a Python or NumPy number or a concrete one-element
+    array; not a bool) for which ``ok(float(value))`` holds; else ``ValueError`` naming ``name`` and
+    ``requirement``. For the settings builders take (a learning rate, a clip, a constant): host values by
+    contract, checked where they enter, so a traced value (inside ``jit``) is refused like any non-number."""
+    try:
+        x = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):  # not a number; a tracer's float() raises a TypeError too
+        x = None
+    if x is None or not ok(x):
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+    return x
 
 
 def stack_clients(tree: PyTree, num_clients: int) -> PyTree:

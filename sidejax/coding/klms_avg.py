@@ -75,11 +75,11 @@ Gumbel draws). The candidates are the shared counter-based ones of :mod:`sidejax
 :func:`sidejax.coding.importance_decode` regenerates the chosen ones. A block whose candidates all have
 ``q = 0`` gets a uniform index and is counted (``num_fallback_blocks``).
 
-**Length and integrity** as in :func:`sidejax.coding.klms.klms_decode`: outside jit the payload must be
-exactly the ``ceil(num_bits / 32)`` words sent (``ValueError`` naming both lengths) and an invalid stream
-raises; inside jit a length mismatch, fields that do not add up to ``num_bits``, an invalid prior or a CRC
-mismatch set bits of :attr:`KLMSAvgDecoded.errors`. ``KLMSAvgConfig(crc32=True)`` appends the CRC-32 of
-(shared key data, stream) of :mod:`sidejax.coding.klms`.
+**Length and integrity** as in :func:`sidejax.coding.klms.klms_decode`, the same inside ``jit`` and
+outside it: the payload is the capacity buffer or exactly the ``ceil(num_bits / 32)`` words sent, and a
+length mismatch, fields that do not add up to ``num_bits``, an invalid prior or a CRC mismatch set bits of
+:attr:`KLMSAvgDecoded.errors` (:func:`sidejax.coding.check_decoded` raises on them on the host).
+``KLMSAvgConfig(crc32=True)`` appends the CRC-32 of (shared key data, stream) of :mod:`sidejax.coding.klms`.
 """
 
 from __future__ import annotations
@@ -102,14 +102,12 @@ from sidejax.coding.base import (
     Coder,
     Message,
     stream_crc,
-    stream_errors,
 )
 from sidejax.coding.bitstream import (
     mask_to_length,
     num_words,
     pack_fixed,
     received_words,
-    sent_words,
     unpack_fixed,
 )
 from sidejax.coding.importance import (
@@ -510,8 +508,8 @@ def klms_avg_encode(
 
     Returns:
       ``(message, info)``. ``message.num_bits`` is :math:`M_t K^* + 1 (+ L) (+ 32)`, the fields written.
-      Inside jit the payload is a static-capacity buffer (:meth:`KLMSAvgConfig.capacity_words`) of which the
-      first ``ceil(num_bits / 32)`` words are sent; outside jit exactly those words.
+      The payload is the static-capacity buffer (:meth:`KLMSAvgConfig.capacity_words`), inside ``jit`` and
+      outside it, of which the first ``ceil(num_bits / 32)`` words are sent (the rest are zero).
     """
     dim = dist_dim(q)
     check_dims(dim, "q has", "q and p must describe the same flat vector", p=p)
@@ -548,8 +546,6 @@ def klms_avg_encode(
         words = pack_fixed(stream_crc(keys.shared, p, words, offset)[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     num_bits = as_bits(offset)
-    if is_concrete(num_bits):  # outside jit: exactly the words that are sent
-        words = words[: sent_words(num_bits)]
     info = KLMSAvgClientInfo(
         kl_bits=kl_total,
         num_blocks=M,
@@ -565,11 +561,11 @@ def klms_avg_encode(
 def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config: KLMSAvgConfig):
     """The server's side for one client: parse the stream, regenerate the chosen candidates.
 
-    Reads exactly the ``ceil(num_bits / 32)`` words sent. Outside jit the payload must be those words (else
-    ``ValueError`` naming both lengths) and an invalid stream raises ``ValueError`` with the reasons. Inside
-    jit the payload may be the encoder's capacity buffer; a shorter buffer than ``num_bits`` claims, set bits
-    past ``num_bits``, fields that do not add up to ``num_bits``, an invalid ``p`` or a CRC mismatch give
-    ``valid = False`` and the reasons in ``errors``.
+    Reads exactly the ``ceil(num_bits / 32)`` words sent; the payload may be the encoder's capacity buffer
+    or exactly those words, and the decoder never raises on the stream's contents (the same inside ``jit``
+    and outside it): a shorter buffer than ``num_bits`` claims, set bits past ``num_bits``, fields that do
+    not add up to ``num_bits``, an invalid ``p`` or a CRC mismatch give ``valid = False`` and the reasons
+    in ``errors``.
 
     Returns:
       ``(sample[dim], KLMSAvgDecoded)``.
@@ -577,7 +573,7 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     dim = dist_dim(p)
     _check_state(state, config, dim)
     k, L = config.log2_num_candidates, config.length_bits
-    words, ok_length = received_words(message, config.capacity_words(dim), "KLMS-Avg")
+    words, ok_length = received_words(message, config.capacity_words(dim))
     b = state.block_size.astype(jnp.int32)
     update = jnp.asarray(state.update, bool)
     M = _num_blocks(dim, b)
@@ -604,8 +600,6 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     ).astype(jnp.int32)
     valid = errors == 0
     sample = importance_decode(shared_key, p, equal_blocks(dim, b), indices)
-    if is_concrete(errors) and not bool(valid):
-        raise ValueError("invalid KLMS-Avg stream: " + "; ".join(stream_errors(errors)))
     return sample, KLMSAvgDecoded(request, proposal, M, valid, errors)
 
 
@@ -661,10 +655,7 @@ def klms_avg_downlink(state: KLMSAvgState, config: KLMSAvgConfig) -> Message:
     words = pack_fixed(jnp.asarray(state.update, jnp.uint32)[None], 1, out=words)
     size = jnp.where(changed, state.block_size.astype(jnp.int32) - 1, 0)
     words = pack_fixed(size[None], L, bit_offset=1, out=words)
-    num_bits = as_bits(1 + jnp.where(changed, L, 0))
-    if is_concrete(num_bits):
-        words = words[: sent_words(num_bits)]
-    return Message(words, num_bits)
+    return Message(words, as_bits(1 + jnp.where(changed, L, 0)))
 
 
 def klms_avg_receive(state: KLMSAvgState, message: Message, config: KLMSAvgConfig) -> KLMSAvgState:

@@ -21,7 +21,7 @@ import numpy as np
 
 from sidejax.bits import as_bits, enumerative_mask_bits
 from sidejax.coding.base import ERR_INPUT, ERR_LENGTH, ERR_PARSE, Coder, Message, StreamCheck, stateless_coder
-from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, unpack_fixed
 from sidejax.coding.lossless import (
     elias_levels_capacity_words,
     elias_levels_decode,
@@ -31,7 +31,6 @@ from sidejax.coding.lossless import (
     mask_encode,
 )
 from sidejax.distributions import dist_dim, is_valid
-from sidejax.utils import is_concrete
 
 __all__ = ["SampleInfo", "fixed_width_coder", "elias_coder", "mask_coder"]
 
@@ -46,10 +45,6 @@ class SampleInfo(NamedTuple):
 
 
 _NAN = np.float32(np.nan)  # (NumPy: importing sidejax must not start JAX's backend, see jax.distributed)
-
-
-def _trim(words, num_bits):
-    return words[: sent_words(num_bits)] if is_concrete(num_bits) else words
 
 
 def _padded(message: Message, capacity: int) -> jax.Array:
@@ -73,7 +68,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         ok = is_valid(q) & jnp.all(table[index] == x)
         words = pack_fixed(index.astype(jnp.uint32), width)
         num_bits = as_bits(width * x.shape[0])
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
+        return Message(words, num_bits), SampleInfo(ok, _NAN)
 
     def decode(shared_key, p, message):
         del shared_key
@@ -122,7 +117,7 @@ def elias_coder(max_level: int) -> Coder:
         levels = q.sample(keys.private)
         ok = is_valid(q) & jnp.all(jnp.abs(levels) <= max_level)
         words, num_bits = elias_levels_encode(levels.astype(jnp.int32), max_level=max_level)
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
+        return Message(words, num_bits), SampleInfo(ok, _NAN)
 
     def decode(shared_key, p, message):
         del shared_key
@@ -152,7 +147,7 @@ def mask_coder() -> Coder:
         del p
         mask = q.sample(keys.private)
         words, num_bits = mask_encode(mask)
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(is_valid(q), enumerative_mask_bits(mask))
+        return Message(words, num_bits), SampleInfo(is_valid(q), enumerative_mask_bits(mask))
 
     def decode(shared_key, p, message):
         del shared_key

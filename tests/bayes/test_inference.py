@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidejax.bayes.inference import DivergenceWarning, hmc, sgld
+from sidejax.bayes.inference import DivergenceWarning, check_divergences, hmc, sgld
 
 MU = np.array([1.0, -2.0, 0.5])
 SD = np.array([0.5, 1.0, 2.0])
@@ -88,7 +88,8 @@ def test_energy_error_is_second_order_and_acceptance_tends_to_one():
 
 
 def test_divergences_are_reported_not_silent():
-    with pytest.warns(DivergenceWarning, match=r"transitions diverged.*lower step_size"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)  # hmc counts, the host boundary warns
         out = hmc(
             jax.random.key(0),
             _logdensity,
@@ -100,17 +101,21 @@ def test_divergences_are_reported_not_silent():
             num_samples=10,
         )
     assert int(out.num_divergent) == 15 and bool(np.all(out.divergent))
+    with pytest.warns(DivergenceWarning, match=r"15 of 15 transitions diverged.*lower step_size"):
+        assert check_divergences(out) is out
     with warnings.catch_warnings():
         warnings.simplefilter("error", DivergenceWarning)  # a good step size: no warning
-        hmc(
-            jax.random.key(0),
-            _logdensity,
-            {"x": jnp.zeros(3)},
-            step_size=0.2,
-            num_integration_steps=7,
-            inverse_mass_matrix=1.0,
-            num_burnin=5,
-            num_samples=10,
+        check_divergences(
+            hmc(
+                jax.random.key(0),
+                _logdensity,
+                {"x": jnp.zeros(3)},
+                step_size=0.2,
+                num_integration_steps=7,
+                inverse_mass_matrix=1.0,
+                num_burnin=5,
+                num_samples=10,
+            )
         )
 
 

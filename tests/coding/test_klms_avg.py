@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import tree_equal
 
-from sidejax.coding import concat_stacked, split_stacked
+from sidejax.coding import check_decoded, concat_stacked, sent_message, split_stacked
 from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PARSE, ERR_PRIOR, Message
 from sidejax.coding.importance import candidate_uniforms, candidates
 from sidejax.coding.klms_avg import (
@@ -175,15 +175,17 @@ def test_round_trip_and_the_exact_stream_layout(cfg, update):
     else:
         assert int(dec.proposal) == b  # no proposal: the round's size
     assert not bits[int(expected) :].any()
-    if cfg.crc32 and update:  # outside jit (once: eager encoding is slow): exactly the words sent
+    if cfg.crc32 and update:  # outside jit (once: eager encoding is slow): the buffer, cut at the boundary
         host, _ = klms_avg_encode(KEYS, Q, P, state, cfg)
+        assert host.payload.shape == msg.payload.shape
+        host = sent_message(host)
         assert host.payload.shape == (-(-expected // 32),) and float(host.num_bits) == expected
         y_host, dec_host = klms_avg_decode(KEYS.shared, P, state, host, cfg)
         assert bool(dec_host.valid)
         np.testing.assert_array_equal(np.asarray(y_host), want)
 
 
-def test_a_malformed_stream_is_flagged_in_jit_and_raises_on_the_host():
+def test_a_malformed_stream_is_flagged_and_raises_at_the_host_boundary():
     state = klms_avg_init(D, CRC_CFG)
     msg, _ = encode(KEYS, Q, P, state, config=CRC_CFG)
     nb = int(msg.num_bits)
@@ -202,15 +204,18 @@ def test_a_malformed_stream_is_flagged_in_jit_and_raises_on_the_host():
     assert errors(Message(flipped, msg.num_bits)) == ERR_CRC
     assert errors(msg, key=client_keys(round_key(jax.random.key(7), 0), 4).shared) == ERR_CRC
     assert errors(msg, p=jax.tree.map(lambda a: a.at[5].set(jnp.nan), P)) & ERR_PRIOR
-    # the host API: exactly the words sent, and no invalid stream passes silently
-    exact = Message(msg.payload[:n], msg.num_bits)
-    assert bool(klms_avg_decode(KEYS.shared, P, state, exact, CRC_CFG)[1].valid)
-    with pytest.raises(ValueError, match=f"payload has {n - 1} words but num_bits={nb} means .* {n} words"):
-        klms_avg_decode(KEYS.shared, P, state, Message(msg.payload[: n - 1], msg.num_bits), CRC_CFG)
-    with pytest.raises(ValueError, match="too long"):
-        klms_avg_decode(KEYS.shared, P, state, msg, CRC_CFG)  # the capacity buffer
+    # the host boundary: exactly the words sent (decoded as the capacity buffer is, eagerly as in jit), and
+    # no invalid stream passes silently
+    exact = sent_message(msg)
+    assert exact.payload.shape == (n,)
+    for m in (exact, msg):
+        assert bool(check_decoded(klms_avg_decode(KEYS.shared, P, state, m, CRC_CFG)[1]).valid)
+    truncated = Message(msg.payload[: n - 1], msg.num_bits)
+    assert errors(truncated) == int(klms_avg_decode(KEYS.shared, P, state, truncated, CRC_CFG)[1].errors)
+    with pytest.raises(ValueError, match="invalid KLMS-Avg stream: the payload is shorter than num_bits"):
+        check_decoded(klms_avg_decode(KEYS.shared, P, state, truncated, CRC_CFG)[1], "KLMS-Avg stream")
     with pytest.raises(ValueError, match="CRC-32 mismatch"):
-        klms_avg_decode(KEYS.shared, P, state, Message(flipped[:n], msg.num_bits), CRC_CFG)
+        check_decoded(klms_avg_decode(KEYS.shared, P, state, Message(flipped[:n], msg.num_bits), CRC_CFG)[1])
 
 
 def test_states_and_distributions_that_do_not_match_raise():
