@@ -122,7 +122,7 @@ from sidejax.coding.importance import (
 )
 from sidejax.distributions import check_dims, dist_dim, is_valid
 from sidejax.keys import ClientKeys
-from sidejax.utils import is_concrete, keep_unless_none
+from sidejax.utils import keep_unless_none
 
 __all__ = [
     "KLMSAvgConfig",
@@ -385,8 +385,8 @@ def equal_blocks_encode(
       private_key: the sender's key (the index choice).
       q: the sender's factorized distribution, coordinates on axis 0.
       p: the shared prior, same type and shape.
-      block_size: int32 scalar in ``1..max_block_size``, may be traced (a traced value out of range is
-        clipped into it).
+      block_size: int32 scalar in ``1..max_block_size``, may be traced (a value out of range is clipped
+        into it, inside ``jit`` and outside it; :func:`klms_avg_encode` flags such a state invalid).
       log2_num_candidates: :math:`\\log_2 K` (static).
       max_block_size: the largest block size (static; it bounds the rows a chunk can need).
       chunk_size: coordinates per step (static, even, ``>= 2``).
@@ -409,8 +409,6 @@ def equal_blocks_encode(
     b = jnp.asarray(block_size, jnp.int32)
     if jnp.ndim(b) != 0:
         raise ValueError(f"block_size must be a scalar, got shape {jnp.shape(b)}")
-    if is_concrete(b) and not 1 <= int(b) <= max_block_size:
-        raise ValueError(f"block_size must be in 1..max_block_size={max_block_size}, got {int(b)}")
     b = jnp.clip(b, 1, max_block_size)
     M = _num_blocks(dim, b)
     init = (jnp.zeros(K, jnp.float32), jnp.zeros(dim, jnp.int32), jnp.int32(0))
@@ -467,24 +465,22 @@ def klms_avg_init(dim: int, config: KLMSAvgConfig) -> KLMSAvgState:
     )
 
 
-def _check_state(state: KLMSAvgState, config: KLMSAvgConfig, dim: int | None = None) -> None:
-    """``ValueError`` for a concrete state whose size is out of range or whose ``dim`` is not the
-    distributions' (traced states are checked in jit: the encoder's ``valid``, the decoder's ERR_PARSE)."""
-    b = state.block_size
-    if jnp.ndim(b) != 0 or jnp.ndim(state.dim) != 0:
+def _check_state(state: KLMSAvgState) -> None:
+    """``ValueError`` for a state whose size or ``dim`` is not a scalar (static). Their values are checked
+    in the computation, inside ``jit`` and outside it alike (:func:`_state_fits`): a state whose size is
+    out of range or whose ``dim`` is not the distributions' gives the encoder's ``valid = False`` and the
+    decoder's ``ERR_PARSE``."""
+    if jnp.ndim(state.block_size) != 0 or jnp.ndim(state.dim) != 0:
         raise ValueError(
             "state.block_size and state.dim must be scalars, got shapes "
-            f"{jnp.shape(b)} and {jnp.shape(state.dim)}"
+            f"{jnp.shape(state.block_size)} and {jnp.shape(state.dim)}"
         )
-    if is_concrete(b) and not 1 <= int(b) <= config.max_block_size:
-        raise ValueError(
-            f"state.block_size must be in 1..max_block_size={config.max_block_size}, got {int(b)}"
-        )
-    if dim is not None and is_concrete(state.dim) and int(state.dim) != dim:
-        raise ValueError(
-            f"the distributions have {dim} coordinates but the KLMS-Avg state was built for "
-            f"dim={int(state.dim)}: build it with klms_avg_init({dim}, config)"
-        )
+
+
+def _state_fits(state: KLMSAvgState, config: KLMSAvgConfig, dim: int) -> jax.Array:
+    """bool scalar: the state's block size is in ``1..max_block_size`` and it was built for ``dim``."""
+    b = state.block_size
+    return (b >= 1) & (b <= config.max_block_size) & (state.dim == dim)
 
 
 def _proposal(kl_total, dim: int, config: KLMSAvgConfig) -> jax.Array:
@@ -513,7 +509,7 @@ def klms_avg_encode(
     """
     dim = dist_dim(q)
     check_dims(dim, "q has", "q and p must describe the same flat vector", p=p)
-    _check_state(state, config, dim)
+    _check_state(state)
     k, L = config.log2_num_candidates, config.length_bits
     b = state.block_size.astype(jnp.int32)
     indices, fallback = equal_blocks_encode(
@@ -553,7 +549,7 @@ def klms_avg_encode(
         mean_block_kl_bits=dbar,
         request=request,
         proposal=proposal,
-        valid=is_valid(q) & is_valid(p) & jnp.isfinite(kl_total) & (state.dim == dim),
+        valid=is_valid(q) & is_valid(p) & jnp.isfinite(kl_total) & _state_fits(state, config, dim),
     )
     return Message(words, num_bits), info
 
@@ -571,7 +567,7 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
       ``(sample[dim], KLMSAvgDecoded)``.
     """
     dim = dist_dim(p)
-    _check_state(state, config, dim)
+    _check_state(state)
     k, L = config.log2_num_candidates, config.length_bits
     words, ok_length = received_words(message, config.capacity_words(dim))
     b = state.block_size.astype(jnp.int32)
@@ -589,9 +585,9 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     if config.crc32:
         ok_crc = unpack_fixed(words, 1, 32, bit_offset=offset)[0] == stream_crc(shared_key, p, words, offset)
         offset = offset + 32
-    # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state is the
-    # one built for this vector, which the frame of a relayed stream relies on)
-    ok_parse = (offset == as_bits(message.num_bits)) & (state.dim == dim)
+    # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state's size is
+    # in range and it is the one built for this vector, which the frame of a relayed stream relies on)
+    ok_parse = (offset == as_bits(message.num_bits)) & _state_fits(state, config, dim)
     errors = (
         jnp.where(ok_length, 0, ERR_LENGTH)
         | jnp.where(ok_parse, 0, ERR_PARSE)
@@ -629,7 +625,7 @@ def klms_avg_server_update(
             "decoded must be stacked over the participating clients (axis 0, at least one), got valid of "
             f"shape {valid.shape}"
         )
-    _check_state(state, config)
+    _check_state(state)
     update = jnp.asarray(state.update, bool)
     # the Coder contract: only the participants whose decoded.valid is True count; with none, the state
     # is kept
