@@ -88,35 +88,28 @@ def test_energy_error_is_second_order_and_acceptance_tends_to_one():
 
 
 def test_divergences_are_reported_not_silent():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DivergenceWarning)  # hmc counts, the host boundary warns
-        out = hmc(
-            jax.random.key(0),
-            _logdensity,
-            {"x": jnp.zeros(3)},
-            step_size=50.0,
-            num_integration_steps=10,
-            inverse_mass_matrix=1.0,
-            num_burnin=5,
-            num_samples=10,
-        )
-    assert int(out.num_divergent) == 15 and bool(np.all(out.divergent))
-    with pytest.warns(DivergenceWarning, match=r"15 of 15 transitions diverged.*lower step_size"):
-        assert check_divergences(out) is out
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DivergenceWarning)  # a good step size: no warning
-        check_divergences(
-            hmc(
+    def run(step_size, num_integration_steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DivergenceWarning)  # hmc counts, the host boundary warns
+            return hmc(
                 jax.random.key(0),
                 _logdensity,
                 {"x": jnp.zeros(3)},
-                step_size=0.2,
-                num_integration_steps=7,
+                step_size=step_size,
+                num_integration_steps=num_integration_steps,
                 inverse_mass_matrix=1.0,
                 num_burnin=5,
                 num_samples=10,
             )
-        )
+
+    out = run(50.0, 10)
+    assert int(out.num_divergent) == 15 and bool(np.all(out.divergent))
+    with pytest.warns(DivergenceWarning, match=r"15 of 15 transitions diverged.*lower step_size"):
+        assert check_divergences(out) is out
+    good = run(0.2, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)  # a good step size: no warning
+        check_divergences(good)
 
 
 def test_sgld_reaches_its_discretised_stationary_law_and_minibatches_are_unbiased():
