@@ -28,9 +28,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from sidejax.utils import is_concrete
+from sidejax.utils import check_number
 
 __all__ = [
     "Blocks",
@@ -112,9 +111,8 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
     ``1 <= size <= max_block_size``, and a block's KL is at most the target unless it is a singleton whose
     own KL exceeds it; the number of blocks is at least ``ceil(sum(kl) / target)``.
 
-    Non-finite KL (NaN or inf) cannot be partitioned: a concrete ``kl_bits`` with such entries raises
-    ``ValueError`` (the caller's distributions are broken). Inside jit (traced values) each non-finite
-    coordinate is treated as above the target, so it becomes its own singleton block and the other blocks
+    Non-finite KL (NaN or inf) cannot be partitioned: each non-finite coordinate is treated as above the
+    target, inside ``jit`` and outside it alike, so it becomes its own singleton block and the other blocks
     are unaffected (without this a NaN poisons the cumulative sum and every later block comes out
     cap-sized); the caller must flag it: :func:`sidejax.coding.klms.klms_encode` reports ``valid = False``.
 
@@ -131,18 +129,9 @@ def kl_blocks(kl_bits: jax.Array, target_bits: float, *, max_block_size: int, ma
         raise ValueError(f"max_block_size must be >= 1, got {max_block_size}")
     if max_blocks < 1:
         raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
-    if is_concrete(target_bits) and not target_bits > 0:
-        raise ValueError(f"target_bits must be > 0, got {target_bits}")
+    check_number(target_bits, "target_bits", "a number > 0 (the KL target of a block)", lambda x: x > 0)
     if jnp.ndim(kl_bits) != 1:
         raise ValueError(f"kl_bits must be a 1-D [dim] array, got shape {jnp.shape(kl_bits)}")
-    if is_concrete(kl_bits):
-        bad = ~np.isfinite(np.asarray(kl_bits, np.float64))
-        if bad.any():
-            raise ValueError(
-                f"kl_bits has {int(bad.sum())} non-finite entries (first at coordinate "
-                f"{int(np.argmax(bad))}: {float(np.asarray(kl_bits)[np.argmax(bad)])}); a KL-adaptive "
-                "partition needs finite per-coordinate KL: check the distributions it came from"
-            )
     dim = kl_bits.shape[0]
     kl = kl_bits.astype(jnp.float32)
     kl = jnp.where(jnp.isfinite(kl), kl, 2 * jnp.asarray(target_bits, jnp.float32))  # singleton (see above)

@@ -16,6 +16,7 @@ __all__ = [
     "tree_all_finite",
     "check_count",
     "check_positive",
+    "check_number",
     "stack_clients",
     "enable_x64",
     "masked_mean",
@@ -62,6 +63,20 @@ def check_positive(value, name: str) -> float:
     if not (real and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite real number > 0, got {value!r}")
     return float(value)
+
+
+def check_number(value, name: str, requirement: str, ok) -> float:
+    """``value`` as a ``float`` if it is a host number (a Python or NumPy number or a concrete one-element
+    array; not a bool) for which ``ok(float(value))`` holds; else ``ValueError`` naming ``name`` and
+    ``requirement``. For the settings builders take (a learning rate, a clip, a constant): host values by
+    contract, checked where they enter, so a traced value (inside ``jit``) is refused like any non-number."""
+    try:
+        x = None if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):  # not a number; a tracer's float() raises a TypeError too
+        x = None
+    if x is None or not ok(x):
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+    return x
 
 
 def stack_clients(tree: PyTree, num_clients: int) -> PyTree:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import optax
 from jax.scipy.special import xlogy
 
-from sidejax.utils import is_concrete
+from sidejax.utils import check_number
 
 __all__ = [
     "MIRROR_EPS",
@@ -102,8 +102,7 @@ def kl_prox_step(theta, grad_theta, learning_rate):
 
 
 def _check_eps(eps) -> None:
-    if not is_concrete(eps) or not 0 < float(eps) < 0.5:
-        raise ValueError(f"eps must be a number in (0, 0.5) (the probability clip), got {eps!r}")
+    check_number(eps, "eps", "a number in (0, 0.5) (the probability clip)", lambda x: 0 < x < 0.5)
 
 
 def scale_by_inverse_sigmoid_jacobian(eps: float = MIRROR_EPS) -> optax.GradientTransformation:
@@ -160,6 +159,6 @@ def mirror_descent(
       ``optax.chain(scale_by_inverse_sigmoid_jacobian(eps), optax.scale_by_learning_rate(learning_rate))``;
       ``update`` needs ``params`` (the scores).
     """
-    if not callable(learning_rate) and (not is_concrete(learning_rate) or not float(learning_rate) > 0):
-        raise ValueError(f"learning_rate must be a number > 0 or an optax schedule, got {learning_rate!r}")
+    if not callable(learning_rate):
+        check_number(learning_rate, "learning_rate", "a number > 0 or an optax schedule", lambda x: x > 0)
     return optax.chain(scale_by_inverse_sigmoid_jacobian(eps), optax.scale_by_learning_rate(learning_rate))

@@ -63,13 +63,13 @@ from jax.flatten_util import ravel_pytree
 from sidejax.algorithms.dense import DenseMethod, dense_algorithm
 from sidejax.bits import as_bits
 from sidejax.coding.base import Coder, Message, with_side_info
-from sidejax.coding.bitstream import pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import pack_fixed, unpack_fixed
 from sidejax.coding.sample import elias_coder
 from sidejax.distributions import StochasticLevels, Ternary
 from sidejax.fl.base import Algorithm
 from sidejax.fl.local import LocalTraining
 from sidejax.layout import FlatLayout, tensor_norms
-from sidejax.utils import is_concrete, masked_mean
+from sidejax.utils import masked_mean
 
 __all__ = [
     "QSGDPrior",
@@ -173,8 +173,7 @@ def qsgd_method(
 
     def prior_downlink(state: QSGDPrior) -> Message:
         words = pack_fixed(state.counts.reshape(-1).astype(jnp.uint32), width)
-        num_bits = as_bits(width * state.counts.size)
-        return Message(words[: sent_words(num_bits)] if is_concrete(num_bits) else words, num_bits)
+        return Message(words, as_bits(width * state.counts.size))
 
     def update_prior(state: QSGDPrior, samples, include) -> QSGDPrior:
         # the prior's counts are of clients_per_round clients (the zero count is the rest, and the downlink

@@ -14,7 +14,8 @@ Metropolis-Hastings accept. Schedule (docs/papers/bpcfl.md#s8-10): ``mode="conse
 ``num_burnin`` steps and keeps the next ``num_samples`` states of one chain; ``mode="chains"`` runs
 ``num_samples`` independent chains of ``num_burnin`` steps from the same start and keeps each chain's final
 state. A transition whose energy error exceeds ``divergence_threshold`` is **divergent**: the result counts
-them and :func:`hmc` warns (:class:`DivergenceWarning`) when there are any, with the step size to lower.
+them, the same inside ``jit`` and outside it, and the host-side :func:`check_divergences` warns
+(:class:`DivergenceWarning`) when there are any, with what to lower.
 
 **SGLD** (Welling & Teh 2011; blackjax's ``sgld``): ``θ ← θ + (ε/2)∇log p̃(θ) + N(0, ε·T)`` with temperature
 ``T``, no accept step (so a bias of order ``ε``); with ``data`` and ``batch_size`` the gradient is the
@@ -37,9 +38,18 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from sidejax.keys import ORDER, draw_key, stream_key
-from sidejax.utils import check_count, is_concrete, tree_all_finite
+from sidejax.utils import check_count, tree_all_finite
 
-__all__ = ["DivergenceWarning", "HMCResult", "SGLDResult", "MAPResult", "hmc", "sgld", "map_estimate"]
+__all__ = [
+    "DivergenceWarning",
+    "HMCResult",
+    "SGLDResult",
+    "MAPResult",
+    "hmc",
+    "check_divergences",
+    "sgld",
+    "map_estimate",
+]
 
 HMC_MODES = ("consecutive", "chains")
 
@@ -123,13 +133,12 @@ def hmc(
       divergence_threshold: energy error above which a transition is divergent.
 
     Returns:
-      :class:`HMCResult`.
+      :class:`HMCResult`, which counts the divergent transitions (``num_divergent``); :func:`hmc` itself
+      never warns, inside ``jit`` or outside it: a host caller passes the result to
+      :func:`check_divergences`.
 
     Raises:
       ValueError: a bad argument, naming it.
-
-    Warns:
-      DivergenceWarning: when any transition diverged (the count and the fraction, and what to do).
     """
     step_size = _positive(step_size, "step_size")
     num_integration_steps = check_count(num_integration_steps, "num_integration_steps", 1)
@@ -171,13 +180,21 @@ def hmc(
         return final.position, acc.reshape(-1), div.reshape(-1), err.reshape(-1)
 
     samples, acc, div, err = jax.jit(run)(key)
-    result = HMCResult(samples, acc, div, jnp.sum(div).astype(jnp.int32), err)
-    if is_concrete(result.num_divergent) and int(result.num_divergent) > 0:
-        n, total = int(result.num_divergent), int(div.shape[0])
+    return HMCResult(samples, acc, div, jnp.sum(div).astype(jnp.int32), err)
+
+
+def check_divergences(result):
+    """Host side: warns :class:`DivergenceWarning` when ``result`` (an :class:`HMCResult`, or any result
+    with a ``num_divergent`` count, e.g. :class:`sidejax.algorithms.bpcfl.InferenceResult`) counted
+    divergent transitions, naming the count (of the total when ``result.divergent`` is there) and what to
+    lower. Returns ``result``. Needs a concrete result (call it outside ``jit``)."""
+    n = int(result.num_divergent)
+    if n > 0:
+        divergent = getattr(result, "divergent", None)
+        of = f" of {int(np.size(divergent))}" if divergent is not None else ""
         warnings.warn(
-            f"HMC: {n} of {total} transitions diverged (energy error above {divergence_threshold:g}); their "
-            f"proposals were rejected and the samples are unreliable: lower step_size (now {step_size:g}) or "
-            f"the inverse_mass_matrix",
+            f"HMC: {n}{of} transitions diverged (energy error above divergence_threshold); their proposals "
+            "were rejected and the samples are unreliable: lower step_size or the inverse_mass_matrix",
             DivergenceWarning,
             stacklevel=2,
         )

@@ -35,8 +35,13 @@ Every message in sidejax, uplink or downlink, compressed or not, is built by a :
   decode with; the message costs what ``live`` coordinates cost. A coder that declares none codes every
   coordinate; :func:`check_live_prefix` is the refusal, naming the argument, for callers that need it.
 
-A :class:`Message` holds exactly what crosses the wire (``payload``: ``uint32`` words, LSB first) and its
-length in bits (``num_bits``), computed from the payload inside jit. Coders compose the way optax transforms
+A :class:`Message` holds the stream (``payload``: ``uint32`` words, LSB first) and its length in bits
+(``num_bits``), computed from what was written. Every function here behaves the same inside ``jit`` and
+outside it: ``encode`` returns the static ``capacity_words(dim)`` buffer (words past ``num_bits`` zero) and
+``decode`` reports problems in its ``valid``/``errors`` flags. The host side of a transport does the rest at
+its boundary, once: :func:`sent_message` cuts a message to the ``ceil(num_bits / 32)`` words that cross the
+wire (what a driver serialises), and :func:`check_decoded` raises on a decoded stream's flags. Decoders
+accept either form, the capacity buffer or exactly the words sent. Coders compose the way optax transforms
 do: :func:`with_side_info` adds float32 side information (e.g. QSGD's norms) to any coder,
 :func:`with_crc` an integrity check (a CRC-32 of the shared key, the prior and the stream) to any coder's
 messages, and :func:`concat_messages` / :func:`split_message` join and cut streams at bit precision.
@@ -49,12 +54,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sidejax.bits import as_bits, check_capacity_bits, payload_bits
-from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import crc32_words, mask_to_length, pack_fixed, trim_payload, unpack_fixed
 from sidejax.distributions import dist_dim
 from sidejax.types import Bits, PyTree
-from sidejax.utils import is_concrete
 
 __all__ = [
     "Message",
@@ -73,6 +78,8 @@ __all__ = [
     "stream_errors",
     "failed_checks",
     "kl_ideal_bits",
+    "sent_message",
+    "check_decoded",
     "withhold",
     "included",
     "empty_message",
@@ -98,9 +105,9 @@ class Message(NamedTuple):
     """One encoded message.
 
     Attributes:
-      payload: ``uint32`` words (LSB first): exactly what is transmitted. Inside jit a coder may return a
-        static-capacity buffer of which only the first ``ceil(num_bits / 32)`` words are sent (the rest are
-        zero); outside jit it is those words.
+      payload: ``uint32`` words (LSB first). A coder returns its static-capacity buffer, inside ``jit`` and
+        outside it alike: only the first ``ceil(num_bits / 32)`` words are sent, and every word (and bit)
+        past ``num_bits`` is zero. :func:`sent_message` cuts it to the words sent.
       num_bits: int32 scalar (:data:`sidejax.bits.BITS_DTYPE`), the message's length in bits, computed from
         what was written: exact up to :data:`sidejax.bits.MAX_MESSAGE_BITS` (256 MiB).
     """
@@ -166,6 +173,35 @@ def failed_checks(**passed) -> jax.Array:
     return errors
 
 
+def sent_message(message: Message) -> Message:
+    """Host side, the transport boundary: ``message`` as it crosses the wire, its payload cut to the
+    ``ceil(num_bits / 32)`` words that are sent (:func:`sidejax.coding.trim_payload`). The one place where a
+    capacity buffer becomes the exact words: drivers and tests that serialise a message call it, and every
+    decoder takes its result as it takes the buffer.
+
+    Raises ``ValueError`` (from :func:`sidejax.coding.trim_payload`) when the buffer is shorter than
+    ``num_bits`` claims, holds set bits past ``num_bits`` (the contract: words and bits past the length
+    are zero), or the length is not a whole number ``>= 0`` (a :func:`withhold` -held message sends no
+    stream). Needs a concrete message (call it outside ``jit``)."""
+    return Message(trim_payload(_words(message), message.num_bits), as_bits(message.num_bits))
+
+
+def check_decoded(decoded, what: str = "stream"):
+    """Host side, the receiving boundary: ``decoded`` if it reports a clean stream, else ``ValueError``
+    naming ``what`` and the reasons (:func:`stream_errors`). ``decoded`` is a decoder's report (its
+    ``valid`` and ``errors`` fields, one stream's or stacked over several) or an ``errors`` bitmask alone
+    (e.g. :func:`sidejax.algorithms.bicompfl.decode_samples`'s). Decoders never raise on a stream's
+    contents, inside ``jit`` or outside it; a host caller that wants an exception calls this. Needs a
+    concrete report (outside ``jit``)."""
+    errors = np.bitwise_or.reduce(
+        np.asarray(getattr(decoded, "errors", decoded), np.int32).ravel(), initial=0
+    )
+    if not np.all(np.asarray(getattr(decoded, "valid", True))) or errors:
+        reasons = stream_errors(errors) or ["the decoder flagged it"]
+        raise ValueError(f"invalid {what}: " + "; ".join(reasons))
+    return decoded
+
+
 def withhold(messages: Message, send: jax.Array) -> Message:
     """``messages`` with every entry whose ``send`` is False *withheld*: its length becomes
     :data:`WITHHELD_BITS` (``-1``, "no stream"), its payload is kept as it was (a static buffer).
@@ -218,7 +254,10 @@ class LivePrefix(NamedTuple):
 
 
 class Coder(NamedTuple):
-    """A coder: pure functions only (see the module docstring for the contract).
+    """A coder: pure functions only (see the module docstring for the contract). They behave the same
+    inside ``jit`` and outside it: ``encode`` returns the ``capacity_words`` buffer and ``decode`` reports
+    a bad stream in its flags, never by raising; the host-side boundary is :func:`sent_message` (the
+    words that cross the wire) and :func:`check_decoded` (raise on a report's flags).
 
     Attributes:
       init: ``init(dim) -> state``.
@@ -230,11 +269,12 @@ class Coder(NamedTuple):
       uses_prior: whether ``decode`` depends on ``p`` (static).
       name: a short name for tables and errors.
       capacity_words: ``capacity_words(dim) -> int`` (static): the words of the payload buffer that
-        ``encode`` returns inside jit for a ``dim``-coordinate input (``q``'s vector; for
-        :func:`with_side_info`, the inner vector), i.e. the longest message it can write, rounded up to
-        whole words plus any slack its buffers carry. Outside jit the payload is the
-        ``ceil(num_bits / 32) <= capacity_words(dim)`` words sent. Receivers size their buffers with it
-        (e.g. :func:`split_stacked`'s ``capacity_words``).
+        ``encode`` returns, inside ``jit`` and outside it alike, for a ``dim``-coordinate input (``q``'s
+        vector; for :func:`with_side_info`, the inner vector), i.e. the longest message it can write,
+        rounded up to whole words plus any slack its buffers carry. Of it the
+        ``ceil(num_bits / 32) <= capacity_words(dim)`` words are sent (the rest are zero; the host-side
+        :func:`sent_message` cuts them at the transport boundary). Receivers size their buffers with it
+        (e.g. :func:`split_stacked`'s ``capacity_words``) and decode either form.
       deterministic: the coder adds no randomness of its own: ``encode``'s message depends on the keys only
         through the sample it draws from ``q`` with ``keys.private`` (for a
         :class:`sidejax.distributions.PointMass`, not at all) and ``decode`` does not use ``shared_key``.
@@ -305,8 +345,8 @@ def _words(message: Message) -> jax.Array:
 
 def concat_messages(*parts: Message) -> Message:
     """One stream holding ``parts`` back to back at bit precision: part ``i + 1`` starts at bit
-    ``sum(num_bits[:i + 1])``, with no padding in between (``num_bits`` is the sum). Inside jit the
-    payload is the sum of the parts' capacities; outside jit exactly the words sent."""
+    ``sum(num_bits[:i + 1])``, with no padding in between (``num_bits`` is the sum). The payload is a
+    buffer of the parts' word counts plus one word per join (zero past ``num_bits``)."""
     if not parts:
         return empty_message()
     words = _words(parts[0])
@@ -317,8 +357,6 @@ def concat_messages(*parts: Message) -> Message:
         check_capacity_bits(32 * buf.shape[0], "a concatenated message's buffer")
         words = pack_fixed(pw, 32, bit_offset=offset, out=buf)
         offset = offset + as_bits(part.num_bits)
-    if is_concrete(offset):
-        words = words[: sent_words(offset)]
     return Message(words, offset)
 
 
@@ -348,8 +386,8 @@ def split_message(message: Message, lengths: tuple[int, ...]):
 def concat_stacked(messages: Message, keep: jax.Array | None = None) -> Message:
     """One stream holding the stacked ``messages`` (payload ``[n, words]``, ``num_bits[n]``) back to back
     at bit precision, in order, skipping those with ``keep[i]`` False: :func:`concat_messages` for a
-    batch, as one ``lax.scan`` (no Python loop over the parts). The capacity is ``n * words + 1`` words;
-    outside jit the payload is exactly the words sent. The parts carry no lengths: the receiver cuts the
+    batch, as one ``lax.scan`` (no Python loop over the parts). The payload is a buffer of
+    ``n * words + 1`` words (zero past ``num_bits``). The parts carry no lengths: the receiver cuts the
     stream with a coder's ``frame`` (:func:`split_stacked`)."""
     words = jnp.asarray(messages.payload, jnp.uint32)
     if words.ndim != 2:
@@ -368,8 +406,6 @@ def concat_stacked(messages: Message, keep: jax.Array | None = None) -> Message:
     buf = jnp.zeros(n * cap + 1, jnp.uint32)
     check_capacity_bits(32 * buf.shape[0], "a relay's buffer")
     (buf, total), _ = jax.lax.scan(step, (buf, as_bits(0)), (words, bits, keep))
-    if is_concrete(total):
-        buf = buf[: sent_words(total)]
     return Message(buf, total)
 
 
@@ -668,8 +704,6 @@ def with_crc(coder: Coder) -> Coder:
         inner_bits = jnp.maximum(nb - 32, 0)
         sent = unpack_fixed(words, 1, 32, bit_offset=inner_bits)[0]  # bits past the buffer read as 0
         inner_words, _ = mask_to_length(words, inner_bits)
-        if is_concrete(inner_bits):  # outside jit the inner decoder takes exactly the words sent
-            inner_words = inner_words[: sent_words(inner_bits)]
         sample, inner = coder.decode(shared_key, p, state, Message(inner_words, inner_bits))
         ok = (nb >= 32) & (sent == stream_crc(shared_key, prior(p), inner_words, inner_bits))
         errors = jnp.asarray(inner.errors, jnp.int32) | failed_checks(length=nb >= 32, crc=ok | (nb < 32))

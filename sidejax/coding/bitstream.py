@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from sidejax.bits import MAX_MESSAGE_BITS, as_bits
-from sidejax.utils import is_concrete
 
 __all__ = [
     "num_words",
@@ -83,27 +82,18 @@ def trim_payload(words, num_bits):
     return words[..., :n]
 
 
-def received_words(message, capacity_words: int, what: str):
+def received_words(message, capacity_words: int):
     """The receiver's view of ``message``: its payload padded to ``capacity_words`` with every bit past
     ``num_bits`` zeroed, and whether the length is consistent (:func:`mask_to_length` with the payload's own
     word count as the words sent). Returns ``(words, ok_length)``.
 
-    Outside jit the payload must be exactly the ``ceil(num_bits / 32)`` words sent; another length raises
-    ``ValueError`` naming both (``what`` names the stream in the message, e.g. ``"KLMS"``). Inside jit a
-    static-capacity buffer or any shorter one is accepted and a mismatch shows in ``ok_length``."""
+    The payload may be the encoder's static-capacity buffer or exactly the ``ceil(num_bits / 32)`` words
+    sent (:func:`sidejax.coding.sent_message`), the same inside ``jit`` and outside it: a payload shorter
+    than ``num_bits`` claims, or one with set bits past ``num_bits``, gives ``ok_length = False``."""
     payload = message.payload
     if jnp.ndim(payload) != 1:
         raise ValueError(f"message.payload must be a 1-D word array, got shape {jnp.shape(payload)}")
     n = payload.shape[0]
-    if is_concrete((payload, message.num_bits)):
-        want = sent_words(message.num_bits)
-        if n != want:
-            raise ValueError(
-                f"{what} message length mismatch: the payload has {n} words but num_bits="
-                f"{float(message.num_bits):.0f} means ceil(num_bits / 32) = {want} words were sent "
-                f"({'truncated' if n < want else 'too long'}); pass exactly the words sent "
-                "(sidejax.coding.trim_payload cuts a capacity buffer)"
-            )
     words = jnp.pad(jnp.asarray(payload, jnp.uint32), (0, max(0, capacity_words - n)))
     return mask_to_length(words, message.num_bits, num_sent_words=n)
 

@@ -32,7 +32,6 @@ from sidejax.coding.base import (
 )
 from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
 from sidejax.distributions import dist_dim, is_valid
-from sidejax.utils import is_concrete
 
 __all__ = ["ScaledSignInfo", "scaled_sign", "scaled_sign_bits", "scaled_sign_coder"]
 
@@ -80,10 +79,7 @@ def scaled_sign_coder() -> Coder:
         scale, negative = scaled_sign(v)
         head = jax.lax.bitcast_convert_type(scale, jnp.uint32)[None]
         words = jnp.concatenate([head, pack_fixed(negative.astype(jnp.uint32), 1)])
-        num_bits = as_bits(scaled_sign_bits(v.shape[0]))
-        if is_concrete(num_bits):
-            words = words[: sent_words(num_bits)]
-        return Message(words, num_bits), ScaledSignInfo(
+        return Message(words, as_bits(scaled_sign_bits(v.shape[0]))), ScaledSignInfo(
             is_valid(q) & jnp.isfinite(scale), jnp.float32(jnp.nan)
         )
 

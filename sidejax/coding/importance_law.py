@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sidejax.utils import is_concrete
+from sidejax.utils import check_number, is_concrete
 
 __all__ = [
     "bernoulli_selection_prob",
@@ -258,8 +258,9 @@ def lemma1_bound(q, p, num_candidates, constant: float = 1.0) -> jax.Array:
     """
     _check_open_unit(q, "q")
     _check_open_unit(p, "p")
-    if not is_concrete(constant) or not constant >= 0:
-        raise ValueError(f"constant must be a number >= 0 (the O-constant of Lemma 1), got {constant!r}")
+    constant = check_number(
+        constant, "constant", "a number >= 0 (the O-constant of Lemma 1)", lambda x: x >= 0
+    )
     dt = _float_dtype(q, p, num_candidates)
     q, p, n = jnp.asarray(q, dt), jnp.asarray(p, dt), jnp.asarray(num_candidates, dt)
     delta = (q - p) / (p * (1 - p))  # = q/p - (1-q)/(1-p), without the cancellation near q = p

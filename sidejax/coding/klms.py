@@ -90,13 +90,12 @@ from sidejax.coding.bitstream import (
     mask_to_length,
     pack_fixed,
     received_words,
-    sent_words,
     unpack_fixed,
 )
 from sidejax.coding.importance import DEFAULT_MEMORY_BUDGET_BYTES, encode_bounded, importance_decode
 from sidejax.distributions import check_dims, is_valid
 from sidejax.keys import ClientKeys
-from sidejax.utils import is_concrete, keep_unless_none, masked_mean
+from sidejax.utils import keep_unless_none, masked_mean
 
 __all__ = [
     "TRIGGERS",
@@ -380,9 +379,10 @@ def klms_encode(
       config: static settings.
 
     Returns:
-      ``(message, info)``; ``message.num_bits`` is the stream's exact length. Inside jit ``message.payload``
-      is a static-capacity buffer (:meth:`KLMSConfig.capacity_words`) of which only the first
-      ``ceil(num_bits / 32)`` words are sent (the rest are zero); outside jit it is exactly those words.
+      ``(message, info)``; ``message.num_bits`` is the stream's exact length and ``message.payload`` the
+      static-capacity buffer (:meth:`KLMSConfig.capacity_words`), inside ``jit`` and outside it, of which
+      only the first ``ceil(num_bits / 32)`` words are sent (the rest are zero;
+      :func:`sidejax.coding.sent_message` cuts them).
     """
     blocks0 = state.blocks
     dim, mb = blocks0.dim, blocks0.max_blocks
@@ -453,10 +453,7 @@ def klms_encode(
         statistic=stat,
         valid=is_valid(q) & is_valid(p) & jnp.isfinite(info.kl_bits),
     )
-    num_bits = as_bits(offset)
-    if is_concrete(num_bits):  # outside jit: exactly the words that are sent
-        words = words[: sent_words(num_bits)]
-    return Message(payload=words, num_bits=num_bits), cinfo
+    return Message(payload=words, num_bits=as_bits(offset)), cinfo
 
 
 def _check_dims(dim: int, **dists) -> None:
@@ -482,16 +479,13 @@ def _blocks_from_lengths(words, bit_offset: int, dim: int, mb: int, L: int):
 def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSConfig):
     """The server's side for one client (Alg. 8): parse the stream, regenerate the chosen candidates.
 
-    The receiver reads exactly the ``ceil(num_bits / 32)`` words that were sent and nothing else:
-
-    - Outside jit (concrete message) the payload must be those words exactly, as :func:`klms_encode`
-      returns them outside jit; any other length raises ``ValueError`` naming both lengths, and a stream
-      that decodes invalid (see below) raises ``ValueError`` naming the reasons.
-    - Inside jit the payload may be the encoder's static-capacity buffer (only its first
-      ``ceil(num_bits / 32)`` words count; later words are zeroed before parsing) or any shorter buffer.
-      A buffer shorter than ``num_bits`` claims, set bits past ``num_bits``, block lengths that do not sum
-      to ``dim``, or fields that do not add up to ``num_bits`` give ``valid = False`` with the reasons in
-      the ``errors`` bitmask (:func:`stream_errors`); the driver must check the flag.
+    The receiver reads exactly the ``ceil(num_bits / 32)`` words that were sent and nothing else. The
+    payload may be the encoder's static-capacity buffer (later words are zeroed before parsing) or exactly
+    the words sent (:func:`sidejax.coding.sent_message`), and the decoder behaves the same inside ``jit``
+    and outside it: it never raises on the stream's contents. A buffer shorter than ``num_bits`` claims,
+    set bits past ``num_bits``, block lengths that do not sum to ``dim``, or fields that do not add up to
+    ``num_bits`` give ``valid = False`` with the reasons in the ``errors`` bitmask (:func:`stream_errors`);
+    the driver must check the flag (on the host, :func:`sidejax.coding.check_decoded` raises on it).
 
     Args:
       shared_key: the client's shared key (re-derived by the server from the round key and client id).
@@ -507,7 +501,7 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     dim, mb = blocks0.dim, blocks0.max_blocks
     _check_dims(dim, p=p)
     b, L = config.log2_num_candidates, config.length_bits
-    words, ok_length = received_words(message, config.capacity_words(dim), "KLMS")
+    words, ok_length = received_words(message, config.capacity_words(dim))
     offset = jnp.int32(0)
     ok_partition = jnp.asarray(True)
     if config.adaptive:
@@ -543,8 +537,6 @@ def klms_decode(shared_key, p, state: KLMSState, message: Message, config: KLMSC
     )
     valid = errors == 0
     sample = importance_decode(shared_key, p, blocks, indices)
-    if is_concrete(errors) and not bool(valid):
-        raise ValueError("invalid KLMS stream: " + "; ".join(stream_errors(errors)))
     return sample, KLMSDecoded(blocks.starts, M, stat, valid, errors)
 
 
@@ -612,10 +604,7 @@ def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
     words = pack_fixed(state.update.astype(jnp.uint32)[None], 1, out=words)
     lengths = jnp.where(live & state.changed, block_sizes(blocks) - 1, 0)
     words = pack_fixed(lengths, L, bit_offset=1, out=words)
-    num_bits = as_bits(1 + jnp.where(state.changed, M * L, 0))
-    if is_concrete(num_bits):
-        words = words[: sent_words(num_bits)]
-    return Message(words, num_bits)
+    return Message(words, as_bits(1 + jnp.where(state.changed, M * L, 0)))
 
 
 def klms_receive(state: KLMSState, message: Message, config: KLMSConfig) -> KLMSState:

@@ -75,11 +75,11 @@ Gumbel draws). The candidates are the shared counter-based ones of :mod:`sidejax
 :func:`sidejax.coding.importance_decode` regenerates the chosen ones. A block whose candidates all have
 ``q = 0`` gets a uniform index and is counted (``num_fallback_blocks``).
 
-**Length and integrity** as in :func:`sidejax.coding.klms.klms_decode`: outside jit the payload must be
-exactly the ``ceil(num_bits / 32)`` words sent (``ValueError`` naming both lengths) and an invalid stream
-raises; inside jit a length mismatch, fields that do not add up to ``num_bits``, an invalid prior or a CRC
-mismatch set bits of :attr:`KLMSAvgDecoded.errors`. ``KLMSAvgConfig(crc32=True)`` appends the CRC-32 of
-(shared key data, stream) of :mod:`sidejax.coding.klms`.
+**Length and integrity** as in :func:`sidejax.coding.klms.klms_decode`, the same inside ``jit`` and
+outside it: the payload is the capacity buffer or exactly the ``ceil(num_bits / 32)`` words sent, and a
+length mismatch, fields that do not add up to ``num_bits``, an invalid prior or a CRC mismatch set bits of
+:attr:`KLMSAvgDecoded.errors` (:func:`sidejax.coding.check_decoded` raises on them on the host).
+``KLMSAvgConfig(crc32=True)`` appends the CRC-32 of (shared key data, stream) of :mod:`sidejax.coding.klms`.
 """
 
 from __future__ import annotations
@@ -101,14 +101,12 @@ from sidejax.coding.base import (
     failed_checks,
     kl_ideal_bits,
     stream_crc,
-    stream_errors,
 )
 from sidejax.coding.bitstream import (
     mask_to_length,
     num_words,
     pack_fixed,
     received_words,
-    sent_words,
     unpack_fixed,
 )
 from sidejax.coding.importance import (
@@ -123,7 +121,7 @@ from sidejax.coding.importance import (
 )
 from sidejax.distributions import check_dims, dist_dim, is_valid
 from sidejax.keys import ClientKeys
-from sidejax.utils import is_concrete, keep_unless_none
+from sidejax.utils import keep_unless_none
 
 __all__ = [
     "KLMSAvgConfig",
@@ -383,8 +381,8 @@ def equal_blocks_encode(
       private_key: the sender's key (the index choice).
       q: the sender's factorized distribution, coordinates on axis 0.
       p: the shared prior, same type and shape.
-      block_size: int32 scalar in ``1..max_block_size``, may be traced (a traced value out of range is
-        clipped into it).
+      block_size: int32 scalar in ``1..max_block_size``, may be traced (a value out of range is clipped
+        into it, inside ``jit`` and outside it; :func:`klms_avg_encode` flags such a state invalid).
       log2_num_candidates: :math:`\\log_2 K` (static).
       max_block_size: the largest block size (static; it bounds the rows a chunk can need).
       chunk_size: coordinates per step (static, even, ``>= 2``).
@@ -407,8 +405,6 @@ def equal_blocks_encode(
     b = jnp.asarray(block_size, jnp.int32)
     if jnp.ndim(b) != 0:
         raise ValueError(f"block_size must be a scalar, got shape {jnp.shape(b)}")
-    if is_concrete(b) and not 1 <= int(b) <= max_block_size:
-        raise ValueError(f"block_size must be in 1..max_block_size={max_block_size}, got {int(b)}")
     b = jnp.clip(b, 1, max_block_size)
     M = _num_blocks(dim, b)
     init = (jnp.zeros(K, jnp.float32), jnp.zeros(dim, jnp.int32), jnp.int32(0))
@@ -465,24 +461,22 @@ def klms_avg_init(dim: int, config: KLMSAvgConfig) -> KLMSAvgState:
     )
 
 
-def _check_state(state: KLMSAvgState, config: KLMSAvgConfig, dim: int | None = None) -> None:
-    """``ValueError`` for a concrete state whose size is out of range or whose ``dim`` is not the
-    distributions' (traced states are checked in jit: the encoder's ``valid``, the decoder's ERR_PARSE)."""
-    b = state.block_size
-    if jnp.ndim(b) != 0 or jnp.ndim(state.dim) != 0:
+def _check_state(state: KLMSAvgState) -> None:
+    """``ValueError`` for a state whose size or ``dim`` is not a scalar (static). Their values are checked
+    in the computation, inside ``jit`` and outside it alike (:func:`_state_fits`): a state whose size is
+    out of range or whose ``dim`` is not the distributions' gives the encoder's ``valid = False`` and the
+    decoder's ``ERR_PARSE``."""
+    if jnp.ndim(state.block_size) != 0 or jnp.ndim(state.dim) != 0:
         raise ValueError(
             "state.block_size and state.dim must be scalars, got shapes "
-            f"{jnp.shape(b)} and {jnp.shape(state.dim)}"
+            f"{jnp.shape(state.block_size)} and {jnp.shape(state.dim)}"
         )
-    if is_concrete(b) and not 1 <= int(b) <= config.max_block_size:
-        raise ValueError(
-            f"state.block_size must be in 1..max_block_size={config.max_block_size}, got {int(b)}"
-        )
-    if dim is not None and is_concrete(state.dim) and int(state.dim) != dim:
-        raise ValueError(
-            f"the distributions have {dim} coordinates but the KLMS-Avg state was built for "
-            f"dim={int(state.dim)}: build it with klms_avg_init({dim}, config)"
-        )
+
+
+def _state_fits(state: KLMSAvgState, config: KLMSAvgConfig, dim: int) -> jax.Array:
+    """bool scalar: the state's block size is in ``1..max_block_size`` and it was built for ``dim``."""
+    b = state.block_size
+    return (b >= 1) & (b <= config.max_block_size) & (state.dim == dim)
 
 
 def _proposal(kl_total, dim: int, config: KLMSAvgConfig) -> jax.Array:
@@ -506,12 +500,12 @@ def klms_avg_encode(
 
     Returns:
       ``(message, info)``. ``message.num_bits`` is :math:`M_t K^* + 1 (+ L) (+ 32)`, the fields written.
-      Inside jit the payload is a static-capacity buffer (:meth:`KLMSAvgConfig.capacity_words`) of which the
-      first ``ceil(num_bits / 32)`` words are sent; outside jit exactly those words.
+      The payload is the static-capacity buffer (:meth:`KLMSAvgConfig.capacity_words`), inside ``jit`` and
+      outside it, of which the first ``ceil(num_bits / 32)`` words are sent (the rest are zero).
     """
     dim = dist_dim(q)
     check_dims(dim, "q has", "q and p must describe the same flat vector", p=p)
-    _check_state(state, config, dim)
+    _check_state(state)
     k, L = config.log2_num_candidates, config.length_bits
     b = state.block_size.astype(jnp.int32)
     indices, fallback = equal_blocks_encode(
@@ -544,8 +538,6 @@ def klms_avg_encode(
         words = pack_fixed(stream_crc(keys.shared, p, words, offset)[None], 32, bit_offset=offset, out=words)
         offset = offset + 32
     num_bits = as_bits(offset)
-    if is_concrete(num_bits):  # outside jit: exactly the words that are sent
-        words = words[: sent_words(num_bits)]
     info = KLMSAvgClientInfo(
         kl_bits=kl_total,
         num_blocks=M,
@@ -553,7 +545,7 @@ def klms_avg_encode(
         mean_block_kl_bits=dbar,
         request=request,
         proposal=proposal,
-        valid=is_valid(q) & is_valid(p) & jnp.isfinite(kl_total) & (state.dim == dim),
+        valid=is_valid(q) & is_valid(p) & jnp.isfinite(kl_total) & _state_fits(state, config, dim),
     )
     return Message(words, num_bits), info
 
@@ -561,19 +553,19 @@ def klms_avg_encode(
 def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config: KLMSAvgConfig):
     """The server's side for one client: parse the stream, regenerate the chosen candidates.
 
-    Reads exactly the ``ceil(num_bits / 32)`` words sent. Outside jit the payload must be those words (else
-    ``ValueError`` naming both lengths) and an invalid stream raises ``ValueError`` with the reasons. Inside
-    jit the payload may be the encoder's capacity buffer; a shorter buffer than ``num_bits`` claims, set bits
-    past ``num_bits``, fields that do not add up to ``num_bits``, an invalid ``p`` or a CRC mismatch give
-    ``valid = False`` and the reasons in ``errors``.
+    Reads exactly the ``ceil(num_bits / 32)`` words sent; the payload may be the encoder's capacity buffer
+    or exactly those words, and the decoder never raises on the stream's contents (the same inside ``jit``
+    and outside it): a shorter buffer than ``num_bits`` claims, set bits past ``num_bits``, fields that do
+    not add up to ``num_bits``, an invalid ``p`` or a CRC mismatch give ``valid = False`` and the reasons
+    in ``errors``.
 
     Returns:
       ``(sample[dim], KLMSAvgDecoded)``.
     """
     dim = dist_dim(p)
-    _check_state(state, config, dim)
+    _check_state(state)
     k, L = config.log2_num_candidates, config.length_bits
-    words, ok_length = received_words(message, config.capacity_words(dim), "KLMS-Avg")
+    words, ok_length = received_words(message, config.capacity_words(dim))
     b = state.block_size.astype(jnp.int32)
     update = jnp.asarray(state.update, bool)
     M = _num_blocks(dim, b)
@@ -589,14 +581,12 @@ def klms_avg_decode(shared_key, p, state: KLMSAvgState, message: Message, config
     if config.crc32:
         ok_crc = unpack_fixed(words, 1, 32, bit_offset=offset)[0] == stream_crc(shared_key, p, words, offset)
         offset = offset + 32
-    # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state is the
-    # one built for this vector, which the frame of a relayed stream relies on)
-    ok_parse = (offset == as_bits(message.num_bits)) & (state.dim == dim)
+    # the lengths of the fields read, from the receiver's state, add up to num_bits (and the state's size is
+    # in range and it is the one built for this vector, which the frame of a relayed stream relies on)
+    ok_parse = (offset == as_bits(message.num_bits)) & _state_fits(state, config, dim)
     errors = failed_checks(length=ok_length, parse=ok_parse, prior=is_valid(p), crc=ok_crc)
     valid = errors == 0
     sample = importance_decode(shared_key, p, equal_blocks(dim, b), indices)
-    if is_concrete(errors) and not bool(valid):
-        raise ValueError("invalid KLMS-Avg stream: " + "; ".join(stream_errors(errors)))
     return sample, KLMSAvgDecoded(request, proposal, M, valid, errors)
 
 
@@ -626,7 +616,7 @@ def klms_avg_server_update(
             "decoded must be stacked over the participating clients (axis 0, at least one), got valid of "
             f"shape {valid.shape}"
         )
-    _check_state(state, config)
+    _check_state(state)
     update = jnp.asarray(state.update, bool)
     # the Coder contract: only the participants whose decoded.valid is True count; with none, the state
     # is kept
@@ -652,10 +642,7 @@ def klms_avg_downlink(state: KLMSAvgState, config: KLMSAvgConfig) -> Message:
     words = pack_fixed(jnp.asarray(state.update, jnp.uint32)[None], 1, out=words)
     size = jnp.where(changed, state.block_size.astype(jnp.int32) - 1, 0)
     words = pack_fixed(size[None], L, bit_offset=1, out=words)
-    num_bits = as_bits(1 + jnp.where(changed, L, 0))
-    if is_concrete(num_bits):
-        words = words[: sent_words(num_bits)]
-    return Message(words, num_bits)
+    return Message(words, as_bits(1 + jnp.where(changed, L, 0)))
 
 
 def klms_avg_receive(state: KLMSAvgState, message: Message, config: KLMSAvgConfig) -> KLMSAvgState:

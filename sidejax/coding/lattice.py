@@ -90,7 +90,6 @@ from sidejax.coding.bitstream import (
     golomb_decode,
     mask_to_length,
     read_bits,
-    sent_words,
     write_codewords,
 )
 from sidejax.coding.lossless import MAX_STREAM_BITS, optimal_golomb_parameter
@@ -106,7 +105,7 @@ from sidejax.coding.lrsuq import (
 )
 from sidejax.distributions import PointMass
 from sidejax.lattices import Lattice
-from sidejax.utils import check_positive, is_concrete
+from sidejax.utils import check_positive
 
 __all__ = [
     "NoisePrior",
@@ -607,10 +606,6 @@ def _geom_entropy_bits(p: float) -> float:
     return (-p * math.log2(p) - (1 - p) * math.log2(1 - p)) / p
 
 
-def _trim(words, num_bits):
-    return words[: sent_words(num_bits)] if is_concrete(num_bits) else words
-
-
 def _received(message: Message, capacity: int):
     """The payload fitted to the decoder's static buffer: longer buffers (a stream cut out of a concatenation
     inside jit) are checked for set bits past ``num_bits`` first, then cut; ``ok`` is False when bits are set
@@ -657,7 +652,7 @@ def _vector_coder(
             ok = ok & (level > 0) & jnp.isfinite(level)
         ideal = blocks_of(d) * ideal_trials + _order0_bits(coords.reshape(-1))
         info = LatticeInfo(ok, ideal, jnp.mean(h.astype(jnp.float32)), ~fits)
-        return Message(_trim(words, num_bits), num_bits), info
+        return Message(words, num_bits), info
 
     def decode(shared_key, p, message):
         center, level = _center_level(p)

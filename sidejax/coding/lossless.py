@@ -5,7 +5,8 @@ bit first; stream bit ``p`` is bit ``p mod 32`` of word ``p // 32``, the layout 
 static-capacity uint32 buffer sized for the worst case, and ``num_bits`` is the exact length of the stream
 built (an int32 count as in :class:`sidejax.coding.Message`; capacities are limited to
 :data:`MAX_STREAM_BITS` = :math:`2^{28}` bits, which the encoders check). Only the first
-``ceil(num_bits / 32)`` words are sent (:func:`sidejax.coding.bitstream.trim_payload`).
+``ceil(num_bits / 32)`` words are sent (:func:`sidejax.coding.sent_message` cuts a message at the host
+boundary).
 
 Decoding is parallel-friendly. The length of the symbol that would start at *every* bit position is
 computed at once (O(capacity) vectorised work: 32-bit windows and count-leading-zeros, plus the first

@@ -139,7 +139,7 @@ def pseudocoreset_coder(num_points: int, num_classes: int | None) -> Coder:
             )
         n_inputs = dim - k - 1
         expected = fixed_bits(dim)
-        words, ok_len = received_words(message, -(-expected // 32), "pseudocoreset")
+        words, ok_len = received_words(message, -(-expected // 32))
         ok_parse = as_bits(message.num_bits) == expected
         z_msg, label_msg, count_msg = split_message(
             Message(words, as_bits(expected)), (32 * n_inputs, width * k)

@@ -27,7 +27,7 @@ from sidejax.coding.base import (
     failed_checks,
     stateless_coder,
 )
-from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, sent_words, unpack_fixed
+from sidejax.coding.bitstream import mask_to_length, num_words, pack_fixed, unpack_fixed
 from sidejax.coding.lossless import (
     elias_levels_capacity_words,
     elias_levels_decode,
@@ -37,7 +37,6 @@ from sidejax.coding.lossless import (
     mask_encode,
 )
 from sidejax.distributions import dist_dim, is_valid
-from sidejax.utils import is_concrete
 
 __all__ = ["SampleInfo", "fixed_width_coder", "elias_coder", "mask_coder"]
 
@@ -52,10 +51,6 @@ class SampleInfo(NamedTuple):
 
 
 _NAN = np.float32(np.nan)  # (NumPy: importing sidejax must not start JAX's backend, see jax.distributed)
-
-
-def _trim(words, num_bits):
-    return words[: sent_words(num_bits)] if is_concrete(num_bits) else words
 
 
 def _padded(message: Message, capacity: int) -> jax.Array:
@@ -79,7 +74,7 @@ def fixed_width_coder(alphabet: tuple[float, ...]) -> Coder:
         ok = is_valid(q) & jnp.all(table[index] == x)
         words = pack_fixed(index.astype(jnp.uint32), width)
         num_bits = as_bits(width * x.shape[0])
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(ok, _NAN)
+        return Message(words, num_bits), SampleInfo(ok, _NAN)
 
     def decode(shared_key, p, message):
         del shared_key
@@ -118,7 +113,7 @@ def _lossless_sample_coder(name: str, encode_sample, decode_stream, capacity_wor
         del p
         x = q.sample(keys.private)
         words, num_bits, in_alphabet, ideal_bits = encode_sample(x)
-        return Message(_trim(words, num_bits), num_bits), SampleInfo(is_valid(q) & in_alphabet, ideal_bits)
+        return Message(words, num_bits), SampleInfo(is_valid(q) & in_alphabet, ideal_bits)
 
     def decode(shared_key, p, message):
         del shared_key

@@ -31,7 +31,15 @@ from sidejax.algorithms.bicompfl import (
     fixed_rates,
     split_groups,
 )
-from sidejax.coding import ERR_CRC, KLMSConfig, klms_coder, klms_init, mask_coder, with_side_info
+from sidejax.coding import (
+    ERR_CRC,
+    KLMSConfig,
+    check_decoded,
+    klms_coder,
+    klms_init,
+    mask_coder,
+    with_side_info,
+)
 from sidejax.distributions import Bernoulli
 from sidejax.fl import LocalTraining, run_rounds
 from sidejax.keys import client_keys
@@ -309,7 +317,8 @@ def test_a_splitdl_group_codes_only_its_own_coordinates():
     assert int(a[2]) == 0
 
 
-def test_host_decode_raises_on_a_mismatched_prior_or_a_partition_for_another_model():
+def test_the_host_boundary_raises_on_a_mismatched_prior_or_a_partition_for_another_model():
+
     coder = klms_coder(CRC)
     d = 40
     state = klms_init(d, CRC)
@@ -319,8 +328,12 @@ def test_host_decode_raises_on_a_mismatched_prior_or_a_partition_for_another_mod
     cap = CRC.capacity_words(d)
     samples, _, errors = decode_samples(coder, keys.shared, p, state, msg, 1, cap)
     assert int(errors) == 0 and samples.shape == (1, d)
-    with pytest.raises(ValueError, match="prior differs from the sender's"):
-        decode_samples(coder, keys.shared, Bernoulli(jnp.full(d, 0.41)), state, msg, 1, cap)
+    # decode_samples flags (never raises on the stream, eagerly as in jit); check_decoded raises on the flag
+    _, _, off = decode_samples(coder, keys.shared, Bernoulli(jnp.full(d, 0.41)), state, msg, 1, cap)
+    with pytest.raises(
+        ValueError, match="invalid stream of importance samples: .*prior differs from the sender's"
+    ):
+        check_decoded(off, "stream of importance samples")
     with pytest.raises(ValueError, match="blocks were built for"):  # a block allocation for another model
         decode_samples(coder, keys.shared, p, klms_init(d + 1, CRC), msg, 1, cap)
 

@@ -13,7 +13,7 @@ from helpers import SMALL_KLMS, klms_uplink_bits_per_coordinate
 
 from sidejax.algorithms import qsgd, qsgd_dequantize, qsgd_elias_bound_bits, qsgd_law, qsgd_quantize
 from sidejax.algorithms.qsgd import initial_symbol_prior, symbol_prior
-from sidejax.coding import elias_coder, klms_coder, with_side_info
+from sidejax.coding import elias_coder, klms_coder, sent_message, with_side_info
 from sidejax.distributions import StochasticLevels, Ternary
 from sidejax.fl import LocalTraining
 from sidejax.keys import client_keys
@@ -77,7 +77,9 @@ def test_qsgd_message_length_by_hand():
     state = coder.init(layout.dim)
     msg, info = coder.encode(keys, (StochasticLevels(levels), norms), None, state)  # integer levels: exact
     assert bool(info.valid) and float(msg.num_bits) == expected
-    assert msg.payload.shape == (-(-expected // 32),)  # outside jit: exactly the words sent
+    assert msg.payload.shape == (coder.capacity_words(layout.dim),)  # the capacity buffer, as in jit
+    msg = sent_message(msg)  # the host boundary: exactly the words sent
+    assert msg.payload.shape == (-(-expected // 32),)
     p = Ternary(jnp.full((layout.dim, 3), 1 / 3))  # the receiver's p (the decoder reads the length from it)
     (got, got_norms), decoded = coder.decode(keys.shared, p, state, msg)
     assert bool(decoded.valid) and int(decoded.errors) == 0

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sidejax.bayes.inference import DivergenceWarning, hmc, sgld
+from sidejax.bayes.inference import DivergenceWarning, check_divergences, hmc, sgld
 
 MU = np.array([1.0, -2.0, 0.5])
 SD = np.array([0.5, 1.0, 2.0])
@@ -75,12 +75,19 @@ def test_energy_error_is_second_order_and_acceptance_tends_to_one():
 
 
 def test_divergences_are_reported_not_silent():
-    with pytest.warns(DivergenceWarning, match=r"transitions diverged.*lower step_size"):
-        out = _gaussian_hmc(0, 50.0, 10, 1.0, 5, 10)
+    def run(step_size, num_integration_steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DivergenceWarning)  # hmc counts, the host boundary warns
+            return _gaussian_hmc(0, step_size, num_integration_steps, 1.0, 5, 10)
+
+    out = run(50.0, 10)
     assert int(out.num_divergent) == 15 and bool(np.all(out.divergent))
+    with pytest.warns(DivergenceWarning, match=r"15 of 15 transitions diverged.*lower step_size"):
+        assert check_divergences(out) is out
+    good = run(0.2, 7)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DivergenceWarning)  # a good step size: no warning
-        _gaussian_hmc(0, 0.2, 7, 1.0, 5, 10)
+        check_divergences(good)
 
 
 def test_sgld_reaches_its_discretised_stationary_law_and_minibatches_are_unbiased():

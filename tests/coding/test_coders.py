@@ -4,8 +4,9 @@ For each coder, on a fixed (q, p) pair:
 
 1. decode reproduces the encoder's choice bit for bit (against an oracle of what the encoder chose:
    the private-key sample for sample-then-code coders, the selected candidates for KLMS);
-2. ``num_bits`` is the stream's length: outside jit the payload is exactly ``ceil(num_bits / 32)`` words,
-   no bit past ``num_bits`` is set, and the same stream one bit shorter does not decode cleanly;
+2. ``num_bits`` is the stream's length: the host boundary (:func:`sidejax.coding.sent_message`) cuts the
+   payload to exactly ``ceil(num_bits / 32)`` words, no bit past ``num_bits`` is set, that message decodes
+   as the capacity buffer does, and the same stream one bit shorter does not decode cleanly;
 3. every output is finite;
 4. a second call with other keys and values does not recompile (encode and decode);
 5. ``decode``'s signature is ``(shared_key, p, state, message)``: it cannot see ``q`` or the private key;
@@ -17,6 +18,8 @@ For each coder, on a fixed (q, p) pair:
 8. ``live_prefix``: a coder that declares one codes the first ``live`` (traced) coordinates of a static
    buffer as it codes those coordinates alone; every other coder is refused by ``check_live_prefix``,
    which names the argument.
+9. one behaviour: ``encode``, ``decode`` and ``downlink`` give the same outputs (shapes, dtypes, values)
+   outside ``jit`` as inside it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from sidejax.coding import (
     pack_pseudocoreset,
     pseudocoreset_coder,
     scaled_sign_coder,
+    sent_message,
     sent_words,
     with_crc,
     with_side_info,
@@ -323,19 +327,65 @@ def test_decode_reproduces_the_encoders_choice(case):
 
 def test_num_bits_is_the_stream_length(case):
     _, coder, make, _, state, encode, decode = case
-    keys, q, p, message, _ = _encoded(case, 1, coder.encode)  # outside jit: exactly the words sent
+    keys, q, p, message, _ = _encoded(case, 1)
     nb = float(message.num_bits)
     assert nb > 0 and nb == int(nb)
-    words = np.asarray(message.payload)
+    sent = sent_message(message)  # the host boundary: exactly the words sent (raises on set bits past nb)
+    words = np.asarray(sent.payload)
     assert words.dtype == np.uint32 and words.shape == (sent_words(nb),)
+    np.testing.assert_array_equal(words, np.asarray(message.payload)[: words.shape[0]])
     tail = int(nb) % 32
     if tail:
         assert int(words[-1]) >> tail == 0, "bits past num_bits are set"
+    # the receiver decodes the exact words sent as it decodes the capacity buffer
+    assert tree_equal(decode(keys.shared, p, state, sent), decode(keys.shared, p, state, message))
     # the same stream one bit shorter is not a clean message (fixed-width fields no longer add up, a
     # variable-length code ends mid-codeword, or a set bit falls past the end)
     short = message._replace(num_bits=jnp.float32(nb - 1))
     _, decoded = decode(keys.shared, p, state, short)
     assert int(decoded.errors) != 0
+
+
+def _leaves(tree):
+    return [(np.shape(a), np.asarray(a).dtype, np.asarray(a)) for a in jax.tree.leaves(tree)]
+
+
+def test_same_outputs_inside_and_outside_jit(case):
+    """One behaviour (issue 28): ``encode``, ``decode`` and ``downlink`` called eagerly return what the
+    jitted functions return, shapes included (the capacity buffer in both modes, no raising on a stream's
+    flags in either). Values agree bit for bit, floats to 4 ulp (another fusion may round differently; so
+    may the float32 scale the scaled-sign stream carries in its first word, a mean of ``|v|``)."""
+    name, coder, make, _, state, encode, decode = case
+    q, p = make(6)
+    keys = _keys(6)
+    eager = coder.encode(keys, q, p, state)
+    jitted = encode(keys, q, p, state)
+    # a stream one bit short: an invalid report, returned (not raised) in both modes
+    short = eager[0]._replace(num_bits=eager[0].num_bits - 1)
+    pairs = [
+        (eager, jitted),
+        (coder.decode(keys.shared, p, state, eager[0]), decode(keys.shared, p, state, jitted[0])),
+        (coder.decode(keys.shared, p, state, short), decode(keys.shared, p, state, short)),
+        (coder.downlink(state), jax.jit(coder.downlink)(state)),
+    ]
+    assert int(pairs[2][0][1].errors) != 0
+    if name == "scaled-sign":  # the scale word as a float, the sign bits exactly
+        (msg, info), (jmsg, jinfo) = pairs[0]
+        as_float = lambda m: np.asarray(m.payload[:1]).view(np.float32)
+        np.testing.assert_array_max_ulp(as_float(msg), as_float(jmsg), maxulp=4)
+        pairs[0] = (
+            (msg._replace(payload=msg.payload[1:]), info),
+            (jmsg._replace(payload=jmsg.payload[1:]), jinfo),
+        )
+    for got, want in pairs:
+        got, want = _leaves(got), _leaves(want)
+        assert [(s, d) for s, d, _ in got] == [(s, d) for s, d, _ in want]
+        for (_, dtype, a), (_, _, b) in zip(got, want, strict=True):
+            if np.issubdtype(dtype, np.floating):
+                assert np.array_equal(np.isnan(a), np.isnan(b))
+                np.testing.assert_array_max_ulp(np.nan_to_num(a), np.nan_to_num(b), maxulp=4)
+            else:
+                np.testing.assert_array_equal(a, b)
 
 
 def test_a_withheld_message_decodes_invalid(case):

@@ -14,7 +14,15 @@ import pytest
 from helpers import cond_branch_counts, tree_equal
 
 from sidejax.blocks import block_sizes, block_sums, blocks_from_starts, kl_blocks
-from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PRIOR, Message, stream_errors
+from sidejax.coding.base import (
+    ERR_CRC,
+    ERR_LENGTH,
+    ERR_PRIOR,
+    Message,
+    check_decoded,
+    sent_message,
+    stream_errors,
+)
 from sidejax.coding.importance import importance_decode, importance_encode
 from sidejax.coding.klms import (
     KLMSClientInfo,
@@ -100,9 +108,10 @@ def test_corrupted_stream_is_flagged():
     assert not bool(dec2.valid)
 
 
-def test_a_truncated_payload_is_invalid_in_jit_and_raises_on_the_host():
+def test_a_truncated_payload_is_invalid_and_raises_at_the_host_boundary():
     """Regression (issue 12): a payload one word shorter than num_bits claims read the missing word as zeros
-    and decoded valid=True (here 21 of 1000 coordinates wrong; fixed mode, 300 bits in 10 words)."""
+    and decoded valid=True (here 21 of 1000 coordinates wrong; fixed mode, 300 bits in 10 words). The
+    decoder flags it, eagerly as in jit; the host boundary (check_decoded, sent_message) raises."""
     state = klms_init(D, FIXED)
     msg, _ = encode(KEYS, Q, P, state, FIXED)
     assert msg.payload.shape == (10,) and float(msg.num_bits) == 300
@@ -113,36 +122,43 @@ def test_a_truncated_payload_is_invalid_in_jit_and_raises_on_the_host():
     assert bool(dec.valid) and int(dec.errors) == 0
     assert not bool(dec_short.valid) and int(dec_short.errors) & ERR_LENGTH
     assert np.sum(np.asarray(y) != np.asarray(y_short)) > 0  # what the old code returned as valid
-    with pytest.raises(ValueError, match="payload has 9 words but num_bits=300 means .* 10 words"):
-        klms_decode(KEYS.shared, P, state, short, FIXED)
-    # a longer buffer with set bits past num_bits is a length mismatch too (in jit), and too long on the host
+    host = klms_decode(KEYS.shared, P, state, short, FIXED)[1]
+    assert tree_equal(host, dec_short)  # no raising outside jit: the same flags
+    with pytest.raises(ValueError, match="invalid KLMS stream: the payload is shorter than num_bits claims"):
+        check_decoded(host, "KLMS stream")
+    with pytest.raises(ValueError, match="payload has 9 words but num_bits=300 needs .* 10: .* truncated"):
+        sent_message(short)
+    # a longer buffer with set bits past num_bits is a length mismatch too; the boundary refuses to send it
     padded = Message(jnp.concatenate([msg.payload, jnp.ones(1, jnp.uint32)]), msg.num_bits)
     assert not bool(dec_jit(padded)[1].valid)
-    with pytest.raises(ValueError, match="too long"):
-        klms_decode(KEYS.shared, P, state, padded, FIXED)
+    assert not bool(klms_decode(KEYS.shared, P, state, padded, FIXED)[1].valid)
+    with pytest.raises(ValueError, match="set bits past num_bits=300"):
+        sent_message(padded)
 
 
 @pytest.mark.parametrize("update", [True, False])
 def test_the_host_decodes_the_exact_length_message(update):
     """Regression (issue 12): adaptive decode demanded the whole capacity buffer (the update round raised
-    'truncated bitstream' on the ceil(num_bits / 32) words actually sent). Outside jit the encoder returns
-    exactly the sent words and the decoder takes exactly those; a capacity buffer is a length mismatch."""
+    'truncated bitstream' on the ceil(num_bits / 32) words actually sent). The host boundary
+    (sent_message) cuts the encoder's capacity buffer to exactly the sent words, and the decoder takes
+    those as it takes the buffer, outside jit as inside."""
     state = klms_init(D, CFG)._replace(update=jnp.asarray(update))
     msg_jit, _, y_jit, dec_jit, _ = _roundtrip(state)
     n = -(-int(msg_jit.num_bits) // 32)
     assert msg_jit.payload.shape[0] > n  # the jitted encoder's capacity buffer
     np.testing.assert_array_equal(np.asarray(msg_jit.payload[n:]), 0)
-    exact = Message(msg_jit.payload[:n], msg_jit.num_bits)
-    y, dec = klms_decode(KEYS.shared, P, state, exact, CFG)
-    assert bool(dec.valid) and int(dec.num_blocks) == int(dec_jit.num_blocks)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_jit))  # Bernoulli samples: exact 0/1
-    # the eager encoder is another compiled program (its index choices may differ where two candidates'
-    # log-weights tie to rounding), so only its shape contract is compared: exactly the sent words
+    exact = sent_message(msg_jit)
+    np.testing.assert_array_equal(np.asarray(exact.payload), np.asarray(msg_jit.payload[:n]))
+    for sent in (exact, msg_jit):  # the words sent or the capacity buffer: the same decoding
+        y, dec = klms_decode(KEYS.shared, P, state, sent, CFG)
+        assert bool(dec.valid) and int(dec.num_blocks) == int(dec_jit.num_blocks)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y_jit))  # Bernoulli samples: exact 0/1
+    # the eager encoder returns the capacity buffer too (the same shape as in jit), cut at the boundary
     host_msg, _ = klms_encode(KEYS, Q, P, state, CFG)
-    assert host_msg.payload.shape == (-(-int(host_msg.num_bits) // 32),)
-    assert bool(klms_decode(KEYS.shared, P, state, host_msg, CFG)[1].valid)
-    with pytest.raises(ValueError, match="length mismatch"):
-        klms_decode(KEYS.shared, P, state, msg_jit, CFG)
+    assert host_msg.payload.shape == msg_jit.payload.shape
+    host_sent = sent_message(host_msg)
+    assert host_sent.payload.shape == (-(-int(host_msg.num_bits) // 32),)
+    assert bool(klms_decode(KEYS.shared, P, state, host_sent, CFG)[1].valid)
 
 
 def test_bad_inputs_in_jit_are_flagged_and_wrong_dimensions_raise():
@@ -189,17 +205,16 @@ def test_crc_detects_flipped_bits_and_a_wrong_key_which_otherwise_decode_silentl
     assert bool(ok_c) and np.array_equal(np.asarray(y_c), np.asarray(y))  # the checksum changes no sample
     assert not bool(ok_cflip) and int(e_flip) == ERR_CRC
     assert not bool(ok_ckey) and int(e_key) == ERR_CRC
-    # the host API raises on the exact-length message
-    n = -(-int(crc_msg.num_bits) // 32)
-    exact = Message(crc_msg.payload[:n], crc_msg.num_bits)
-    assert bool(klms_decode(KEYS.shared, P, state, exact, CRC_CFG)[1].valid)
+    # the host boundary raises on the exact-length message's flags
+    exact = sent_message(crc_msg)
+    assert bool(check_decoded(klms_decode(KEYS.shared, P, state, exact, CRC_CFG)[1]).valid)
     with pytest.raises(ValueError, match="CRC-32 mismatch"):
-        klms_decode(other, P, state, exact, CRC_CFG)
+        check_decoded(klms_decode(other, P, state, exact, CRC_CFG)[1])
     # a receiver whose prior differs from the sender's in one coordinate (by one ulp) is caught too
     # (BICompFL: the parties' priors out of sync); without the checksum it decodes silently
     p_off = Bernoulli(P.probs.at[7].set(jnp.nextafter(P.probs[7], 1.0)))
     with pytest.raises(ValueError, match="prior differs from the sender's"):
-        klms_decode(KEYS.shared, p_off, state, exact, CRC_CFG)
+        check_decoded(klms_decode(KEYS.shared, p_off, state, exact, CRC_CFG)[1])
 
 
 def test_gaussian_decode_is_the_same_computation_in_jit_eager_and_vmap():
@@ -214,8 +229,7 @@ def test_gaussian_decode_is_the_same_computation_in_jit_eager_and_vmap():
     state = klms_init(D, cfg)
     msg, _ = jax.jit(lambda s, q, p: klms_encode(KEYS, q, p, s, cfg))(state, q, p)
     y_jit, _ = jax.jit(lambda m, p: klms_decode(KEYS.shared, p, state, m, cfg))(msg, p)
-    n = -(-int(msg.num_bits) // 32)
-    y_eager, _ = klms_decode(KEYS.shared, p, state, Message(msg.payload[:n], msg.num_bits), cfg)
+    y_eager, _ = klms_decode(KEYS.shared, p, state, sent_message(msg), cfg)
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), msg)
     y_vmap, _ = jax.jit(jax.vmap(lambda m, p: klms_decode(KEYS.shared, p, state, m, cfg), (0, None)))(
         stacked, p
@@ -331,14 +345,15 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
     After an update round it is the update flag and the new partition's block lengths minus one,
     1 + M log2(max_block_size) bits, and a client that knew only the old partition rebuilds exactly the
     server's new state; in the other rounds it is the 1-bit flag and the client keeps its partition. The
-    host message is exactly the words sent; the jitted one a capacity buffer that decodes the same."""
+    downlink is a capacity buffer in and out of jit; the host boundary's cut (sent_message) decodes the
+    same."""
     state = klms_init(D, CFG)
     dec = _roundtrip(state).dec
     new, _ = server_update(state, jax.tree.map(lambda a: jnp.stack([a, a]), dec), CFG)
     assert bool(new.changed) and not bool(new.update)
     assert int(new.blocks.num_blocks) != int(state.blocks.num_blocks)  # a new partition to send
     M, L = int(new.blocks.num_blocks), CFG.length_bits
-    host = klms_downlink(new, CFG)
+    host = sent_message(klms_downlink(new, CFG))
     downlink = jax.jit(lambda s: klms_downlink(s, CFG))
     jitted = downlink(new)
     n = -(-(1 + M * L) // 32)
@@ -362,7 +377,7 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
     for stat, fires in ((1.0, False), (4.5, True)):
         nxt, _ = server_update(new, _decoded(starts, nums, stat), CFG)
         assert bool(nxt.update) == fires and not bool(nxt.changed)
-        down = klms_downlink(nxt, CFG)
+        down = sent_message(klms_downlink(nxt, CFG))
         assert float(down.num_bits) == 1 and down.payload.shape == (1,)
         assert _stream_bits(down.payload).tolist() == [int(fires)] + [0] * 31
         assert tree_equal(receive(client, down), nxt)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import cond_branch_counts, tree_equal
 
-from sidejax.coding import concat_stacked, split_stacked
+from sidejax.coding import check_decoded, concat_stacked, sent_message, split_stacked
 from sidejax.coding.base import ERR_CRC, ERR_LENGTH, ERR_PARSE, ERR_PRIOR, Message
 from sidejax.coding.importance import candidate_uniforms, candidates
 from sidejax.coding.klms_avg import (
@@ -163,15 +163,17 @@ def test_round_trip_and_the_exact_stream_layout(cfg, update):
     else:
         assert int(dec.proposal) == b  # no proposal: the round's size
     assert not bits[int(expected) :].any()
-    if cfg.crc32 and update:  # outside jit (once: eager encoding is slow): exactly the words sent
+    if cfg.crc32 and update:  # outside jit (once: eager encoding is slow): the buffer, cut at the boundary
         host, _ = klms_avg_encode(KEYS, Q, P, state, cfg)
+        assert host.payload.shape == msg.payload.shape
+        host = sent_message(host)
         assert host.payload.shape == (-(-expected // 32),) and float(host.num_bits) == expected
         y_host, dec_host = klms_avg_decode(KEYS.shared, P, state, host, cfg)
         assert bool(dec_host.valid)
         np.testing.assert_array_equal(np.asarray(y_host), want)
 
 
-def test_a_malformed_stream_is_flagged_in_jit_and_raises_on_the_host():
+def test_a_malformed_stream_is_flagged_and_raises_at_the_host_boundary():
     state = klms_avg_init(D, CRC_CFG)
     msg, _ = encode(KEYS, Q, P, state, config=CRC_CFG)
     nb = int(msg.num_bits)
@@ -190,33 +192,37 @@ def test_a_malformed_stream_is_flagged_in_jit_and_raises_on_the_host():
     assert errors(Message(flipped, msg.num_bits)) == ERR_CRC
     assert errors(msg, key=client_keys(round_key(jax.random.key(7), 0), 4).shared) == ERR_CRC
     assert errors(msg, p=jax.tree.map(lambda a: a.at[5].set(jnp.nan), P)) & ERR_PRIOR
-    # the host API: exactly the words sent, and no invalid stream passes silently
-    exact = Message(msg.payload[:n], msg.num_bits)
-    assert bool(klms_avg_decode(KEYS.shared, P, state, exact, CRC_CFG)[1].valid)
-    with pytest.raises(ValueError, match=f"payload has {n - 1} words but num_bits={nb} means .* {n} words"):
-        klms_avg_decode(KEYS.shared, P, state, Message(msg.payload[: n - 1], msg.num_bits), CRC_CFG)
-    with pytest.raises(ValueError, match="too long"):
-        klms_avg_decode(KEYS.shared, P, state, msg, CRC_CFG)  # the capacity buffer
+    # the host boundary: exactly the words sent (decoded as the capacity buffer is, eagerly as in jit), and
+    # no invalid stream passes silently
+    exact = sent_message(msg)
+    assert exact.payload.shape == (n,)
+    for m in (exact, msg):
+        assert bool(check_decoded(klms_avg_decode(KEYS.shared, P, state, m, CRC_CFG)[1]).valid)
+    truncated = Message(msg.payload[: n - 1], msg.num_bits)
+    assert errors(truncated) == int(klms_avg_decode(KEYS.shared, P, state, truncated, CRC_CFG)[1].errors)
+    with pytest.raises(ValueError, match="invalid KLMS-Avg stream: the payload is shorter than num_bits"):
+        check_decoded(klms_avg_decode(KEYS.shared, P, state, truncated, CRC_CFG)[1], "KLMS-Avg stream")
     with pytest.raises(ValueError, match="CRC-32 mismatch"):
-        klms_avg_decode(KEYS.shared, P, state, Message(flipped[:n], msg.num_bits), CRC_CFG)
+        check_decoded(klms_avg_decode(KEYS.shared, P, state, Message(flipped[:n], msg.num_bits), CRC_CFG)[1])
 
 
-def test_states_and_distributions_that_do_not_match_raise():
+def test_states_and_distributions_that_do_not_match_raise_or_are_flagged():
     state = klms_avg_init(D, CFG)
-    q2, p2 = Bernoulli(jnp.full(D + 1, 0.3)), Bernoulli(jnp.full(D + 1, 0.5))
-    with pytest.raises(ValueError, match=f"{D + 1} coordinates but the KLMS-Avg state was built for dim={D}"):
-        klms_avg_encode(KEYS, q2, p2, state, CFG)
-    with pytest.raises(ValueError, match="p has 1000 coordinates"):
+    q2 = Bernoulli(jnp.full(D + 1, 0.3))
+    with pytest.raises(ValueError, match="p has 1000 coordinates"):  # static shapes: raised
         klms_avg_encode(KEYS, q2, P, state, CFG)
-    with pytest.raises(ValueError, match="state.block_size must be in 1..max_block_size=64, got 65"):
-        klms_avg_encode(KEYS, Q, P, state._replace(block_size=jnp.int32(65)), CFG)
     with pytest.raises(ValueError, match="dim must be an int >= 1"):
         klms_avg_init(0, CFG)
-    # inside jit a state built for another vector cannot raise: the client's info and the decoder flag it
-    other = klms_avg_init(D + 1, CFG)
-    msg, info = encode(KEYS, Q, P, other, config=CFG)
-    assert not bool(info.valid)
-    assert int(decode(KEYS.shared, P, other, msg, config=CFG)[1].errors) & ERR_PARSE
+    # the state's values (a size out of range, a state built for another vector) are flagged, the same
+    # inside jit and outside it: the client's info and the decoder report them (check_decoded raises)
+    for bad in (state._replace(block_size=jnp.int32(65)), klms_avg_init(D + 1, CFG)):
+        msg, info = encode(KEYS, Q, P, bad, config=CFG)
+        assert not bool(info.valid)
+        decoded = decode(KEYS.shared, P, bad, msg, config=CFG)[1]
+        assert int(decoded.errors) & ERR_PARSE
+        assert tree_equal(klms_avg_decode(KEYS.shared, P, bad, msg, CFG)[1], decoded)
+        with pytest.raises(ValueError, match="fields read do not add up"):
+            check_decoded(decoded)
 
 
 # ----------------------------------------------------------------------------------------------------
