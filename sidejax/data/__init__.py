@@ -11,66 +11,18 @@
   per-client index table, ready for ``jax.vmap`` over clients.
 """
 
-from sidejax.data.builtin import (
-    INTERVALS,
-    IntervalRegression,
-    interval_regression,
-    interval_regression_test,
-    interval_target,
-)
-from sidejax.data.datasets import (
-    DATASETS,
-    EMNIST_SUBSETS,
-    Dataset,
-    dataset_available,
-    load_dataset,
-    read_idx,
-    synthetic_regression,
-)
-from sidejax.data.federated import (
-    FederatedData,
-    class_counts,
-    client_sizes,
-    make_federated_data,
-    max_examples,
-    num_clients,
-)
-from sidejax.data.partition import (
-    PARTITION_KINDS,
-    dirichlet_partition,
-    fixed_size_partition,
-    iid_partition,
-    klms_noniid_partition,
-    label_shard_partition,
-    label_split_train_test,
-    partition,
-)
+from sidejax.data import builtin, datasets, federated
+from sidejax.data import partition as _partition_module  # the name ``partition`` is its function
+from sidejax.data.builtin import *
+from sidejax.data.datasets import *
+from sidejax.data.federated import *
+from sidejax.data.partition import *
 
+# every submodule's public names (its __all__), declared once there; datasets re-exports builtin's
+# synthetic_regression (a name listed twice is imported once)
 __all__ = [
-    "DATASETS",
-    "EMNIST_SUBSETS",
-    "INTERVALS",
-    "IntervalRegression",
-    "PARTITION_KINDS",
-    "Dataset",
-    "FederatedData",
-    "class_counts",
-    "client_sizes",
-    "dataset_available",
-    "dirichlet_partition",
-    "fixed_size_partition",
-    "iid_partition",
-    "interval_regression",
-    "interval_regression_test",
-    "interval_target",
-    "klms_noniid_partition",
-    "label_shard_partition",
-    "label_split_train_test",
-    "load_dataset",
-    "make_federated_data",
-    "max_examples",
-    "num_clients",
-    "partition",
-    "read_idx",
-    "synthetic_regression",
+    *builtin.__all__,
+    *datasets.__all__,
+    *federated.__all__,
+    *_partition_module.__all__,
 ]

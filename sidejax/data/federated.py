@@ -150,47 +150,20 @@ def _check_fd(fd: Any) -> FederatedData:
 
 
 def num_clients(fd: FederatedData) -> int:
-    """Number of clients of a :class:`FederatedData`.
-
-    Args:
-        fd: The federated dataset.
-
-    Returns:
-        ``client_indices.shape[0]``.
-
-    Raises:
-        ValueError: If ``fd`` is not a :class:`FederatedData`.
-    """
+    """Number of clients of ``fd``, ``client_indices.shape[0]`` (``ValueError`` if ``fd`` is not a
+    :class:`FederatedData`)."""
     return int(_check_fd(fd).client_indices.shape[0])
 
 
 def max_examples(fd: FederatedData) -> int:
-    """Padded row length of the client index table (the largest client's size).
-
-    Args:
-        fd: The federated dataset.
-
-    Returns:
-        ``client_indices.shape[1]``.
-
-    Raises:
-        ValueError: If ``fd`` is not a :class:`FederatedData`.
-    """
+    """Padded row length of ``fd``'s client index table (the largest client's size),
+    ``client_indices.shape[1]`` (``ValueError`` if ``fd`` is not a :class:`FederatedData`)."""
     return int(_check_fd(fd).client_indices.shape[1])
 
 
 def client_sizes(fd: FederatedData) -> np.ndarray:
-    """Number of examples of every client, as a host array.
-
-    Args:
-        fd: The federated dataset.
-
-    Returns:
-        ``int64 [num_clients]`` numpy array.
-
-    Raises:
-        ValueError: If ``fd`` is not a :class:`FederatedData`.
-    """
+    """Number of examples of every client of ``fd``, as a host ``int64 [num_clients]`` numpy array
+    (``ValueError`` if ``fd`` is not a :class:`FederatedData`)."""
     return np.asarray(_check_fd(fd).num_examples).astype(np.int64)
 
 

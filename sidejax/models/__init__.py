@@ -6,31 +6,19 @@ Every model is a :class:`Classifier`: it maps ``[batch, *input_shape]`` to
 and :func:`count_params` to count it.
 """
 
-from sidejax.models.classifier import Classifier
-from sidejax.models.cnn import CEPAMCNN, BPCFLConvNet, Conv4, Conv6, KLMSLeNet, LeNet5
-from sidejax.models.mlp import MLP, MoonsMLP, RegressionMLP
-from sidejax.models.registry import ALIASES, MODELS, ModelSpec, count_params, get_model, init_params
-from sidejax.models.resnet import NORMS, BasicBlock, BatchStatNorm, ResNet18
+from sidejax.models import classifier, cnn, mlp, registry, resnet
+from sidejax.models.classifier import *
+from sidejax.models.cnn import *
+from sidejax.models.mlp import *
+from sidejax.models.registry import *
+from sidejax.models.resnet import *
 
+# every model module's public names (its __all__), declared once there; the convolution they share
+# (sidejax.models.conv, with its CPU-backend switches) stays in its module
 __all__ = [
-    "ALIASES",
-    "BPCFLConvNet",
-    "BasicBlock",
-    "BatchStatNorm",
-    "CEPAMCNN",
-    "Classifier",
-    "Conv4",
-    "Conv6",
-    "KLMSLeNet",
-    "LeNet5",
-    "MLP",
-    "MODELS",
-    "ModelSpec",
-    "MoonsMLP",
-    "NORMS",
-    "RegressionMLP",
-    "ResNet18",
-    "count_params",
-    "get_model",
-    "init_params",
+    *classifier.__all__,
+    *cnn.__all__,
+    *mlp.__all__,
+    *registry.__all__,
+    *resnet.__all__,
 ]
