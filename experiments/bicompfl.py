@@ -232,12 +232,9 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
     return draw_figure(path, draw, xlabel=xlabel, ylabel="test accuracy (%)", title=title, xlog=True)
 
 
-SUITE = Suite(
-    name="bicompfl",
-    title=__doc__.split("\n")[0],
-    settings=SETTINGS,
+SUITE = Suite.of_module(
+    globals(),
     variants=VARIANTS,
-    config=suite_config,
     columns=(
         "method | acc (%):.2f | last-5 acc (%):.2f | bpp:.4g | bpp (BC):.4g | uplink:.4g | "
         "downlink:.4g | rounds | run"

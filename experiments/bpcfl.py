@@ -317,12 +317,9 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
     )
 
 
-SUITE = Suite(
-    name="bpcfl",
-    title=__doc__.split("\n")[0] + " " + __doc__.split("\n")[1],
-    settings=SETTINGS,
+SUITE = Suite.of_module(
+    globals(),
     variants=METHODS,
-    config=suite_config,
     columns=(
         "method | NLL:.3f | acc (%):.2f | ECE:.3f | uplink floats:.4g | total floats:.4g | "
         "floats to NLL:.3g | floats to acc:.3g | seeds | runs"

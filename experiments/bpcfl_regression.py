@@ -715,12 +715,10 @@ def _figures(runs, directory: Path) -> list[Path]:
     return [plot(folder, report) for folder, report in folders.items()]
 
 
-SUITE = Suite(
-    name="bpcfl_regression",
+SUITE = Suite.of_module(
+    globals(),
     title="BPC-FL's 1-D synthetic regression (paper Fig. 2) against FedAvg and one-shot FedAvg",
-    settings=SETTINGS,
     variants=VARIANTS,
-    config=suite_config,
     columns=(
         "method | sigma:.3g | RMSE:.4f | NLL:.4g | NLL at data noise:.4g | "
         "epistemic std inside:.3g | epistemic std gaps:.3g | uplink floats:.6g | total floats:.6g | "

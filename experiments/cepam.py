@@ -179,12 +179,9 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
     return draw_figure(path, draw, xlabel="round", ylabel="test accuracy (%)", title=title)
 
 
-SUITE = Suite(
-    name="cepam",
-    title=__doc__.split("\n")[0],
-    settings=SETTINGS,
+SUITE = Suite.of_module(
+    globals(),
     variants=SCHEMES,
-    config=suite_config,
     columns=(
         "scheme | acc (%):.2f | final acc (%):.2f | epsilon:.6g | delta:.4g | vacuous | "
         "uplink bpp:.4g | ideal bpp:.4g | rounds | run"

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from experiments.sections import Section, choice, fills
+from experiments.sections import Section, by_name, choice, fills
 from sidejax.coding import (
     Coder,
     GaussianNoise,
@@ -334,19 +334,16 @@ class SDQCoderConfig(CoderConfig):
 
 
 #: the coder configs by ``[coder] name``
-CODERS: dict[str, type[CoderConfig]] = {
-    c.name: c
-    for c in (
-        KLMSCoderConfig,
-        Float32CoderConfig,
-        SignsCoderConfig,
-        EliasCoderConfig,
-        MaskCoderConfig,
-        KLMSAvgCoderConfig,
-        ScaledSignCoderConfig,
-        LRSUQCoderConfig,
-        NoiseCoderConfig,
-        SDQCoderConfig,
-        PseudocoresetCoderConfig,
-    )
-}
+CODERS: dict[str, type[CoderConfig]] = by_name(
+    KLMSCoderConfig,
+    Float32CoderConfig,
+    SignsCoderConfig,
+    EliasCoderConfig,
+    MaskCoderConfig,
+    KLMSAvgCoderConfig,
+    ScaledSignCoderConfig,
+    LRSUQCoderConfig,
+    NoiseCoderConfig,
+    SDQCoderConfig,
+    PseudocoresetCoderConfig,
+)

@@ -194,12 +194,9 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
     return draw_figure(path, draw, xlabel="round", ylabel="accuracy (%)", title=title, wide=True)
 
 
-SUITE = Suite(
-    name="coreset_pfedbayes",
-    title=__doc__.split("\n")[0],
-    settings=SETTINGS,
+SUITE = Suite.of_module(
+    globals(),
     variants=METHODS,
-    config=suite_config,
     columns=(
         "method | personal acc (%):.2f | final personal (%):.2f | global acc (%):.2f | "
         "final global (%):.2f | rounds to 99%:.0f | uplink floats / client / round:.0f | seeds | "

@@ -21,7 +21,7 @@ import optax
 
 import sidejax.algorithms
 from experiments.coders import CODERS, CoderConfig, MechanismConfig
-from experiments.sections import Section, choice, fills
+from experiments.sections import Section, by_name, choice, fills
 from sidejax.algorithms import (
     BPCFLSettings,
     FedPASettings,
@@ -877,27 +877,24 @@ class BPCFLConfig(MethodConfig):
 
 
 #: the method configs by ``[method] name``
-METHODS: dict[str, type[MethodConfig]] = {
-    m.name: m
-    for m in (
-        FedAvgConfig,
-        FedPMConfig,
-        QSGDConfig,
-        SignSGDConfig,
-        QLSDConfig,
-        SGLDConfig,
-        BICompFLGRConfig,
-        BICompFLReconstConfig,
-        BICompFLPRConfig,
-        *ERROR_FEEDBACK_METHODS,
-        CepamConfig,
-        PFedBayesConfig,
-        PFedBayesSubsetConfig,
-        CoresetPFedBayesConfig,
-        FedPAConfig,
-        BPCFLConfig,
-    )
-}
+METHODS: dict[str, type[MethodConfig]] = by_name(
+    FedAvgConfig,
+    FedPMConfig,
+    QSGDConfig,
+    SignSGDConfig,
+    QLSDConfig,
+    SGLDConfig,
+    BICompFLGRConfig,
+    BICompFLReconstConfig,
+    BICompFLPRConfig,
+    *ERROR_FEEDBACK_METHODS,
+    CepamConfig,
+    PFedBayesConfig,
+    PFedBayesSubsetConfig,
+    CoresetPFedBayesConfig,
+    FedPAConfig,
+    BPCFLConfig,
+)
 
 #: the algorithm names of the results tables and plots: (method, coder) pairs
 SHORTCUTS: dict[str, tuple[str, str]] = {

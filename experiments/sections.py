@@ -25,9 +25,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-__all__ = ["Section", "FieldType", "choice", "fills", "field_type", "coerce_value", "parse_word"]
+__all__ = ["Section", "FieldType", "by_name", "choice", "fills", "field_type", "coerce_value", "parse_word"]
 
 _SCALARS = (bool, int, float, str)
+
+
+def by_name(*sections: type) -> dict[str, type]:
+    """A table's section classes by their ``name`` (the TOML ``name`` that picks one), in the given order;
+    ``ValueError`` names a name two of them claim."""
+    table: dict[str, type] = {}
+    for section in sections:
+        if section.name in table:
+            raise ValueError(
+                f"{section.__name__} and {table[section.name].__name__} are both named {section.name!r}"
+            )
+        table[section.name] = section
+    return table
 
 
 def choice(default: Any, choices: tuple[str, ...]) -> Any:

@@ -196,6 +196,21 @@ class Suite:
             values = {k: v[0] if isinstance(v, tuple) else v for k, v in getattr(self, table).items()}
             object.__setattr__(self, table, values)
 
+    @classmethod
+    def of_module(cls, namespace: Mapping[str, Any], **fields: Any) -> Suite:
+        """The suite of a paper's module ``experiments.<name>``, from its ``globals()``: the suite is named
+        after the module, its settings and configs are the module's ``SETTINGS`` and ``suite_config``, its
+        title is the module docstring's first paragraph (its lines joined); ``fields`` give the rest and may
+        override any of these."""
+        summary = namespace["__doc__"].split("\n\n")[0]
+        declared = {
+            "name": namespace["__spec__"].name.rpartition(".")[2],
+            "title": " ".join(line.strip() for line in summary.splitlines()),
+            "settings": namespace["SETTINGS"],
+            "config": namespace["suite_config"],
+        }
+        return cls(**{**declared, **fields})
+
     def preset_name(self, setting: str, variant: str) -> str:
         return f"{self.name}_{setting}_{variant}"
 

@@ -254,6 +254,32 @@ _BI_FIXED = KLMSConfig(log2_num_candidates=2, adaptive=False, block_size=64)
 _BI_DOWN = bicompfl_downlink(64, 2, crc32=False)  # the same blocks, without the downlink's default CRC
 
 
+def small_bpcfl_settings(**overrides) -> BPCFLSettings:
+    """BPC-FL at test scale (docs/papers/bpcfl.md#a1): 3 pseudo-points of 2 classes, 6 updates of 2 pairs x 2
+    noise draws, 3 expert trajectories pretrained full-batch for 20 Adam steps, chains of 10 (data) and 4
+    (coreset) steps; ``overrides`` replace any field."""
+    base = dict(
+        num_points=3,
+        num_classes=2,
+        prior_precision=0.1,
+        init_std=0.6,
+        num_updates=6,
+        step_size_inputs=1e-2,
+        step_size_labels=0.0,
+        pairs_per_update=2,
+        num_noise=2,
+        noise_std=1e-2,
+        num_trajectories=3,
+        pretrain_steps=20,
+        pretrain_batch_size=None,
+        pretrain_optimizer=optax.adam(1e-2),
+        chain_optimizer=optax.adam(1e-2),
+        data_chain_length=10,
+        coreset_chain_length=4,
+    )
+    return BPCFLSettings(**{**base, **overrides})
+
+
 def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int = 3) -> dict:
     """Every algorithm of :mod:`sidejax.algorithms` at small settings on ``loss`` (the model ``spec``), by
     name: the five papers' methods and the baselines. Those that need every client each round (BICompFL-GR,
@@ -320,25 +346,7 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
             lambda key: init_params(key, spec),
             input_shape=(8, 8, 1),
             num_clients=num_clients,
-            settings=BPCFLSettings(
-                num_points=2,
-                num_classes=10,
-                prior_precision=0.1,
-                init_std=0.5,
-                num_updates=2,
-                step_size_inputs=1e-2,
-                step_size_labels=0.0,
-                pairs_per_update=2,
-                num_noise=2,
-                noise_std=1e-2,
-                num_trajectories=2,
-                pretrain_steps=10,
-                pretrain_batch_size=8,
-                pretrain_optimizer=optax.sgd(1e-2),
-                chain_optimizer=optax.sgd(1e-2),
-                data_chain_length=5,
-                coreset_chain_length=2,
-            ),
+            settings=small_bpcfl_settings(num_classes=10, pretrain_batch_size=8),
             inference=hmc_inference(
                 step_size=1e-3, num_integration_steps=2, inverse_mass_matrix=1.0, num_burnin=1, num_samples=2
             ),

@@ -1406,6 +1406,15 @@ def test_crc32_checks_every_coders_messages_once():
                 assert settings.crc32 == crc, algorithm
 
 
+def test_a_section_table_keeps_the_order_and_refuses_a_name_given_twice():
+    from experiments.sections import by_name
+
+    assert list(by_name(METHODS["qsgd"], METHODS["fedavg"])) == ["qsgd", "fedavg"]
+    twin = type("TwinConfig", (METHODS["qsgd"],), {"name": "fedavg"})
+    with pytest.raises(ValueError, match="TwinConfig and FedAvgConfig are both named 'fedavg'"):
+        by_name(METHODS["fedavg"], twin)
+
+
 def test_method_and_coder_sections_are_generated_from_the_library_settings_types():
     """A section that fills a library settings type takes its fields, defaults and help from it (stated
     once, in sidejax) and builds the library value from them; a renamed field maps back; a non-scalar

@@ -12,10 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close_across_programs
+from helpers import assert_trees_close_across_programs, small_bpcfl_settings
 
 from sidejax.algorithms import (
-    BPCFLSettings,
     bpcfl,
     check_client_sizes,
     hmc_inference,
@@ -32,31 +31,7 @@ from sidejax.keys import client_keys, round_key, run_keys
 from sidejax.models import get_model, init_params
 
 SIZES = (12, 12, 16)
-K = 3
-
-
-def _settings(**overrides) -> BPCFLSettings:
-    base = dict(
-        num_points=K,
-        num_classes=2,
-        prior_precision=0.1,
-        init_std=0.6,
-        num_updates=6,
-        step_size_inputs=1e-2,
-        step_size_labels=0.0,
-        pairs_per_update=2,
-        num_noise=2,
-        noise_std=1e-2,
-        num_trajectories=3,
-        pretrain_steps=20,
-        pretrain_batch_size=None,
-        pretrain_optimizer=optax.adam(1e-2),
-        chain_optimizer=optax.adam(1e-2),
-        data_chain_length=10,
-        coreset_chain_length=4,
-    )
-    base.update(overrides)
-    return BPCFLSettings(**base)
+K = small_bpcfl_settings().num_points  # 3 pseudo-points per client
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +51,7 @@ def one_round(moons):
         lambda key: init_params(key, spec),
         input_shape=(2,),
         num_clients=len(SIZES),
-        settings=_settings(),
+        settings=small_bpcfl_settings(),
         inference=map_inference(optax.sgd(2e-2), 10),
     )
     init_key, rounds_key = run_keys(0)
@@ -165,13 +140,16 @@ def test_eval_params_are_the_posterior_samples(one_round):
 def test_uplink_floats_match_the_spec_counts():
     # docs/papers/bpcfl.md#a8 / docs/papers/bpcfl.md#t13: EMNIST Z alone M K D = 4,860,800; with int labels
     # M K (D + 1) = 4,867,000 (+ M for n_m)
-    emnist = _settings(num_points=62, num_classes=62)
+    emnist = small_bpcfl_settings(num_points=62, num_classes=62)
     assert 100 * (uplink_floats(emnist, 784) - 1) == 4_867_000
     assert 100 * 62 * 784 == 4_860_800
     assert 100 * (uplink_floats(emnist, 784, one_hot=True) - 1) == 5_245_200
     # regression: 5 clients x 6 points x (1 + 1) = 60; moons: 5 x 5 x (2 + 1) = 75
-    assert 5 * (uplink_floats(_settings(num_points=6, num_classes=None, step_size_labels=1.0), 1) - 1) == 60
-    assert 5 * (uplink_floats(_settings(num_points=5), 2) - 1) == 75
+    assert (
+        5 * (uplink_floats(small_bpcfl_settings(num_points=6, num_classes=None, step_size_labels=1.0), 1) - 1)
+        == 60
+    )
+    assert 5 * (uplink_floats(small_bpcfl_settings(num_points=5), 2) - 1) == 75
 
 
 @pytest.mark.slow  # paper-scale: EMNIST-62's K = 62 pseudo-images of 784 pixels
@@ -196,22 +174,22 @@ def test_bad_input_is_refused_with_the_argument_named(moons):
     with pytest.raises(ValueError, match="zero clients"):
         check_client_sizes(3, np.zeros((0,), int))
     with pytest.raises(ValueError, match="step_size_labels must be 0 for classification"):
-        check_settings(_settings(step_size_labels=0.5))
+        check_settings(small_bpcfl_settings(step_size_labels=0.5))
     with pytest.raises(ValueError, match="r \\+ L_D <= T_pre"):
-        check_settings(_settings(max_start=15))
+        check_settings(small_bpcfl_settings(max_start=15))
     with pytest.raises(ValueError, match="data_chain_length=7 must be a multiple"):
-        check_settings(_settings(data_chain_length=7))
+        check_settings(small_bpcfl_settings(data_chain_length=7))
     with pytest.raises(ValueError, match="settings.num_updates"):
-        check_settings(_settings(num_updates=0))
+        check_settings(small_bpcfl_settings(num_updates=0))
     with pytest.raises(ValueError, match="prior_precision"):
-        check_settings(_settings(prior_precision=-1.0))
+        check_settings(small_bpcfl_settings(prior_precision=-1.0))
     loss = classification_loss(spec.module.apply)
     algo = bpcfl(
         loss,
         lambda key: init_params(key, spec),
         input_shape=(2,),
         num_clients=3,
-        settings=_settings(num_points=17),
+        settings=small_bpcfl_settings(num_points=17),
         inference=map_inference(optax.sgd(1e-2), 1),
     )
     init_key, _ = run_keys(0)
@@ -220,7 +198,7 @@ def test_bad_input_is_refused_with_the_argument_named(moons):
     ):
         algo.init(init_key, init_params(init_key, spec), 4)
     with pytest.raises(ValueError, match="num_clients must be an integer >= 1"):
-        bpcfl(loss, None, input_shape=(2,), num_clients=0, settings=_settings(), inference=None)
+        bpcfl(loss, None, input_shape=(2,), num_clients=0, settings=small_bpcfl_settings(), inference=None)
     # K larger than every client's data (at most 16 examples here): refused when the round is traced
     state = algo.init(init_key, init_params(init_key, spec), 3)
     with pytest.raises(ValueError, match="num_points=17 .* exceeds every client's data"):
