@@ -37,10 +37,11 @@ PYTEST := $(BIN)/python -m pytest $(XDIST)
 # compilation cache on 2 cores.
 #
 # It compiles with LLVM's optimisation off (--xla_backend_optimization_level=0): most of its time is XLA
-# compiling small programs that run once, and -O0 changes the machine code's speed, not its arithmetic (XLA
-# CPU emits no fast-math flags, so LLVM may not reorder or contract floating-point operations at any
-# level). `make test-all` runs every test, these included, at XLA's default level, which checks that claim
-# bit for bit in CI.
+# compiling small programs that run once (measured from a fresh clone: 8 min 57 s for 1,161 tests, against
+# 11 min 3 s for 1,074 at the default level). A program compiled at -O0 is another compiled program: its
+# floats may differ from the optimised one's in the last places (one BPC-FL upload value by 3 ULP), which
+# is why tests compare across programs within a few ULP and bit for bit only within one. `make test-all`
+# runs every test, these included, at XLA's default level, so CI checks both.
 FAST_COMPILE := --xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0
 test: $(VENV)/.installed-dev
 	XLA_FLAGS="$(FAST_COMPILE)" $(PYTEST) -m "not slow"

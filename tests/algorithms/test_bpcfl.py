@@ -103,8 +103,10 @@ def test_same_keys_same_bits(one_round):
 def test_the_client_phase_in_parts_gives_the_same_uploads_and_posterior(one_round, moons):
     """docs/papers/bpcfl.md#a1's one round with one client per part (sidejax.fl.run_clients, a
     checkpointable PartialRound after each): every client's keys derive from its id as in one go, so the
-    same pseudocoreset streams bit for bit, and the same posterior (its update is another compiled
-    program: within a few ULP, bit-equal on this machine)."""
+    same pseudocoreset streams of the same lengths, and the same posterior. One client per part is another
+    compiled program than all clients at once, so the uploaded float32 values agree within a few ULP
+    (bit-equal at XLA's default optimisation on this CPU; 3 ULP apart on one value at LLVM -O0, which
+    `make test` compiles with), and the posterior, updated from them, within 16."""
     _, fed, _ = moons
     algo, state0, [(state, info), _] = one_round
     _, rounds_key = run_keys(0)
@@ -113,11 +115,8 @@ def test_the_client_phase_in_parts_gives_the_same_uploads_and_posterior(one_roun
         partial = run_clients(algo, rounds_key, state0, fed, partial, 1, client_map="map")
     parts_state, parts_info = finish_round(algo, rounds_key, state0, fed, partial, client_map="map")
     np.testing.assert_array_equal(np.asarray(parts_info.uplink_bits), np.asarray(info.uplink_bits[0]))
-    # the server's coreset and weights are the decoded uploads: the same streams
-    for a, b in zip(
-        jax.tree.leaves(parts_state.server[1:3]), jax.tree.leaves(state.server[1:3]), strict=True
-    ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the server's coreset and weights are the decoded uploads
+    assert_trees_close_across_programs(parts_state.server[1:3], state.server[1:3], ulps=4)
     assert_trees_close_across_programs(parts_state, state, ulps=16)
 
 
