@@ -1,7 +1,8 @@
 """``make demo``: a short federated comparison on the bundled digits dataset (no download, < 3 min on 2 CPUs):
 FedAvg (32 bits per parameter), FedPM (about 1 bit per parameter) and FedPM-KLMS (a few hundredths).
 
-Runs each preset in :data:`DEMO_PRESETS` into ``results/demo/<preset>/`` (replacing an earlier demo there)
+Runs each preset in :data:`DEMO_PRESETS` into ``results/demo/<preset>/`` (replacing an earlier demo there;
+an ``--output`` folder that holds anything a demo does not write is refused, so nothing else is replaced)
 and writes side-by-side plots (``results/demo/accuracy_vs_round.png``, ``accuracy_vs_bits.png`` and
 ``accuracy_vs_uplink_bits.png``, where the uplink saving shows) and a summary table
 (``results/demo/summary.md``).
@@ -24,11 +25,35 @@ DEMO_PRESETS = {
 }
 
 
+def check_demo_output(out: Path) -> None:
+    """Refuses (``SystemExit`` with the reason) an ``out`` that is not a folder, or that holds anything but
+    what a demo writes: its plots, ``summary.md`` and one run folder per preset (each with its
+    ``config.json``, or empty). An earlier demo there is replaced; nothing else is."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SystemExit(f"--output {out} is a file, not a folder: choose another --output")
+    own = {*PLOT_FILES, "summary.md", *DEMO_PRESETS.values()}
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in own)
+    for preset in DEMO_PRESETS.values():
+        run = out / preset
+        if run.exists() and (
+            not run.is_dir() or (any(run.iterdir()) and not (run / "config.json").is_file())
+        ):
+            foreign.append(f"{preset}/ (not a run folder)")
+    if foreign:
+        raise SystemExit(
+            f"--output {out} holds {', '.join(foreign[:5])}, which a demo did not write; the demo replaces "
+            "only an earlier demo: choose another --output or an empty folder"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.demo", description=__doc__)
     parser.add_argument("--output", type=Path, default=Path("results/demo"))
     parser.add_argument("--rounds", type=int, default=None, help="override the presets' number of rounds")
     args = parser.parse_args(argv)
+    check_demo_output(args.output)
 
     runs, lines = {}, []
     for label, preset in DEMO_PRESETS.items():
