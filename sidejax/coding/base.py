@@ -77,7 +77,6 @@ __all__ = [
     "WITHHELD_BITS",
     "stream_errors",
     "failed_checks",
-    "kl_ideal_bits",
     "sent_message",
     "check_decoded",
     "withhold",
@@ -593,20 +592,39 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
 
     # concat_messages' buffer: the side words, the inner buffer and one word for the shift
     return wrap_coder(
-        coder, encode, decode, update, name=f"{coder.name}+side", bits=head, words=num_values + 1
+        coder,
+        encode,
+        decode,
+        update,
+        name=f"{coder.name}+side",
+        bits=head,
+        words=num_values + 1,
+        live_prefix=coder.live_prefix,  # ``live`` counts the inner vector; the side values always travel
     )
 
 
 def wrap_coder(
-    coder: Coder, encode, decode, update, *, name: str, bits: int = 0, words: int = 0, frame=None, **fields
+    coder: Coder,
+    encode,
+    decode,
+    update,
+    *,
+    name: str,
+    bits: int = 0,
+    words: int = 0,
+    frame=None,
+    live_prefix: LivePrefix | None = None,
+    **fields,
 ) -> Coder:
     """The :class:`Coder` of a wrapper around ``coder`` (:func:`with_side_info`, :func:`with_crc`,
     :func:`sidejax.coding.clip_update`): its own ``encode``, ``decode``, ``update`` and ``name``; every
     message is the inner stream plus ``bits`` bits of the wrapper's (a header or a checksum), held in a
     buffer of ``words`` more words than the inner coder's (``capacity_words``); ``fixed_bits`` grows by
     ``bits`` where the inner coder declares it. ``frame`` is the wrapper's own (``None``: its streams are not
-    self-delimiting). ``init``, ``downlink``, ``receive``, ``uses_prior`` and ``deterministic`` are the
-    inner coder's unless ``fields`` replaces them."""
+    self-delimiting), and so is ``live_prefix`` (``None``: a wrapper that keeps the inner coder's passes it
+    on, where a prefix coded alone and inside a buffer still give the same message). ``init``,
+    ``downlink``, ``receive``, ``uses_prior`` and ``deterministic`` are the inner coder's unless ``fields``
+    replaces them."""
     fixed_bits = None
     if coder.fixed_bits is not None:
 
@@ -621,6 +639,7 @@ def wrap_coder(
         capacity_words=lambda dim: words + coder.capacity_words(dim),
         fixed_bits=fixed_bits,
         frame=frame,
+        live_prefix=live_prefix,
         **fields,
     )
 
@@ -728,5 +747,6 @@ def with_crc(coder: Coder) -> Coder:
         bits=32,
         words=2,
         frame=frame,
+        live_prefix=coder.live_prefix,  # a prefix's message plus the checksum
         deterministic=False,  # the checksum covers the shared key
     )

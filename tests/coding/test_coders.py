@@ -521,6 +521,16 @@ def test_declared_fixed_length_agrees_with_encoding_other_inputs_and_states(case
         assert len(lengths) > 1, lengths
 
 
+def test_only_wrappers_that_keep_a_prefix_message_pass_the_live_prefix_on():
+    """``with_crc`` and ``with_side_info`` add a checksum or a header to the prefix's message and keep
+    ``live_prefix``; ``clip_update`` normalises over the whole buffer, padding included, so its message is
+    not the prefix's and it declares none (``wrap_coder`` passes it on only when asked)."""
+    fixed = klms_coder(_FIXED)
+    assert with_crc(fixed).live_prefix == fixed.live_prefix is not None
+    assert with_side_info(fixed, 1).live_prefix == fixed.live_prefix
+    assert clip_update(fixed).live_prefix is None
+
+
 def test_live_prefix_codes_the_live_coordinates_alone_or_is_refused(case):
     """``Coder.live_prefix`` (issue 28): with ``live_prefix.init(DIM, live)`` and ``live`` traced (here 3
     blocks and one coordinate), a ``DIM``-coordinate input whose coordinates past ``live`` are padding
