@@ -807,13 +807,9 @@ def _reconst_receive(coder, downlink, num_dl, num_clients, dkey, keys, server: R
     del keys
     g = _group_of(downlink, me.theta_hat.shape[0], 1, 0)
     shared = downlink_keys(dkey).shared
-    new, errors, rest = _downlink_receive(downlink, num_dl, shared, me.theta_hat, g, server.fresh, message)
-    return _Received(
-        weights=server.weights,
-        theta_hat=new,
-        coder=coder.receive(server.coder, rest),
-        errors=errors,
-        broadcast_bits=message.num_bits / num_clients,  # one stream heard by all n clients
+    # one stream heard by all n clients
+    return _downlink_receive(
+        coder, downlink, num_dl, shared, g, server, me, message, message.num_bits / num_clients
     )
 
 
@@ -831,12 +827,23 @@ def _cut(message: Message, head_bits, head_words: int) -> tuple[Message, Message
 
 
 def _downlink_receive(
-    downlink: Coder, num_samples: int, shared_key, prior, g: _Group, live, message: Message
-):
+    coder: Coder,
+    downlink: Coder,
+    num_samples: int,
+    shared_key,
+    g: _Group,
+    server: ReconstServer | PRServer,
+    me: EstimateClient,
+    message: Message,
+    broadcast_bits,
+) -> _Received:
     """A receiver's side of one downlink message (:func:`_downlink_encode`'s samples, then the uplink coder's
-    protocol stream): the samples' length is read with the downlink coder's ``frame`` from the state both
-    ends build for ``g`` (none was sent unless ``live``); they are decoded against ``prior``.
-    ``(new_prior, errors, rest)``: ``prior`` and no error when nothing was sent, and the protocol stream."""
+    protocol stream), for GR-Reconst and PR alike: the samples' length is read with the downlink coder's
+    ``frame`` from the state both ends build for ``g`` (none was sent unless ``server.fresh``); they are
+    decoded against the client's estimate ``me.theta_hat``, which they replace (it stays, with no error, when
+    nothing was sent); the rest is the uplink ``coder``'s protocol stream. ``broadcast_bits`` is the
+    message's cost per client, as the variant counts it."""
+    prior, live = me.theta_hat, server.fresh
     state = downlink.live_prefix.init(g.width, g.length)
     head_bits = jnp.where(
         live, as_bits(_composite_frame(downlink, num_samples)(state, message.payload, 0)), 0
@@ -844,7 +851,13 @@ def _downlink_receive(
     head_words = samples_words(downlink.capacity_words(g.width), num_samples)
     head, rest = _cut(message, head_bits, head_words)
     new, errors = _downlink_decode(downlink, num_samples, shared_key, prior, g, state, head)
-    return jnp.where(live, new, prior), jnp.where(live, errors, 0), rest
+    return _Received(
+        weights=server.weights,
+        theta_hat=jnp.where(live, new, prior),
+        coder=coder.receive(server.coder, rest),
+        errors=jnp.where(live, errors, 0),
+        broadcast_bits=broadcast_bits,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -926,14 +939,8 @@ def _pr_receive(
     del keys
     g = _pr_group(downlink, num_groups, me.theta_hat.shape[0], server.round, me.client_id)
     shared = downlink_keys(dkey, me.client_id).shared
-    new, errors, rest = _downlink_receive(downlink, num_dl, shared, me.theta_hat, g, server.fresh, message)
-    return _Received(
-        weights=server.weights,
-        theta_hat=new,
-        coder=coder.receive(server.coder, rest),
-        errors=errors,
-        broadcast_bits=message.num_bits,  # per-client messages: no broadcast saving
-    )
+    # per-client messages: no broadcast saving
+    return _downlink_receive(coder, downlink, num_dl, shared, g, server, me, message, message.num_bits)
 
 
 def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, received: _Received, me, data):
@@ -987,11 +994,9 @@ def bicompfl_gr_reconst(
     :math:`\\hat\\theta_{t+1} = c(\\text{mean})`. The priors stay common (:math:`\\zeta = 0`) but the
     downlink adds sampling noise. Requires full participation [P].
 
+    ``loss_fn``, ``local``, ``estimator`` and ``eval_mask`` are as in :func:`bicompfl_gr`.
+
     Args:
-      loss_fn: as :func:`bicompfl_gr`.
-      local: as :func:`bicompfl_gr`.
-      estimator: as :func:`bicompfl_gr`.
-      eval_mask: as :func:`bicompfl_gr`.
       num_clients: ``n``.
       coder: the uplink coder (any coder that uses ``p``; ``klms_coder(KLMSConfig(adaptive=False, ...))``).
       downlink: the downlink coder, :func:`bicompfl_downlink` ``(b, log2 n_IS)`` (Fixed-KLMS with the CRC-32
@@ -1073,11 +1078,9 @@ def bicompfl_pr(
     other coordinates keep :math:`\\hat\\theta_{j,t}`, every coordinate is refreshed within ``n`` rounds, and
     the downlink costs ``1/n`` of PR's (docs/papers/bicompfl.md#s3-6 [A]: the paper does not give the rule).
 
+    ``loss_fn``, ``local``, ``estimator`` and ``eval_mask`` are as in :func:`bicompfl_gr`.
+
     Args:
-      loss_fn: as :func:`bicompfl_gr`.
-      local: as :func:`bicompfl_gr`.
-      estimator: as :func:`bicompfl_gr`.
-      eval_mask: as :func:`bicompfl_gr`.
       num_clients: ``n``.
       coder: the uplink coder (``klms_coder(KLMSConfig(adaptive=False, ...))`` [P]).
       downlink: the downlink coder, as :func:`bicompfl_gr_reconst`; SplitDL's groups are aligned to its
