@@ -31,6 +31,7 @@ from experiments.config import ExperimentConfig
 from experiments.driver_folder import FINAL_PARAMS, log_resume, remove_run, write_config
 from experiments.driver_plots import plot_runs
 from experiments.interrupts import writing
+from sidejax.coding import STREAM_FORMAT, check_stream_format
 
 __all__ = [
     "METRIC_COLUMNS",
@@ -169,8 +170,11 @@ def _checkpoint_meta(
     """The checkpoint's metadata: it carries the metrics rows of every round up to ``round_index``, so the
     state and the metrics (and with them the cumulative bits) are saved and restored as one unit. A
     checkpoint inside round ``round_index + 1`` (``run.clients_per_step``) also says how many of its
-    participants have run (``clients_done`` of ``round_clients``)."""
+    participants have run (``clients_done`` of ``round_clients``). ``stream_format`` is the candidate
+    generator's version (:data:`sidejax.coding.STREAM_FORMAT`): a run resumed under another one would
+    continue with other candidates, so :meth:`Records.open` refuses it."""
     return {
+        "stream_format": STREAM_FORMAT,
         "round_index": round_index,
         "wall_time_s": wall_time_s,
         "rows": rows,
@@ -298,7 +302,14 @@ class Records:
         rounds = self.config.run.rounds
         self.partial = None
         if resume:
-            if "clients_done" in read_checkpoint_meta(self.ckpt_dir):
+            saved_meta = read_checkpoint_meta(self.ckpt_dir)
+            try:  # checkpoints before the counter hash carry no stream format: they are format 1
+                check_stream_format(saved_meta.get("stream_format", 1), f"the checkpoint in {self.ckpt_dir}")
+            except ValueError as e:
+                raise CheckpointError(
+                    f"{e}; --resume cannot continue it: start the run again (--overwrite)"
+                ) from None
+            if "clients_done" in saved_meta:
                 if partial_like is None:
                     raise CheckpointError(
                         f"checkpoint in {self.ckpt_dir} is inside a round, and this run does not run rounds "

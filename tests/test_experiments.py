@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -1440,3 +1441,29 @@ def test_method_and_coder_sections_are_generated_from_the_library_settings_types
         fills(PFedBayesSettings)(type("Bad", (Section,), {}))
     with pytest.raises(ValueError, match=r"method 'fedpa': shrinkage must be a number in \(0, 1\]"):
         METHODS["fedpa"](shrinkage=2.0)  # the library's own validation, naming the section
+
+
+def test_resume_of_a_checkpoint_of_another_stream_format_is_refused(full_run, tmp_path, capsys):
+    """A checkpoint written before the counter-hash candidates (no ``stream_format``: format 1) would
+    continue with other candidates: resume refuses it by name and leaves the run as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    path = checkpoint_path(run / "checkpoint")
+    data = path.read_bytes()
+    magic_end = data.index(b"\n") + 1
+    header_end = data.index(b"\n", magic_end)
+    header = json.loads(data[magic_end:header_end])
+    payload = data[header_end + 1 :]
+    meta = json.loads(payload[: header["meta_bytes"]])
+    assert meta.pop("stream_format") == 2
+    meta_bytes = json.dumps(meta).encode()
+    payload = meta_bytes + payload[header["meta_bytes"] :]
+    header.update(sha256=hashlib.sha256(payload).hexdigest(), meta_bytes=len(meta_bytes))
+    path.write_bytes(data[:magic_end] + json.dumps(header).encode() + b"\n" + payload)
+    before = _snapshot(run)
+    with pytest.raises(CheckpointError, match="stream format 1: Threefry-2x32 candidates.*--overwrite"):
+        run_experiment(small(), run, resume=True, progress=False, verbose=False)
+    assert cli_main(["--output", str(run), "--resume", "--run.rounds", "6", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "stream format 1" in err and str(run / "checkpoint") in err and "Traceback" not in err
+    assert _snapshot(run) == before

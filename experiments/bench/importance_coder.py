@@ -7,8 +7,10 @@ interleaved, best of ``--repeats``:
 - ``floor``: generating the ``K x d`` candidate uniforms with ``jax.random.uniform`` and reducing them to one
   number (so nothing else is computed and they need not be stored), in the same coordinate chunks as the
   encoder uses;
-- ``floor_counter``: generating the same ``K x d`` uniforms the coder uses (counter-based Threefry, both
-  output words used), reduced: the tighter floor for this design;
+- ``floor_counter``: generating the same ``K x d`` uniforms the coder uses (the counter hash of
+  :mod:`sidejax.coding.counter`), reduced: the tighter floor for this design;
+- ``floor_threefry``: the same ``K x d`` uniforms as stream format 1 generated them (one Threefry-2x32
+  block per coordinate pair, both words used), reduced: what the counter hash replaced;
 - ``encode``: :func:`sidejax.coding.importance_encode` (Bernoulli q vs p = 0.5, fixed blocks of 64);
 - ``decode``: :func:`sidejax.coding.importance_decode`.
 
@@ -40,17 +42,21 @@ FLAGS = {
 
 
 def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dict:
+    from unittest import mock
+
     import jax
     import jax.numpy as jnp
+    from jax.extend.random import threefry_2x32
 
     from sidejax.blocks import fixed_blocks
+    from sidejax.coding import importance
     from sidejax.coding.importance import (
-        _pair_uniforms,
         choose_chunk_size,
+        chunk_uniforms,
         importance_decode,
         importance_encode,
     )
-    from sidejax.distributions import Bernoulli
+    from sidejax.distributions import Bernoulli, bits_to_open_uniform
 
     K = 2**log2k
     chunk = choose_chunk_size(dim, K, memory_budget_mb * 2**20)
@@ -68,26 +74,52 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
         return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
 
     @jax.jit
-    def floor_counter(key):  # the coder's own candidate uniforms (both threefry words used), reduced
+    def floor_counter(key):  # the coder's own candidate uniforms (the counter hash), reduced
         def step(acc, c):
-            return acc + jnp.sum(_pair_uniforms(key, K, c * chunk, chunk)), None
+            return acc + jnp.sum(chunk_uniforms(key, K, c * chunk, chunk)), None
 
         return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
 
-    encode = jax.jit(
-        lambda s, r: importance_encode(s, r, q, p, blocks, log2_num_candidates=log2k, chunk_size=chunk)[0]
-    )
+    def format1_uniforms(key, num_candidates, start, length):
+        """Stream format 1's ``[K, length]`` candidate uniforms (the coder before the counter hash): word
+        ``j % 2`` of ``threefry_2x32(key_data, (k, j // 2))``; ``start`` and ``length`` even."""
+        half = length // 2
+        k = jnp.broadcast_to(jnp.arange(num_candidates, dtype=jnp.uint32)[:, None], (num_candidates, half))
+        h = jnp.broadcast_to((start // 2 + jnp.arange(half)).astype(jnp.uint32)[None, :], k.shape)
+        words = threefry_2x32(jax.random.key_data(key), jnp.concatenate([k.reshape(-1), h.reshape(-1)]))
+        n = num_candidates * half
+        w = jnp.stack([words[:n].reshape(k.shape), words[n:].reshape(k.shape)], axis=-1)
+        return bits_to_open_uniform(w.reshape(num_candidates, length))
+
+    @jax.jit
+    def floor_threefry(key):  # stream format 1's candidate uniforms, reduced
+        def step(acc, c):
+            return acc + jnp.sum(format1_uniforms(key, K, c * chunk, chunk)), None
+
+        return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
+
+    def encode_fn(s, r):
+        return importance_encode(s, r, q, p, blocks, log2_num_candidates=log2k, chunk_size=chunk)[0]
+
+    encode = jax.jit(encode_fn)
+    # the same encoder traced with format 1's uniforms: the coder as it was, for the speed-up in one process
+    # (a function of its own: jax caches traces by function, and this one must not share encode's)
+    with mock.patch.object(importance, "chunk_uniforms", format1_uniforms):
+        encode_format1 = jax.jit(lambda s, r: encode_fn(s, r)).lower(sk, pk).compile()
     decode = jax.jit(lambda s, idx: importance_decode(s, p, blocks, idx))
     idx = encode(sk, pk)
     calls = {
         "floor": lambda: floor(sk),
         "floor_counter": lambda: floor_counter(sk),
+        "floor_threefry": lambda: floor_threefry(sk),
         "encode": lambda: encode(sk, pk),
+        "encode_format1": lambda: encode_format1(sk, pk),
         "decode": lambda: decode(sk, idx),
     }
     interleave(calls, 1)  # compile + warm up
     t = {name: wall for name, (wall, _) in best(interleave(calls, repeats)[0]).items()}
     t_floor, t_floor_counter, t_enc, t_dec = t["floor"], t["floor_counter"], t["encode"], t["decode"]
+    t_threefry, t_enc1 = t["floor_threefry"], t["encode_format1"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "dim": dim,
@@ -99,6 +131,10 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
         "decode_s": t_dec,
         "encode_decode_s": t_enc + t_dec,
         "floor_counter_s": t_floor_counter,
+        "floor_threefry_s": t_threefry,
+        "threefry_over_counter": t_threefry / t_floor_counter,
+        "encode_format1_s": t_enc1,
+        "encode_speedup_over_format1": t_enc1 / t_enc,
         "ratio_to_floor": (t_enc + t_dec) / t_floor,
         "ratio_to_counter_floor": (t_enc + t_dec) / t_floor_counter,
         "coords_per_s_encode_decode": dim / (t_enc + t_dec),

@@ -11,12 +11,15 @@ noise that is exactly Gaussian or Laplace), :func:`sdq_coder`, :func:`additive_n
 normalisation :func:`clip_update` (:mod:`sidejax.coding.lattice`, per-block quantizers in
 :mod:`sidejax.coding.lrsuq`). :mod:`sidejax.coding.importance_law` holds the exact
 law of the importance-sampled Bernoulli (block size 1) and BICompFL's bounds on its bias.
+:mod:`sidejax.coding.counter` generates the importance-sampling candidates (a counter hash, stream format
+2), and :mod:`sidejax.coding.wire` writes and reads a message as bytes with a header that names the format.
 """
 
 from sidejax.coding import (
     base,
     bitstream,
     compress,
+    counter,
     importance,
     importance_law,
     klms,
@@ -26,10 +29,12 @@ from sidejax.coding import (
     lrsuq,
     pseudocoreset,
     sample,
+    wire,
 )
 from sidejax.coding.base import *
 from sidejax.coding.bitstream import *
 from sidejax.coding.compress import *
+from sidejax.coding.counter import *
 from sidejax.coding.importance import *
 from sidejax.coding.importance_law import *
 from sidejax.coding.klms import *
@@ -39,12 +44,14 @@ from sidejax.coding.lossless import *
 from sidejax.coding.lrsuq import *
 from sidejax.coding.pseudocoreset import *
 from sidejax.coding.sample import *
+from sidejax.coding.wire import *
 
 # every submodule's public names (its __all__), declared once there
 __all__ = [
     *base.__all__,
     *bitstream.__all__,
     *compress.__all__,
+    *counter.__all__,
     *importance.__all__,
     *importance_law.__all__,
     *klms.__all__,
@@ -54,4 +61,5 @@ __all__ = [
     *lrsuq.__all__,
     *pseudocoreset.__all__,
     *sample.__all__,
+    *wire.__all__,
 ]

@@ -14,8 +14,8 @@ an exact sample of the self-normalised importance-sampling measure, an approxima
 good when :math:`\\log_2 K \\gtrsim D_{KL}(q_{I_m} \\| p_{I_m})` bits (KLMS Thm 4.1; biased for finite K,
 see docs/papers/klms.md#s7-10).
 
-Candidates are **counter-based**: the uniform behind candidate ``k`` at coordinate ``j`` is a Threefry-2x32
-hash of ``(k, j // 2)`` under the shared key (word ``j % 2`` of the output), mapped to (0, 1) and through
+Candidates are **counter-based**: the uniform behind candidate ``k`` at coordinate ``j`` is a hash of
+``(shared key, k, j)`` (:mod:`sidejax.coding.counter`, stream format 2), mapped to (0, 1) and through
 ``p.icdf``. So the candidates do not depend on how the encoder chunks the work, and the decoder regenerates
 only the ``dim`` selected values instead of all ``K x dim``. The encoder streams over coordinate chunks
 (``lax.scan``), accumulating per-block log-weights with a segment sum, so memory is
@@ -43,18 +43,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.random import threefry_2x32
 
 from sidejax.bits import as_bits
 from sidejax.blocks import Blocks
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import num_words, pack_fixed, unpack_fixed
-from sidejax.distributions import bits_to_open_uniform, check_dims
+from sidejax.coding.counter import counter_uniforms, grid_uniforms
+from sidejax.distributions import check_dims
 
 __all__ = [
     "ImportanceInfo",
     "DEFAULT_MEMORY_BUDGET_BYTES",
     "candidate_uniforms",
+    "chunk_uniforms",
     "candidates",
     "candidate_values",
     "choose_chunk_size",
@@ -100,30 +101,15 @@ def choose_chunk_size(dim: int, num_candidates: int, memory_budget_bytes: int) -
 
 
 def candidate_uniforms(shared_key, rows: jax.Array, cols: jax.Array) -> jax.Array:
-    """The shared uniforms ``u[rows[i], cols[i]]`` in (0, 1), elementwise over broadcast ``rows``/``cols``.
-
-    ``u[k, j]`` is word ``j % 2`` of ``threefry_2x32(key_data(shared_key), (k, j // 2))``.
-    """
-    rows, cols = jnp.broadcast_arrays(rows, cols)
-    shape = rows.shape
-    k = rows.reshape(-1).astype(jnp.uint32)
-    h = (cols.reshape(-1) // 2).astype(jnp.uint32)
-    n = k.shape[0]
-    words = threefry_2x32(jax.random.key_data(shared_key), jnp.concatenate([k, h]))
-    w = jnp.where(cols.reshape(-1) % 2 == 0, words[:n], words[n:])
-    return bits_to_open_uniform(w).reshape(shape)
+    """The shared uniforms ``u[rows[i], cols[i]]`` in (0, 1), elementwise over broadcast ``rows``/``cols``:
+    :func:`sidejax.coding.counter.counter_uniforms` (candidate ``rows``, coordinate ``cols``)."""
+    return counter_uniforms(shared_key, rows, cols)
 
 
-def _pair_uniforms(shared_key, num_candidates: int, start, length: int) -> jax.Array:
-    """All candidates' uniforms for coordinates ``[start, start + length)`` (``start``, ``length`` even):
-    ``[K, length]``, one hash per coordinate pair (both output words used)."""
-    half = length // 2
-    k = jnp.broadcast_to(jnp.arange(num_candidates, dtype=jnp.uint32)[:, None], (num_candidates, half))
-    h = jnp.broadcast_to((start // 2 + jnp.arange(half)).astype(jnp.uint32)[None, :], (num_candidates, half))
-    words = threefry_2x32(jax.random.key_data(shared_key), jnp.concatenate([k.reshape(-1), h.reshape(-1)]))
-    n = num_candidates * half
-    w = jnp.stack([words[:n].reshape(num_candidates, half), words[n:].reshape(num_candidates, half)], axis=-1)
-    return bits_to_open_uniform(w.reshape(num_candidates, length))
+def chunk_uniforms(shared_key, num_candidates: int, start, length: int) -> jax.Array:
+    """All candidates' uniforms for coordinates ``[start, start + length)``: ``[K, length]``, equal to
+    :func:`candidate_uniforms` on that grid (:func:`sidejax.coding.counter.grid_uniforms`)."""
+    return grid_uniforms(shared_key, num_candidates, start, length)
 
 
 @jax.jit
@@ -181,7 +167,7 @@ def importance_encode(
       p: the shared prior, same type and shape as ``q``.
       blocks: the partition (:mod:`sidejax.blocks`).
       log2_num_candidates: ``log2 K`` (static int; K is a power of two).
-      chunk_size: coordinates per encoder step (static, even); default from ``memory_budget_bytes``.
+      chunk_size: coordinates per encoder step (static int >= 1); default from ``memory_budget_bytes``.
       memory_budget_bytes: working-set budget for the default chunk size.
 
     Returns:
@@ -232,8 +218,8 @@ def encode_bounded(
         raise ValueError(f"work_blocks must be in [1, max_blocks={mb}], got {work_blocks}")
     if chunk_size is None:
         chunk_size = choose_chunk_size(dim, K, memory_budget_bytes)
-    if chunk_size < 2 or chunk_size % 2:
-        raise ValueError(f"chunk_size must be an even int >= 2, got {chunk_size}")
+    if int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     num_chunks = -(-dim // chunk_size)
     pad = num_chunks * chunk_size - dim
     qp, pp = _pad(q, pad), _pad(p, pad)
@@ -241,7 +227,7 @@ def encode_bounded(
 
     def chunk_step(acc, c):
         start = c * chunk_size
-        u = _pair_uniforms(shared_key, K, start, chunk_size)  # [K, chunk]
+        u = chunk_uniforms(shared_key, K, start, chunk_size)  # [K, chunk]
         pc, qc = _slice(pp, start, chunk_size), _slice(qp, start, chunk_size)
         y = candidate_values(pc, u)
         logr = qc.log_prob(y) - pc.log_prob(y)  # [K, chunk]

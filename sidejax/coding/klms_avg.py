@@ -112,11 +112,11 @@ from sidejax.coding.bitstream import (
 from sidejax.coding.importance import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     _pad,
-    _pair_uniforms,
     _slice,
     candidate_uniforms,
     candidate_values,
     choose_chunk_size,
+    chunk_uniforms,
     importance_decode,
 )
 from sidejax.distributions import check_dims, dist_dim, is_valid
@@ -165,7 +165,7 @@ class KLMSAvgConfig:
         :math:`K^*` leaves :math:`[1/f, f]` (docs/papers/bicompfl.md#s3-8 [A]: 3).
       initial_update: the first round is an update round (default False: start with ``block_size``).
       memory_budget_bytes: the encoder's working-set budget (it sets the chunk of coordinates per scan step).
-      chunk_size: coordinates per encoder step (an even int ``>= 2``), overriding the budget (tests).
+      chunk_size: coordinates per encoder step (an int ``>= 1``), overriding the budget (tests).
       crc32: append a CRC-32 of (shared key data, prior fingerprint, stream) to every uplink message (+32
         bits; see :mod:`sidejax.coding.klms`). Off by default.
     """
@@ -205,8 +205,8 @@ class KLMSAvgConfig:
         if not isinstance(self.memory_budget_bytes, int) or self.memory_budget_bytes < 1:
             raise ValueError(f"memory_budget_bytes must be an int >= 1, got {self.memory_budget_bytes!r}")
         c = self.chunk_size
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 2 or c % 2):
-            raise ValueError(f"chunk_size must be None or an even int >= 2, got {c!r}")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"chunk_size must be None or an int >= 1, got {c!r}")
         if not isinstance(self.crc32, bool):
             raise ValueError(f"crc32 must be a bool, got {self.crc32!r}")
 
@@ -385,7 +385,7 @@ def equal_blocks_encode(
         into it, inside ``jit`` and outside it; :func:`klms_avg_encode` flags such a state invalid).
       log2_num_candidates: :math:`\\log_2 K` (static).
       max_block_size: the largest block size (static; it bounds the rows a chunk can need).
-      chunk_size: coordinates per step (static, even, ``>= 2``).
+      chunk_size: coordinates per step (static, ``>= 1``).
 
     Returns:
       ``(indices, num_fallback_blocks)``: int32 ``[dim]`` indices (entries ``>= ceil(dim / block_size)``
@@ -393,8 +393,8 @@ def equal_blocks_encode(
     """
     dim = dist_dim(q)
     check_dims(dim, "q has", "q and p must describe the same vector", p=p)
-    if chunk_size < 2 or chunk_size % 2:
-        raise ValueError(f"chunk_size must be an even int >= 2, got {chunk_size}")
+    if int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     K = 2**log2_num_candidates
     C = int(chunk_size)
     num_chunks = -(-dim // C)
@@ -418,7 +418,7 @@ def equal_blocks_encode(
             acc, indices, fallback = carry
             start = c * C
             first = start // b
-            u = _pair_uniforms(shared_key, K, start, C)  # [K, C], the candidates' shared uniforms
+            u = chunk_uniforms(shared_key, K, start, C)  # [K, C], the candidates' shared uniforms
             pc, qc = _slice(pp, start, C), _slice(qp, start, C)
             y = candidate_values(pc, u)
             logr = qc.log_prob(y) - pc.log_prob(y)

@@ -20,9 +20,9 @@ from sidejax.blocks import fixed_blocks, kl_blocks
 from sidejax.coding.base import Message
 from sidejax.coding.bitstream import check_stream
 from sidejax.coding.importance import (
-    _pair_uniforms,
     candidate_uniforms,
     candidates,
+    chunk_uniforms,
     decode_indices,
     encode_indices,
     importance_decode,
@@ -77,7 +77,7 @@ def _candidate_tables(p):
     those uniforms (:data:`WINDOWS`)."""
     d = p.probs.shape[0]
     u_all = candidate_uniforms(SK, jnp.arange(8)[:, None], jnp.arange(d)[None, :])
-    return candidates(SK, p, 3), u_all, [_pair_uniforms(SK, 8, start, length) for start, length in WINDOWS]
+    return candidates(SK, p, 3), u_all, [chunk_uniforms(SK, 8, start, length) for start, length in WINDOWS]
 
 
 def test_decoder_reproduces_encoder_choice_for_any_partition_and_chunking():

@@ -437,7 +437,7 @@ def test_encoder_memory_does_not_scale_with_the_block_bound_at_two_million_param
         (dict(trigger_factor=1.0), "trigger_factor must be a finite number > 1"),
         (dict(trigger_factor=0.5), "trigger_factor"),
         (dict(trigger_factor=float("nan")), "trigger_factor"),
-        (dict(chunk_size=7), "chunk_size"),
+        (dict(chunk_size=0), "chunk_size"),
         (dict(memory_budget_bytes=0), "memory_budget_bytes"),
     ],
 )
