@@ -7,13 +7,16 @@ interleaved, best of ``--repeats``:
 - ``floor``: generating the ``K x d`` candidate uniforms with ``jax.random.uniform`` and reducing them to one
   number (so nothing else is computed and they need not be stored), in the same coordinate chunks as the
   encoder uses;
-- ``floor_counter``: generating the same ``K x d`` uniforms the coder uses (counter-based Threefry, both
-  output words used), reduced: the tighter floor for this design;
+- ``floor_counter``: the candidates the coder itself generates, from its own counter-based uniforms and
+  candidate function, reduced (:func:`experiments.bench.common.candidate_floor`): the tighter floor for this
+  design; an encode CPU time below it is refused (:func:`experiments.bench.common.check_above_floor`);
 - ``encode``: :func:`sidejax.coding.importance_encode` (Bernoulli q vs p = 0.5, fixed blocks of 64);
 - ``decode``: :func:`sidejax.coding.importance_decode`.
 
-Reports coordinates per second, ``(encode + decode) / floor`` (target: within 2x) and the peak resident
-memory of the subprocess, as JSON (default ``results/bench/importance_coder.json``).
+Reports coordinates per second, ``(encode + decode) / floor`` (target: within 2x), the peak resident
+memory of the subprocess, every contestant's wall and CPU time, and the machine, threads and load average
+before and after, as JSON (default ``results/bench/importance_coder.json``). XLA runs with its default
+threads here: compare CPU times, or pin the run (``taskset -c 0 python -m ...``; the children inherit it).
 
 Run: ``python -m experiments.bench.importance_coder [--dims 61706,2262602] [--log2k 8]``.
 """
@@ -26,7 +29,18 @@ import resource
 import sys
 from pathlib import Path
 
-from experiments.bench.common import best, child_json, interleave, parser, write_report
+from experiments.bench.common import (
+    best,
+    candidate_floor,
+    check_above_floor,
+    child_json,
+    interleave,
+    load_average,
+    machine_record,
+    parser,
+    timing,
+    write_report,
+)
 
 #: the command line: flag -> (type, default, help)
 FLAGS = {
@@ -44,12 +58,7 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
     import jax.numpy as jnp
 
     from sidejax.blocks import fixed_blocks
-    from sidejax.coding.importance import (
-        _pair_uniforms,
-        choose_chunk_size,
-        importance_decode,
-        importance_encode,
-    )
+    from sidejax.coding.importance import choose_chunk_size, importance_decode, importance_encode
     from sidejax.distributions import Bernoulli
 
     K = 2**log2k
@@ -67,12 +76,7 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
 
         return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
 
-    @jax.jit
-    def floor_counter(key):  # the coder's own candidate uniforms (both threefry words used), reduced
-        def step(acc, c):
-            return acc + jnp.sum(_pair_uniforms(key, K, c * chunk, chunk)), None
-
-        return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
+    floor_counter = candidate_floor(p, K, chunk)  # the coder's own candidates, reduced
 
     encode = jax.jit(
         lambda s, r: importance_encode(s, r, q, p, blocks, log2_num_candidates=log2k, chunk_size=chunk)[0]
@@ -86,7 +90,9 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
         "decode": lambda: decode(sk, idx),
     }
     interleave(calls, 1)  # compile + warm up
-    t = {name: wall for name, (wall, _) in best(interleave(calls, repeats)[0]).items()}
+    times = interleave(calls, repeats)[0]
+    t = {name: wall for name, (wall, _) in best(times).items()}
+    cpu = {name: c for name, (_, c) in best(times).items()}
     t_floor, t_floor_counter, t_enc, t_dec = t["floor"], t["floor_counter"], t["encode"], t["decode"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
@@ -103,6 +109,10 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
         "ratio_to_counter_floor": (t_enc + t_dec) / t_floor_counter,
         "coords_per_s_encode_decode": dim / (t_enc + t_dec),
         "candidate_evals_per_s_floor": K * dim / t_floor,
+        "encode_over_counter_floor_cpu_time": check_above_floor(
+            f"encode (d = {dim}, K = {K})", cpu["encode"], cpu["floor_counter"]
+        ),
+        "timing": {name: timing(v) for name, v in times.items()},
         "peak_rss_mb": peak_mb,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
@@ -112,6 +122,7 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
 def main(argv: list[str] | None = None) -> dict:
     p = parser("experiments.bench.importance_coder", __doc__, FLAGS)
     args = p.parse_args(argv)
+    load_before = load_average()
     if args.single is not None:
         print(json.dumps(run_single(args.single, args.log2k, args.repeats, args.memory_budget_mb)))
         return {}
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         "log2_num_candidates": args.log2k,
         "memory_budget_mb": args.memory_budget_mb,
         "target_ratio_to_floor": 2.0,
+        "machine": machine_record(load_before=load_before),
         "results": rows,
     }
     write_report(report, args.output, trailing_newline=False)
