@@ -24,4 +24,5 @@ def test_importance_coder_bench_tiny(tmp_path, capsys):
     for t in row["timing"].values():
         check_timing(t, 2)
     cpu = {k: t["best_cpu_s"] for k, t in row["timing"].items()}
-    assert row["encode_over_counter_floor_cpu_time"] == cpu["encode"] / cpu["floor_counter"] >= 0.75
+    assert row["floor_check_time"] == "cpu"
+    assert row["encode_over_counter_floor"] == cpu["encode"] / cpu["floor_counter"] >= 0.75

@@ -38,7 +38,7 @@ and CPU seconds per epoch (all repeats, median, best; :func:`experiments.bench.c
 seconds per epoch and microseconds per example, ``sidejax_over_torch_time`` (the target of
 issue 12 is <= 1.2 at batch 32), ``kernel_only_over_sidejax_time`` (the speed-up of both changes),
 ``kernel_only_over_no_banded_time`` (of the input-gradient change alone) and the per-example cost of batch
-128 relative to batch 32 for each contestant.
+128 relative to batch 32 for each contestant, in wall and in CPU time.
 
 Run: ``python -m experiments.bench.torch_compare [--batch-sizes 32,128] [--examples 6000] [--repeats 5]
 [--cores 0] [--before] [--lax]``.
@@ -295,11 +295,11 @@ def _run(args: argparse.Namespace) -> dict:
         "results": per_batch,
     }
     if "32" in per_batch and "128" in per_batch:
-        report["batch128_over_batch32_time_per_example"] = {
-            name: per_batch["128"][name]["us_per_example"] / per_batch["32"][name]["us_per_example"]
-            for name in per_batch["32"]
-            if isinstance(per_batch["32"][name], dict) and isinstance(per_batch["128"].get(name), dict)
-        }
+        both = [n for n, v in per_batch["32"].items() if isinstance(v, dict) and per_batch["128"].get(n)]
+        for field, key in (("us_per_example", "time"), ("cpu_us_per_example", "cpu_time")):
+            report[f"batch128_over_batch32_{key}_per_example"] = {
+                name: per_batch["128"][name][field] / per_batch["32"][name][field] for name in both
+            }
     write_report(report, args.output, trailing_newline=False)
     return report
 
