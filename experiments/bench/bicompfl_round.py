@@ -19,14 +19,20 @@ vectorised version (no Python loop over blocks): per sample, all ``n_IS x d`` ca
 the chosen rows (a ``torch.Generator`` stream cannot be read at an offset, so the receiver pays for all
 ``n_IS x d`` uniforms again).
 
-Both single-threaded by default (``--threads 1``; see :mod:`experiments.bench.torch_compare`), median of
-``--repeats`` runs, each contestant timed in turn within a repeat. Writes JSON (default
-``results/bench/bicompfl_round.json``) with each configuration's seconds, and ``torch_over_sidejax_time``
-for encode and decode (> 1: sidejax is faster). Two configurations: the CPU profile of
-docs/papers/bicompfl.md#s2-3 (blocks of 128, 16 candidates) and its paper default (blocks of 256, 256
-candidates); both are 1/32 bit per parameter.
+Both single-threaded by default (``--threads 1``; see :mod:`experiments.bench.torch_compare`) and pinned to
+the same cores (``--cores``, default one core: :func:`experiments.bench.common.pinned`; XLA's single-thread
+flags still leave two threads busy), median of ``--repeats`` runs after a warm-up, each contestant timed in
+turn within a repeat, wall and CPU time. Beside them, ``candidate_floor``: the candidates the encode cannot
+avoid generating, from the coder's own generator (:func:`experiments.bench.common.candidate_floor`), timed
+in the same run; an encode whose CPU time is below 0.75x of it is refused with an error
+(:func:`experiments.bench.common.check_above_floor`) instead of reported. Writes JSON (default
+``results/bench/bicompfl_round.json``) with each configuration's seconds and timing, the machine, threads,
+cores and load average before and after, ``encode_over_floor_cpu_time``, and ``torch_over_sidejax_time``
+(wall) and ``torch_over_sidejax_cpu_time`` for encode and decode (> 1: sidejax is faster). Two
+configurations: the CPU profile of docs/papers/bicompfl.md#s2-3 (blocks of 128, 16 candidates) and its paper
+default (blocks of 256, 256 candidates); both are 1/32 bit per parameter.
 
-Run: ``python -m experiments.bench.bicompfl_round [--repeats 5] [--threads 1]``.
+Run: ``python -m experiments.bench.bicompfl_round [--repeats 5] [--threads 1] [--cores 0] [--quick]``.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from experiments.bench.common import (
     single_thread_env,
     text_table,
     timing,
+    torch_single_thread,
     write_report,
 )
 
@@ -80,6 +87,8 @@ def _parse(argv):
         p.error(
             "--repeats and --samples must be >= 1 and --dim >= 256 (one block of the larger configuration)"
         )
+    if args.threads not in (0, 1):
+        p.error(f"--threads takes 0 or 1, got {args.threads}")
     try:
         args.cores = parse_cores(args.cores)
     except ValueError as err:
@@ -197,7 +206,7 @@ def _child(args) -> dict:
         import torch
 
         if args.threads:
-            torch.set_num_threads(args.threads)
+            torch_single_thread(torch)
     except ImportError:  # recorded as null
         torch = None
 

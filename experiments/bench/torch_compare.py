@@ -66,6 +66,7 @@ from experiments.bench.common import (
     pinned,
     single_thread_env,
     timing,
+    torch_single_thread,
     write_report,
 )
 
@@ -212,11 +213,7 @@ def _setup_torch(args):
         why = "--no-torch" if args.no_torch else "PyTorch is not installed (pip install torch to compare)"
         print(f'skipping PyTorch: {why}; the JSON records "torch": null', flush=True)
     elif args.threads == 1:
-        torch.set_num_threads(1)
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set (or parallel work already started) in this process
-            pass
+        torch_single_thread(torch)
     return torch
 
 
