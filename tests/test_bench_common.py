@@ -249,3 +249,44 @@ def test_child_json_reads_the_tagged_line_and_reports_a_failure(tmp_path):
     with pytest.raises(RuntimeError, match="exit code 3"):
         child_json([sys.executable, "-c", "import sys; print('TAG {}'); sys.exit(3)"], tag="TAG ")
     assert rel_diff([1.0, 2.5], [1.0, 2.0]) == 0.25
+
+
+def test_run_pinned_runs_in_process_or_again_under_the_single_thread_flags(tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from experiments.bench.common import SINGLE_THREAD_XLA_FLAGS, run_pinned
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    out = tmp_path / "r.json"
+    seen = {}
+
+    def run():
+        seen.update(cores=sorted(os.sched_getaffinity(0)), flags=os.environ.get("XLA_FLAGS", ""))
+        return {"ran": "here"}
+
+    args = SimpleNamespace(cores=[core], threads=0, output=out)
+    assert run_pinned("unused", args, [], run) == {"ran": "here"} and seen["cores"] == [core]
+    monkeypatch.setenv("XLA_FLAGS", SINGLE_THREAD_XLA_FLAGS)  # already in force: runs here as well
+    args.threads = 1
+    assert run_pinned("unused", args, [], run) == {"ran": "here"}
+    # jax imported (it is, in the tests) and the flags not in force: a fresh interpreter runs the module,
+    # on the same cores, with the flags; its JSON is the result
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    module = tmp_path / "fake_bench.py"
+    module.write_text(
+        "import json, os, sys\n"
+        "json.dump({'cores': sorted(os.sched_getaffinity(0)), 'flags': os.environ['XLA_FLAGS'],"
+        " 'argv': sys.argv[1:]}, open(sys.argv[-1], 'w'))\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert "jax" in sys.modules
+    got = run_pinned("fake_bench", args, ["--x", str(out)], run)
+    assert (
+        got["cores"] == [core]
+        and SINGLE_THREAD_XLA_FLAGS in got["flags"]
+        and got["argv"] == ["--x", str(out)]
+    )
+    assert os.sched_getaffinity(0) == before  # the mask is restored
+    assert seen["flags"] == SINGLE_THREAD_XLA_FLAGS  # the in-process runs saw the flags they were given

@@ -37,26 +37,19 @@ Run: ``python -m experiments.bench.bicompfl_round [--repeats 5] [--threads 1] [-
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from experiments.bench.common import (
-    CORES_FLAG,
-    SINGLE_THREAD_XLA_FLAGS,
+    THREAD_FLAGS,
     Sized,
     candidate_floor,
     check_above_floor,
+    check_threads_and_cores,
     interleave,
     load_average,
     machine_record,
-    parse_cores,
     parser,
-    pinned,
-    single_thread_env,
+    run_pinned,
     text_table,
     timing,
     torch_single_thread,
@@ -73,10 +66,8 @@ FLAGS = {
     "--repeats": (int, Sized(5, 1), None),
     "--samples": (int, Sized(10, 2), "n_DL samples encoded, streams decoded"),
     "--dim": (int, Sized(DIM, 4096), "mask dimension (LeNet5's by default)"),
-    "--threads": (int, 1, "1: both single-threaded; 0: library defaults"),
-    "--cores": CORES_FLAG,
+    **THREAD_FLAGS,
     "--output": (Path, Path("results/bench/bicompfl_round.json"), None),
-    "--child": (bool, False, argparse.SUPPRESS),
 }
 
 
@@ -87,12 +78,7 @@ def _parse(argv):
         p.error(
             "--repeats and --samples must be >= 1 and --dim >= 256 (one block of the larger configuration)"
         )
-    if args.threads not in (0, 1):
-        p.error(f"--threads takes 0 or 1, got {args.threads}")
-    try:
-        args.cores = parse_cores(args.cores)
-    except ValueError as err:
-        p.error(str(err))
+    check_threads_and_cores(p, args)
     return args
 
 
@@ -231,17 +217,7 @@ def _child(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    with pinned(args.cores):  # both contestants, and the child process, on the same cores
-        flags_in_force = "jax" not in sys.modules and SINGLE_THREAD_XLA_FLAGS in os.environ.get(
-            "XLA_FLAGS", ""
-        )
-        if args.child or not args.threads or flags_in_force:
-            return _report(args, _child(args))
-        # XLA_FLAGS are read when jax is imported: single-threaded runs happen in a fresh interpreter
-        env = single_thread_env() if args.threads else dict(os.environ)
-        cmd = [sys.executable, "-m", "experiments.bench.bicompfl_round", "--child"]
-        subprocess.run([*cmd, *(sys.argv[1:] if argv is None else argv)], env=env, check=True)
-        return json.loads(args.output.read_text())
+    return run_pinned("experiments.bench.bicompfl_round", args, argv, lambda: _report(args, _child(args)))
 
 
 def _report(args, out: dict) -> dict:

@@ -39,16 +39,8 @@ from __future__ import annotations
 import functools
 import math
 
-from experiments.bench.common import (
-    best,
-    clock,
-    interleave,
-    load_average,
-    machine_record,
-    parser,
-    text_table,
-    write_report,
-)
+from experiments.bench import common
+from experiments.bench.common import best, clock, interleave, machine_record, parser, text_table, write_report
 
 DEFAULT_DIM = 25_818  # the CEPAM MLP
 LATTICES = ("z1", "z2", "z3", "a2", "d4", "e8")
@@ -221,7 +213,7 @@ def _time_cases(cases, fns, repeats: int, d: int) -> None:
 
 def main(argv=None) -> dict:
     args = _parse_args(argv)
-    load_before = load_average()
+    load_before = common.load_average()
     import jax
     import jax.numpy as jnp
 

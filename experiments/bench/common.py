@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -80,12 +81,39 @@ def _set_affinity(cores: set[int]) -> None:
             pass
 
 
-#: the ``--cores`` flag of the benchmarks that pin both contestants (:func:`parse_cores`)
-CORES_FLAG = (
-    str,
-    None,
-    "cores both sides run on: 0, 0,1 or 0-3 (default: the first usable one; all: unpinned)",
-)
+#: the ``--threads`` and ``--cores`` flags of the benchmarks that compare two libraries on the same cores
+#: (:func:`check_threads_and_cores`, :func:`run_pinned`)
+THREAD_FLAGS = {
+    "--threads": (int, 1, "1: both single-threaded; 0: library defaults"),
+    "--cores": (str, None, "cores both run on: 0, 0,1 or 0-3 (default: the first usable one; all: unpinned)"),
+}
+
+
+def check_threads_and_cores(p: argparse.ArgumentParser, args) -> None:
+    """Validates the parsed :data:`THREAD_FLAGS` (``p.error`` names the flag) and turns ``args.cores`` into
+    the core list to pin to (:func:`parse_cores`)."""
+    if args.threads not in (0, 1):
+        p.error(f"--threads takes 0 or 1, got {args.threads}")
+    try:
+        args.cores = parse_cores(args.cores)
+    except ValueError as err:
+        p.error(str(err))
+
+
+def run_pinned(module: str, args, argv: list[str] | None, run) -> dict:
+    """Runs ``run()`` (a benchmark's measurement; returns its report) on ``args.cores`` (:func:`pinned`) and,
+    with ``args.threads == 1``, under :data:`SINGLE_THREAD_XLA_FLAGS`. XLA reads its flags when jax is
+    imported: when they are not in force and jax is imported already (``main()`` called from Python), the
+    benchmark runs again as ``python -m module *argv`` in a fresh interpreter, which inherits the cores, and
+    the JSON it wrote (``args.output``) is returned."""
+    with pinned(args.cores):
+        if args.threads == 1 and SINGLE_THREAD_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+            if "jax" in sys.modules:
+                cmd = [sys.executable, "-m", module, *(sys.argv[1:] if argv is None else argv)]
+                subprocess.run(cmd, env=single_thread_env(), check=True)
+                return json.loads(Path(args.output).read_text())
+            os.environ.update(single_thread_env())
+        return run()
 
 
 def parse_cores(text: str | None) -> list[int] | None:

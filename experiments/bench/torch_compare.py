@@ -47,24 +47,18 @@ Run: ``python -m experiments.bench.torch_compare [--batch-sizes 32,128] [--examp
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from experiments.bench.common import (
-    CORES_FLAG,
-    SINGLE_THREAD_XLA_FLAGS,
+    THREAD_FLAGS,
+    check_threads_and_cores,
     conv_context,
     fashion_mnist,
     interleave,
     load_average,
     machine_record,
-    parse_cores,
     parser,
-    pinned,
-    single_thread_env,
+    run_pinned,
     timing,
     torch_single_thread,
     write_report,
@@ -75,8 +69,7 @@ FLAGS = {
     "--batch-sizes": (str, "32,128", "comma-separated batch sizes (default 32,128)"),
     "--examples": (int, 6000, "examples in the client's epoch (default 6000)"),
     "--repeats": (int, 5, "timed epochs per contestant (median reported)"),
-    "--threads": (int, 1, "1: single-threaded; 0: defaults"),
-    "--cores": CORES_FLAG,
+    **THREAD_FLAGS,
     "--before": (bool, False, "also time no_banded and kernel_only (before issue 12)"),
     "--lax": (bool, False, "also time plain lax convolutions (slow)"),
     "--no-torch": (bool, False, "skip PyTorch even when it is installed"),
@@ -93,12 +86,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}")
     if any(b < 1 for b in args.batch_sizes) or args.examples < 1 or args.repeats < 1:
         p.error("--batch-sizes, --examples and --repeats must be >= 1")
-    if args.threads not in (0, 1):
-        p.error(f"--threads takes 0 or 1, got {args.threads}")
-    try:
-        args.cores = parse_cores(args.cores)
-    except ValueError as err:
-        p.error(str(err))
+    check_threads_and_cores(p, args)
     return args
 
 
@@ -303,18 +291,7 @@ def _run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    with pinned(args.cores):  # before anything runs: a re-run interpreter inherits the mask
-        return _main(args, argv)
-
-
-def _main(args: argparse.Namespace, argv: list[str] | None) -> dict:
-    if args.threads == 1 and SINGLE_THREAD_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-        if "jax" in sys.modules:  # too late for XLA_FLAGS in this process: run in a fresh interpreter
-            cmd = [sys.executable, "-m", "experiments.bench.torch_compare"]
-            subprocess.run([*cmd, *(sys.argv[1:] if argv is None else argv)], check=True)
-            return json.loads(args.output.read_text())
-        os.environ.update(single_thread_env())
-    return _run(args)
+    return run_pinned("experiments.bench.torch_compare", args, argv, lambda: _run(args))
 
 
 if __name__ == "__main__":
