@@ -29,8 +29,15 @@ def fill_defaults(args, quick: dict, full: dict) -> None:
             setattr(args, key, value)
 
 
-#: ``XLA_FLAGS`` that pin XLA's CPU backend to one thread (set before jax is imported)
-SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+#: ``XLA_FLAGS`` for one thread in XLA's CPU matrix products and convolutions (set before jax is imported).
+#: XLA has no flag for the size of its own intra-op pool, which runs the compiled program's operations
+#: and splits large loops: the pool has one thread per core the process may use when jax starts, so a
+#: single-threaded run also needs the process pinned to one core before jax is imported (:func:`pinned`,
+#: :func:`run_pinned`; measured: unpinned on 2 cores, a BICompFL encode's CPU time fell 60/40 to 80/20 on two
+#: pool threads, pinned from the start all of it on one). The ``intra_op_parallelism_threads=1`` these flags
+#: used to carry is no XLA flag: a word without ``--`` after a flag is ignored (as the first word, XLA reads
+#: it as a file of flags and aborts).
+SINGLE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
 
 
 def load_average() -> list[float] | None:
@@ -50,9 +57,10 @@ def pinned(cores: list[int] | None):
     """Runs the ``with`` body on ``cores`` only (``None``: as the process is): every thread of this process,
     those already started (jax's, PyTorch's pools) and those started later, and child processes (they
     inherit the mask), with ``os.sched_setaffinity``; the previous mask is restored on exit. Yields the
-    cores in force. XLA's single-thread flags still leave two threads of a CPU computation busy, so
-    comparing two libraries "single-threaded" needs the same cores for both, not only thread counts;
-    pinned to one core, a timed call's CPU time equals its wall time (less what other jobs took)."""
+    cores in force. XLA's single-thread flags leave its intra-op pool at one thread per usable core
+    (:data:`SINGLE_THREAD_XLA_FLAGS`), so comparing two libraries "single-threaded" needs the same cores for
+    both, not only thread counts; pinned to one core, a timed call's CPU time equals its wall time (less
+    what other jobs took). Pinned before jax is imported, XLA's pool has one thread."""
     if cores is None:
         yield cpu_affinity()
         return

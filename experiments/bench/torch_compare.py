@@ -22,15 +22,15 @@ of them alike), median reported:
   gathered from the epoch's permutation as sidejax does. Skipped with a message, and recorded as
   ``"torch": null``, when PyTorch is not installed.
 
-Threads and cores: ``--threads 1`` (default) asks both for one thread: ``torch.set_num_threads(1)`` and,
-for XLA, ``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` in ``XLA_FLAGS``, which must be
-set before jax is imported: when jax is already imported (``main()`` called from Python), the benchmark
-re-runs itself in a fresh interpreter. ``--threads 0`` leaves both libraries at their defaults. XLA's flags
-still leave two threads of a CPU computation busy (sidejax ran on about 1.7 cores against PyTorch's one
-before the pinning), so both sides also run on the same cores: ``--cores`` (default: one core, the first
-this process may use; ``all``: not pinned) is set with ``os.sched_setaffinity`` before anything is timed
-(a re-run interpreter inherits it). Every contestant's CPU time is recorded beside its wall time: pinned to
-one core, CPU / wall is about 1.
+Threads and cores: ``--threads 1`` (default) asks both for one thread: ``torch.set_num_threads(1)`` (and one
+inter-op thread) and, for XLA, ``--xla_cpu_multi_thread_eigen=false`` in ``XLA_FLAGS``, which must be set
+before jax is imported: when jax is already imported (``main()`` called from Python), the benchmark re-runs
+itself in a fresh interpreter. ``--threads 0`` leaves both libraries at their defaults. XLA's flag leaves
+its intra-op pool at one thread per usable core (sidejax ran on about 1.7 cores against PyTorch's one before
+the pinning), so both sides also run on the same cores: ``--cores`` (default: one core, the first this
+process may use; ``all``: not pinned) is set with ``os.sched_setaffinity`` before jax is imported
+(:func:`experiments.bench.common.run_pinned`; a re-run interpreter inherits it). Every contestant's CPU time
+is recorded beside its wall time: pinned to one core, CPU / wall is about 1 on an idle machine.
 
 Writes JSON (default ``results/bench/torch_compare.json``): the machine, threads, cores and load average
 before and after (:func:`experiments.bench.common.machine_record`); per batch size, each contestant's wall
