@@ -118,7 +118,7 @@ RESULT_TAG = "GPU_CHECK_RESULT "
 TEST_MARKERS = "not slow or accelerator"
 #: tests whose numerics or compiled programs could differ on an accelerator (run with -m TEST_MARKERS)
 ACCELERATOR_TESTS = (
-    "tests/coding/test_counter.py",  # the candidate generator: the same words as the numpy oracle, bit for bit
+    "tests/coding/test_counter.py",  # the candidate generator: the numpy oracle's words, bit for bit
     "tests/coding/test_wire.py",  # messages as bytes: the header, the format check
     "tests/coding/test_importance.py",  # counter-based candidates, Gumbel-max choice, decode = encode
     "tests/coding/test_importance_law.py",  # the real coder against the exact importance-sampling law

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
+from test_bench_common import check_run_record, check_timing
 
 
 @pytest.mark.slow  # a benchmark script end to end
@@ -34,7 +36,12 @@ def test_torch_compare_skips_pytorch_cleanly_when_not_installed(tmp_path, monkey
     assert "Traceback" not in printed.out + printed.err
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(report))
-    assert saved["torch"] is None and saved["torch_version"] is None
+    assert saved["torch"] is None and "torch_version" not in saved["machine"]
+    check_run_record(saved["machine"])
+    core = min(os.sched_getaffinity(0))
+    assert saved["cores"] == [core] == saved["machine"]["threads"]["cpu_affinity"]  # pinned while it ran
     entry = saved["results"]["32"]
     assert entry["torch"] is None and entry["sidejax_over_torch_time"] is None
-    assert entry["sidejax"]["seconds_per_epoch"] > 0 and len(entry["sidejax"]["seconds_per_epoch_all"]) == 1
+    assert entry["sidejax"]["seconds_per_epoch"] == entry["sidejax"]["timing"]["median_wall_s"] > 0
+    check_timing(entry["sidejax"]["timing"], 1)
+    assert entry["sidejax"]["cpu_us_per_example"] > 0

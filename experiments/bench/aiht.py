@@ -50,6 +50,7 @@ from experiments.bench.common import (
     Sized,
     best,
     interleave,
+    load_average,
     machine_record,
     parser,
     text_table,
@@ -456,6 +457,7 @@ def _parse_args(argv):
 
 def main(argv=None) -> dict:
     args = _parse_args(argv)
+    load_before = load_average()
     import scipy
 
     t0 = time.perf_counter()
@@ -474,7 +476,7 @@ def main(argv=None) -> dict:
             seed=args.seed,
         )
     result = {
-        "machine": machine_record(scipy_version=scipy.__version__),
+        "machine": machine_record(load_before=load_before, scipy_version=scipy.__version__),
         "problem": {
             "phi": "digits softmax regression (65x10), per-point log-likelihoods at diagonal-Laplace "
             "posterior draws, projected_potentials (not synthetic)",

@@ -58,6 +58,7 @@ from experiments.bench.common import (
     Sized,
     best,
     interleave,
+    load_average,
     machine_record,
     parser,
     rel_diff,
@@ -539,11 +540,12 @@ def _parse_args(argv):
 
 def main(argv=None) -> dict:
     args = _parse_args(argv)
+    load_before = load_average()
     import optax
 
     res = run(args)
     result = {
-        "machine": machine_record(load_average=True, optax_version=optax.__version__),
+        "machine": machine_record(load_before=load_before, optax_version=optax.__version__),
         "settings": {
             "model": "moons_mlp",
             "dataset": "moons train",

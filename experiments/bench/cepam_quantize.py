@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 
+from experiments.bench import common
 from experiments.bench.common import best, clock, interleave, machine_record, parser, text_table, write_report
 
 DEFAULT_DIM = 25_818  # the CEPAM MLP
@@ -212,6 +213,7 @@ def _time_cases(cases, fns, repeats: int, d: int) -> None:
 
 def main(argv=None) -> dict:
     args = _parse_args(argv)
+    load_before = common.load_average()
     import jax
     import jax.numpy as jnp
 
@@ -241,7 +243,7 @@ def main(argv=None) -> dict:
         results[str(d)] = cases
 
     result = {
-        "machine": machine_record(),
+        "machine": machine_record(load_before=load_before),
         "dims": list(args.dim),
         "sigma": args.sigma,
         "b": args.b,

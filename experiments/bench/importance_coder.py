@@ -7,15 +7,19 @@ interleaved, best of ``--repeats``:
 - ``floor``: generating the ``K x d`` candidate uniforms with ``jax.random.uniform`` and reducing them to one
   number (so nothing else is computed and they need not be stored), in the same coordinate chunks as the
   encoder uses;
-- ``floor_counter``: generating the same ``K x d`` uniforms the coder uses (the counter hash of
-  :mod:`sidejax.coding.counter`), reduced: the tighter floor for this design;
+- ``floor_counter``: the candidates the coder itself generates, from its own counter-based uniforms and
+  candidate function, reduced (:func:`experiments.bench.common.candidate_floor`): the tighter floor for this
+  design; an encode CPU time below it is refused (:func:`experiments.bench.common.check_above_floor`);
 - ``floor_threefry``: the same ``K x d`` uniforms as stream format 1 generated them (one Threefry-2x32
-  block per coordinate pair, both words used), reduced: what the counter hash replaced;
+  block per coordinate pair, both words used), reduced: what the counter hash replaced, with
+  ``encode_format1``, the same encoder traced with format 1's uniforms (the speed-up in one process);
 - ``encode``: :func:`sidejax.coding.importance_encode` (Bernoulli q vs p = 0.5, fixed blocks of 64);
 - ``decode``: :func:`sidejax.coding.importance_decode`.
 
-Reports coordinates per second, ``(encode + decode) / floor`` (target: within 2x) and the peak resident
-memory of the subprocess, as JSON (default ``results/bench/importance_coder.json``).
+Reports coordinates per second, ``(encode + decode) / floor`` (target: within 2x), the peak resident
+memory of the subprocess, every contestant's wall and CPU time, and the machine, threads and load average
+before and after, as JSON (default ``results/bench/importance_coder.json``). XLA runs with its default
+threads here: compare CPU times, or pin the run (``taskset -c 0 python -m ...``; the children inherit it).
 
 Run: ``python -m experiments.bench.importance_coder [--dims 61706,2262602] [--log2k 8]``.
 """
@@ -28,7 +32,18 @@ import resource
 import sys
 from pathlib import Path
 
-from experiments.bench.common import best, child_json, interleave, parser, write_report
+from experiments.bench.common import (
+    best,
+    candidate_floor,
+    check_above_floor,
+    child_json,
+    interleave,
+    load_average,
+    machine_record,
+    parser,
+    timing,
+    write_report,
+)
 
 #: the command line: flag -> (type, default, help)
 FLAGS = {
@@ -52,7 +67,6 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
     from sidejax.coding import importance
     from sidejax.coding.importance import (
         choose_chunk_size,
-        chunk_uniforms,
         importance_decode,
         importance_encode,
     )
@@ -73,12 +87,7 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
 
         return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
 
-    @jax.jit
-    def floor_counter(key):  # the coder's own candidate uniforms (the counter hash), reduced
-        def step(acc, c):
-            return acc + jnp.sum(chunk_uniforms(key, K, c * chunk, chunk)), None
-
-        return jax.lax.scan(step, jnp.float32(0), jnp.arange(num_chunks))[0]
+    floor_counter = candidate_floor(p, K, chunk)  # the coder's own candidates, reduced
 
     def format1_uniforms(key, num_candidates, start, length):
         """Stream format 1's ``[K, length]`` candidate uniforms (the coder before the counter hash): word
@@ -117,7 +126,12 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
         "decode": lambda: decode(sk, idx),
     }
     interleave(calls, 1)  # compile + warm up
-    t = {name: wall for name, (wall, _) in best(interleave(calls, repeats)[0]).items()}
+    times = interleave(calls, repeats)[0]
+    t = {name: wall for name, (wall, _) in best(times).items()}
+    # the floor check compares CPU times on the CPU (steady under load); on an accelerator the host's CPU
+    # time says nothing of the device's work, so wall times there
+    basis = "cpu" if jax.default_backend() == "cpu" else "wall"
+    checked = {name: (c if basis == "cpu" else w) for name, (w, c) in best(times).items()}
     t_floor, t_floor_counter, t_enc, t_dec = t["floor"], t["floor_counter"], t["encode"], t["decode"]
     t_threefry, t_enc1 = t["floor_threefry"], t["encode_format1"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -139,6 +153,11 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
         "ratio_to_counter_floor": (t_enc + t_dec) / t_floor_counter,
         "coords_per_s_encode_decode": dim / (t_enc + t_dec),
         "candidate_evals_per_s_floor": K * dim / t_floor,
+        "floor_check_time": basis,
+        "encode_over_counter_floor": check_above_floor(
+            f"encode (d = {dim}, K = {K}, {basis} time)", checked["encode"], checked["floor_counter"]
+        ),
+        "timing": {name: timing(v) for name, v in times.items()},
         "peak_rss_mb": peak_mb,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
@@ -148,6 +167,7 @@ def run_single(dim: int, log2k: int, repeats: int, memory_budget_mb: int) -> dic
 def main(argv: list[str] | None = None) -> dict:
     p = parser("experiments.bench.importance_coder", __doc__, FLAGS)
     args = p.parse_args(argv)
+    load_before = load_average()
     if args.single is not None:
         print(json.dumps(run_single(args.single, args.log2k, args.repeats, args.memory_budget_mb)))
         return {}
@@ -169,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         "log2_num_candidates": args.log2k,
         "memory_budget_mb": args.memory_budget_mb,
         "target_ratio_to_floor": 2.0,
+        "machine": machine_record(load_before=load_before),
         "results": rows,
     }
     write_report(report, args.output, trailing_newline=False)

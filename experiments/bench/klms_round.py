@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import time
 
-from experiments.bench.common import best, interleave, parser, write_json
+from experiments.bench.common import best, interleave, load_average, machine_record, parser, write_json
 
 #: the command line: flag -> (type, default, help)
 FLAGS = {
@@ -160,6 +160,7 @@ def _print_summary(result: dict, out) -> None:
 
 def main(argv=None) -> dict:
     args, config = _parse_args(argv)
+    load_before = load_average()
     import jax
     import jax.numpy as jnp
 
@@ -211,7 +212,7 @@ def main(argv=None) -> dict:
         "warmup_update_rounds": updates,
         "warmup_seconds": warmup_s,
         "repeats": args.repeats,
-        "backend": jax.default_backend(),
+        "machine": machine_record(load_before=load_before),
         "cases": cases,
     }
     out = write_json(result, args.out)

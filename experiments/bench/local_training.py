@@ -21,15 +21,23 @@ Run: ``python -m experiments.bench.local_training [--clients 10] [--rounds 1] [-
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from pathlib import Path
 
 import jax
 import optax
 
-from experiments.bench.common import CONVS, conv_context, fashion_mnist, parser, write_report
+from experiments.bench.common import (
+    CONVS,
+    clock,
+    conv_context,
+    fashion_mnist,
+    load_average,
+    machine_record,
+    parser,
+    timing,
+    write_report,
+)
 from sidejax.algorithms import fedavg
 from sidejax.data import iid_partition, make_federated_data
 from sidejax.fl import LocalTraining, classification_loss, run_rounds
@@ -80,20 +88,17 @@ def _time_strategy(args, strategy, conv, fed, loss, init_key, rounds_key, params
         warm, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
         jax.block_until_ready(warm)
     compile_and_first = time.perf_counter() - t0
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        out, _ = run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    best = min(times)
+    call = lambda: run_rounds(algo, rounds_key, state, fed, args.rounds, client_map=strategy)[0]
+    times = [clock(call)[1:] for _ in range(args.repeats)]  # (wall, CPU) seconds
+    best = min(w for w, _ in times)
     return {
         "strategy": strategy,
         "conv": conv,
         "client_epochs_per_s": args.clients * args.rounds / best,
         "examples_per_s": args.clients * args.rounds * args.examples_per_client / best,
         "seconds_per_round_best": best / args.rounds,
-        "seconds_per_round_all": [t / args.rounds for t in times],
+        "seconds_per_round_all": [w / args.rounds for w, _ in times],
+        "timing": timing(times),
         "first_call_s_incl_compile": compile_and_first,
     }
 
@@ -115,6 +120,7 @@ def _add_speedups(report: dict, results: dict, args) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse_args(argv)
+    load_before = load_average()
     fed, real = _federated_data(args)
     spec = get_model("lenet5")
     init_key, rounds_key = run_keys(0)
@@ -139,11 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         "batch_size": args.batch_size,
         "rounds_per_call": args.rounds,
         "repeats": args.repeats,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "jax_version": jax.__version__,
+        "machine": machine_record(load_before=load_before),
         "results": results,
     }
     _add_speedups(report, results, args)

@@ -28,13 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from experiments.bench.common import Sized, child_json, interleave, parser, write_json
+from experiments.bench.common import (
+    Sized,
+    child_json,
+    interleave,
+    load_average,
+    machine_record,
+    parser,
+    write_json,
+)
 
 METHODS = ("fedavg", "fedpm_klms")
 
@@ -206,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child is not None:
         print("CHILD " + json.dumps(_child(args)), flush=True)
         return {}
+    load_before = load_average()
     runs: dict[int, list[dict]] = {n: [] for n in counts}
     for _ in range(args.repeats):
         for n in counts:
@@ -222,11 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "sharding",
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "child")},
         "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "cores_used": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "note": "every device count runs in its own process on the same cores; XLA's default threads",
+            **machine_record(load_before=load_before),
+            "note": "every device count runs in its own process on the same cores (cpu_affinity), with XLA's "
+            "default threads and XLA_FLAGS=--xla_force_host_platform_device_count=N",
         },
         "results": results,
         "ratio_to_first_count": ratios,

@@ -22,38 +22,45 @@ of them alike), median reported:
   gathered from the epoch's permutation as sidejax does. Skipped with a message, and recorded as
   ``"torch": null``, when PyTorch is not installed.
 
-Threads: ``--threads 1`` (default) pins both to one thread: ``torch.set_num_threads(1)`` and, for XLA,
-``--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`` in ``XLA_FLAGS``, which must be set
+Threads and cores: ``--threads 1`` (default) asks both for one thread: ``torch.set_num_threads(1)`` (and one
+inter-op thread) and, for XLA, ``--xla_cpu_multi_thread_eigen=false`` in ``XLA_FLAGS``, which must be set
 before jax is imported: when jax is already imported (``main()`` called from Python), the benchmark re-runs
-itself in a fresh interpreter. ``--threads 0`` leaves both libraries at their defaults.
+itself in a fresh interpreter. ``--threads 0`` leaves both libraries at their defaults. XLA's flag leaves
+its intra-op pool at one thread per usable core (sidejax ran on about 1.7 cores against PyTorch's one before
+the pinning), so both sides also run on the same cores: ``--cores`` (default: one core, the first this
+process may use; ``all``: not pinned) is set with ``os.sched_setaffinity`` before jax is imported
+(:func:`experiments.bench.common.run_pinned`; a re-run interpreter inherits it). Every contestant's CPU time
+is recorded beside its wall time: pinned to one core, CPU / wall is about 1 on an idle machine.
 
-Writes JSON (default ``results/bench/torch_compare.json``): per batch size, each contestant's seconds per
-epoch (all repeats and median) and microseconds per example, ``sidejax_over_torch_time`` (the target of
+Writes JSON (default ``results/bench/torch_compare.json``): the machine, threads, cores and load average
+before and after (:func:`experiments.bench.common.machine_record`); per batch size, each contestant's wall
+and CPU seconds per epoch (all repeats, median, best; :func:`experiments.bench.common.timing`), median
+seconds per epoch and microseconds per example, ``sidejax_over_torch_time`` (the target of
 issue 12 is <= 1.2 at batch 32), ``kernel_only_over_sidejax_time`` (the speed-up of both changes),
 ``kernel_only_over_no_banded_time`` (of the input-gradient change alone) and the per-example cost of batch
-128 relative to batch 32 for each contestant.
+128 relative to batch 32 for each contestant, in wall and in CPU time.
 
 Run: ``python -m experiments.bench.torch_compare [--batch-sizes 32,128] [--examples 6000] [--repeats 5]
-[--before] [--lax]``.
+[--cores 0] [--before] [--lax]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
-import sys
 from pathlib import Path
 
 from experiments.bench.common import (
-    SINGLE_THREAD_XLA_FLAGS,
+    THREAD_FLAGS,
+    check_threads_and_cores,
     conv_context,
     fashion_mnist,
     interleave,
+    load_average,
+    machine_record,
     parser,
-    single_thread_env,
+    run_pinned,
+    timing,
+    torch_single_thread,
     write_report,
 )
 
@@ -62,7 +69,7 @@ FLAGS = {
     "--batch-sizes": (str, "32,128", "comma-separated batch sizes (default 32,128)"),
     "--examples": (int, 6000, "examples in the client's epoch (default 6000)"),
     "--repeats": (int, 5, "timed epochs per contestant (median reported)"),
-    "--threads": (int, 1, "1: single-threaded; 0: defaults"),
+    **THREAD_FLAGS,
     "--before": (bool, False, "also time no_banded and kernel_only (before issue 12)"),
     "--lax": (bool, False, "also time plain lax convolutions (slow)"),
     "--no-torch": (bool, False, "skip PyTorch even when it is installed"),
@@ -79,8 +86,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}")
     if any(b < 1 for b in args.batch_sizes) or args.examples < 1 or args.repeats < 1:
         p.error("--batch-sizes, --examples and --repeats must be >= 1")
-    if args.threads not in (0, 1):
-        p.error(f"--threads takes 0 or 1, got {args.threads}")
+    check_threads_and_cores(p, args)
     return args
 
 
@@ -195,34 +201,29 @@ def _setup_torch(args):
         why = "--no-torch" if args.no_torch else "PyTorch is not installed (pip install torch to compare)"
         print(f'skipping PyTorch: {why}; the JSON records "torch": null', flush=True)
     elif args.threads == 1:
-        torch.set_num_threads(1)
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set (or parallel work already started) in this process
-            pass
+        torch_single_thread(torch)
     return torch
 
 
 def _time_epochs(by_batch: dict, repeats: int) -> dict:
-    """Wall seconds of each ``repeats`` epoch of every (batch size, contestant), all of them in turn within
-    each repeat: machine load drifts alike over all of them."""
+    """``(wall, CPU)`` seconds of each ``repeats`` epoch of every (batch size, contestant), all of them in
+    turn within each repeat: machine load drifts alike over all of them."""
     calls = {(b, name): fn for b, trainers in by_batch.items() for name, fn in trainers.items()}
     times = interleave(calls, repeats)[0]
-    return {
-        b: {name: [w for w, _ in times[b, name]] for name in trainers} for b, trainers in by_batch.items()
-    }
+    return {b: {name: times[b, name] for name in trainers} for b, trainers in by_batch.items()}
 
 
 def _batch_entry(b, trainers, times: dict, examples: int) -> dict:
-    """One batch size's medians, per-example times and ratios (printed as well)."""
-    import numpy as np
-
-    med = {name: float(np.median(v)) for name, v in times.items()}
+    """One batch size's medians (wall time), per-example times and ratios (printed as well), each
+    contestant's wall and CPU time (:func:`timing`)."""
+    stats = {name: timing(v) for name, v in times.items()}
+    med = {name: t["median_wall_s"] for name, t in stats.items()}
     entry = {
         name: {
             "seconds_per_epoch": med[name],
-            "seconds_per_epoch_all": times[name],
             "us_per_example": 1e6 * med[name] / examples,
+            "cpu_us_per_example": 1e6 * stats[name]["median_cpu_s"] / examples,
+            "timing": stats[name],
         }
         for name in trainers
     }
@@ -236,6 +237,10 @@ def _batch_entry(b, trainers, times: dict, examples: int) -> dict:
         entry["lax_over_sidejax_time"] = med["lax"] / med["sidejax"]
     line = ", ".join(f"{k} {v['us_per_example']:.1f}" for k, v in entry.items() if isinstance(v, dict))
     print(f"batch {b}: us/example {line}", flush=True)
+    cpu = ", ".join(
+        f"{k} {v['timing']['cpu_over_wall']:.2f}" for k, v in entry.items() if isinstance(v, dict)
+    )
+    print(f"batch {b}: CPU / wall time {cpu}", flush=True)
     if entry["sidejax_over_torch_time"] is not None:
         print(f"batch {b}: sidejax / torch time {entry['sidejax_over_torch_time']:.2f}", flush=True)
     if "kernel_only_over_sidejax_time" in entry:
@@ -248,8 +253,7 @@ def _batch_entry(b, trainers, times: dict, examples: int) -> dict:
 
 
 def _run(args: argparse.Namespace) -> dict:
-    import jax
-
+    load_before = load_average()
     torch = _setup_torch(args)
     data = _Data(args.examples)
     variants = ["sidejax"] + ["no_banded", "kernel_only"] * args.before + ["lax"] * args.lax
@@ -269,35 +273,25 @@ def _run(args: argparse.Namespace) -> dict:
         "batch_sizes": args.batch_sizes,
         "repeats": args.repeats,
         "threads": "1" if args.threads == 1 else "library defaults",
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "cores": args.cores,
         "optimizer": "sgd(lr=0.05, momentum=0.9)",
-        "backend": jax.default_backend(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "jax_version": jax.__version__,
-        "torch_version": None if torch is None else torch.__version__,
         "torch": None if torch is None else {"num_threads": torch.get_num_threads()},
+        "machine": machine_record(load_before=load_before, torch=torch),
         "results": per_batch,
     }
     if "32" in per_batch and "128" in per_batch:
-        report["batch128_over_batch32_time_per_example"] = {
-            name: per_batch["128"][name]["us_per_example"] / per_batch["32"][name]["us_per_example"]
-            for name in per_batch["32"]
-            if isinstance(per_batch["32"][name], dict) and isinstance(per_batch["128"].get(name), dict)
-        }
+        both = [n for n, v in per_batch["32"].items() if isinstance(v, dict) and per_batch["128"].get(n)]
+        for field, key in (("us_per_example", "time"), ("cpu_us_per_example", "cpu_time")):
+            report[f"batch128_over_batch32_{key}_per_example"] = {
+                name: per_batch["128"][name][field] / per_batch["32"][name][field] for name in both
+            }
     write_report(report, args.output, trailing_newline=False)
     return report
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    if args.threads == 1 and SINGLE_THREAD_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-        if "jax" in sys.modules:  # too late for XLA_FLAGS in this process: run in a fresh interpreter
-            cmd = [sys.executable, "-m", "experiments.bench.torch_compare"]
-            subprocess.run([*cmd, *(sys.argv[1:] if argv is None else argv)], check=True)
-            return json.loads(args.output.read_text())
-        os.environ.update(single_thread_env())
-    return _run(args)
+    return run_pinned("experiments.bench.torch_compare", args, argv, lambda: _run(args))
 
 
 if __name__ == "__main__":
