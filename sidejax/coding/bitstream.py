@@ -13,6 +13,7 @@ along the chain of codeword starts (:func:`codeword_starts`). Reading is the exa
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,12 @@ __all__ = [
     "golomb_length",
     "golomb_codeword",
     "golomb_decode",
+    "StreamView",
+    "stream_view",
+    "golomb_decode_at",
+    "elias_gamma_decode_at",
     "walk_codewords",
+    "walk_symbols",
     "jump_codewords",
     "codeword_starts",
     "resolve_chain_method",
@@ -486,8 +492,11 @@ def elias_gamma_decode(words: jax.Array, bit_positions: jax.Array | None = None)
       uint32 fits (32 or more leading zeros, e.g. the zero tail of the buffer); there ``length`` is
       :data:`INVALID_LENGTH` and ``n`` is 0.
     """
-    msb = reverse_bits32(words)
-    pos = _positions(words, bit_positions)
+    return _elias_gamma_at(reverse_bits32(words), _positions(words, bit_positions))
+
+
+def _elias_gamma_at(msb: jax.Array, pos: jax.Array):
+    """:func:`elias_gamma_decode` at positions ``pos >= 0`` of the bit-reversed words ``msb``."""
     zeros = jax.lax.clz(_window(msb, pos)).astype(jnp.int32)
     valid = zeros < 32
     z = jnp.minimum(zeros, 31)
@@ -557,10 +566,33 @@ def golomb_decode(words: jax.Array, bit_positions: jax.Array | None, m):
       in int32), int32 lengths, and False where the unary part has no terminating 1 inside the buffer
       (there ``length`` is :data:`INVALID_LENGTH` and ``n`` is 0).
     """
+    return _golomb_at(stream_view(words), _positions(words, bit_positions), m)
+
+
+class StreamView(NamedTuple):
+    """A word stream prepared for O(1) reads at any bit position (:func:`stream_view`).
+
+    Attributes:
+      msb: the words bit-reversed (stream bit ``32 w + i`` is bit ``31 − i`` of ``msb[w]``).
+      first_nz: ``[len(msb) + 1]``, for every word index the first word at or after it that is nonzero
+        (``len(msb)`` if none): the table that finds the end of a long run of zeros in O(1).
+    """
+
+    msb: jax.Array
+    first_nz: jax.Array
+
+
+def stream_view(words: jax.Array) -> StreamView:
+    """The :class:`StreamView` of ``words`` (O(len(words)) once; then every codeword read is O(1))."""
     msb = reverse_bits32(words)
-    cap = 32 * words.shape[0]
-    pos = _positions(words, bit_positions)
-    one = _next_one(msb, _first_nonzero_word(msb), pos, _window(msb, pos))
+    return StreamView(msb, _first_nonzero_word(msb))
+
+
+def _golomb_at(view: StreamView, pos: jax.Array, m):
+    """:func:`golomb_decode` at positions ``pos >= 0`` of a prepared stream."""
+    msb = view.msb
+    cap = 32 * msb.shape[0]
+    one = _next_one(msb, view.first_nz, pos, _window(msb, pos))
     valid = one < cap
     m, b, u = _golomb_params(m)
     q = jnp.where(valid, one - pos, 0)
@@ -580,6 +612,18 @@ def golomb_decode(words: jax.Array, bit_positions: jax.Array | None, m):
     )
 
 
+def golomb_decode_at(view: StreamView, bit_positions: jax.Array, m):
+    """:func:`golomb_decode` at ``bit_positions`` of a prepared stream (:func:`stream_view`): the same
+    ``(n, length, valid)``, without rebuilding the O(len(words)) tables, so it can run inside a loop body
+    one codeword at a time."""
+    return _golomb_at(view, jnp.maximum(jnp.asarray(bit_positions, jnp.int32), 0), m)
+
+
+def elias_gamma_decode_at(view: StreamView, bit_positions: jax.Array):
+    """:func:`elias_gamma_decode` at ``bit_positions`` of a prepared stream (:func:`stream_view`)."""
+    return _elias_gamma_at(view.msb, jnp.maximum(jnp.asarray(bit_positions, jnp.int32), 0))
+
+
 def _check_chain_args(lengths_at, max_symbols):
     max_symbols = int(max_symbols)
     if max_symbols < 0:
@@ -591,47 +635,6 @@ def _check_chain_args(lengths_at, max_symbols):
             f"lengths_at covers {lengths_at.shape[0]} bits; streams are limited to {_MAX_STREAM_BITS} bits"
         )
     return max_symbols
-
-
-def _walk_impl(lengths_at, end, start, max_symbols: int):
-    cap = lengths_at.shape[0]
-
-    def cond(state):
-        pos, count, _ = state
-        return (pos < end) & (count < max_symbols)
-
-    def body(state):
-        pos, count, starts = state
-        starts = jax.lax.dynamic_update_slice(starts, pos[None], (count,))
-        step = jnp.where(pos < cap, lengths_at[jnp.clip(pos, 0, cap - 1)], INVALID_LENGTH)
-        return pos + step, count + 1, starts
-
-    init = (start, jnp.int32(0), jnp.zeros(max(max_symbols, 1), jnp.int32))
-    pos, count, starts = jax.lax.while_loop(cond, body, init)
-    return starts, count, pos == end
-
-
-@functools.lru_cache(maxsize=64)
-def _walk_fn(max_symbols: int):
-    """The while-loop walk for a static ``max_symbols``, with a vmap rule that runs the unbatched loop once
-    per stream (``lax.map``). A batched ``while_loop`` would carry a scatter into every stream's buffer
-    through every iteration (measured on CPU: 9.4 s instead of 2.2 ms for 10 streams of 30,000 codewords).
-    """
-
-    @jax.custom_batching.custom_vmap
-    def walk(lengths_at, end, start):
-        return _walk_impl(lengths_at, end, start, max_symbols)
-
-    @walk.def_vmap
-    def walk_batched(axis_size, in_batched, lengths_at, end, start):
-        args = [
-            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, batched in zip((lengths_at, end, start), in_batched, strict=True)
-        ]
-        out = jax.lax.map(lambda a: walk(*a), tuple(args))
-        return out, (True, True, True)
-
-    return walk
 
 
 def walk_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0):
@@ -658,8 +661,82 @@ def walk_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0
       ``max_symbols`` codewords would be needed).
     """
     max_symbols = _check_chain_args(lengths_at, max_symbols)
+    table = lengths_at.astype(jnp.int32)
+    return walk_symbols(
+        _table_length_at, table, num_bits, max_symbols=max_symbols, bit_capacity=table.shape[0], start=start
+    )
+
+
+def _table_length_at(table, pos):
+    """:func:`walk_codewords`' lengths: read from the table of every position."""
+    return table[pos]
+
+
+@functools.lru_cache(maxsize=64)
+def _walk_on_the_fly_fn(length_at, max_symbols: int, bit_capacity: int):
+    """The while-loop walk of :func:`walk_symbols` for static arguments, with a vmap rule that runs the
+    unbatched loop once per stream (``lax.map``). A batched ``while_loop`` would carry a scatter into every
+    stream's buffer through every iteration (measured on CPU: 9.4 s instead of 2.2 ms for 10 streams of
+    30,000 codewords)."""
+
+    def step(operands, pos):
+        length = length_at(operands, jnp.clip(pos, 0, bit_capacity - 1))
+        return jnp.where(pos < bit_capacity, length, INVALID_LENGTH)
+
+    @jax.custom_batching.custom_vmap
+    def walk(operands, end, start):
+        def cond(state):
+            pos, count, _ = state
+            return (pos < end) & (count < max_symbols)
+
+        def body(state):
+            pos, count, starts = state
+            starts = jax.lax.dynamic_update_slice(starts, pos[None], (count,))
+            return pos + step(operands, pos), count + 1, starts
+
+        init = (start, jnp.int32(0), jnp.zeros(max(max_symbols, 1), jnp.int32))
+        pos, count, starts = jax.lax.while_loop(cond, body, init)
+        return starts, count, pos == end
+
+    @walk.def_vmap
+    def walk_batched(axis_size, in_batched, operands, end, start):
+        def full(x, batched):
+            return x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+
+        operands = jax.tree.map(full, operands, in_batched[0])
+        end, start = full(end, in_batched[1]), full(start, in_batched[2])
+        out = jax.lax.map(lambda a: walk(*a), (operands, end, start))
+        return out, (True, True, True)
+
+    return walk
+
+
+def walk_symbols(length_at, operands, num_bits, *, max_symbols: int, bit_capacity: int, start=0):
+    """:func:`walk_codewords` with each length computed when the walk reaches it instead of read from a
+    table of every position: ``length_at(operands, p)`` is the length of the codeword (or symbol) at stream
+    bit ``p`` (:data:`INVALID_LENGTH` where none is valid) for a scalar ``p`` in ``[0, bit_capacity)``;
+    positions at or past ``bit_capacity`` count as invalid, as past the end of a table of ``bit_capacity``
+    entries.
+
+    The result is :func:`walk_codewords`' on the table ``[length_at(operands, p) for p < bit_capacity]``
+    (same starts, count and ``ok``) at the cost of one O(1) read per codeword instead of one per bit of the
+    buffer: the decoders' word-speed path, for a stream much shorter than its static buffer. ``length_at``
+    must be a module-level function (it keys the compiled loop); ``operands`` is a pytree of arrays (e.g. a
+    :class:`StreamView` and a Golomb parameter). Under ``vmap`` the streams are walked one after another
+    (``lax.map``), as :func:`walk_codewords`.
+
+    Returns:
+      ``(starts, count, ok)`` as :func:`walk_codewords`.
+    """
+    max_symbols = int(max_symbols)
+    if max_symbols < 0:
+        raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
+    bit_capacity = int(bit_capacity)
+    if not 1 <= bit_capacity < _MAX_STREAM_BITS:
+        raise ValueError(f"bit_capacity must be in [1, {_MAX_STREAM_BITS}), got {bit_capacity}")
     end = jnp.asarray(num_bits, jnp.int32)
-    return _walk_fn(max_symbols)(lengths_at.astype(jnp.int32), end, jnp.asarray(start, jnp.int32))
+    fn = _walk_on_the_fly_fn(length_at, max_symbols, bit_capacity)
+    return fn(operands, end, jnp.asarray(start, jnp.int32))
 
 
 def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0):

@@ -83,13 +83,16 @@ from sidejax.coding.base import (
 )
 from sidejax.coding.bitstream import (
     INVALID_LENGTH,
-    codeword_starts,
     elias_gamma_codeword,
-    elias_gamma_decode,
+    elias_gamma_decode_at,
     golomb_codeword,
-    golomb_decode,
+    golomb_decode_at,
+    jump_codewords,
     mask_to_length,
     read_bits,
+    resolve_chain_method,
+    stream_view,
+    walk_symbols,
     write_codewords,
 )
 from sidejax.coding.lossless import MAX_STREAM_BITS, optimal_golomb_parameter
@@ -227,6 +230,14 @@ def lrsuq_quantize(shared_key, x: jax.Array, lattice: Lattice, noise, level=None
     Every block runs the same trials ``1, 2, …`` with the same keys as the per-block encoder and stops at
     the same first accepted one, so ``(h, coords)`` are identical.
 
+    When ``T0 = 1`` (``p = 1``: ``Z^1`` and Laplace; also ``A2`` at most sizes) phase 1 is one vectorised
+    trial with no loop around it, and phase 2 is a loop whose condition is false at once in practice. For
+    ``p = 1`` the first trial accepts in exact arithmetic: the ball of radius ``ρ = s/2`` is the whole cell
+    ``s[−1/2, 1/2]``, and the nearest-point residual always lies in the cell. In float32 it can still be
+    rejected by rounding (a scale ``s`` that is not a power of two: about 2·10⁻⁵ of the blocks at
+    ``s = 0.1``; ``|x/β| ≥ 2^23``, where ``x/β − V`` rounds to an integer and ``floor(y + ½)`` to the even
+    one), so phase 2 stays: it keeps the output that of the per-block loop in every case.
+
     Args:
       shared_key: the key shared by the client and the server for this message.
       x: the vector ``[d]`` (float).
@@ -308,7 +319,10 @@ def _lrsuq_quantize_blocks(layer_keys, dither_keys, xb, lattice: Lattice, noise,
         return i, jnp.where(new, i, h), jnp.where(new[:, None], c, coords), done | new
 
     init = (jnp.int32(0), jnp.zeros((blocks,), jnp.int32), jnp.zeros((blocks, n), jnp.int32), ~ok)
-    t, h, coords, done = jax.lax.while_loop(cond1, body1, init)
+    if t0 == 1:  # Z^1, Laplace, A2: trial 1 of every block, straight (the loop would stop after it anyway)
+        t, h, coords, done = body1(init)
+    else:
+        t, h, coords, done = jax.lax.while_loop(cond1, body1, init)
 
     def cond2(state):
         return ~jnp.all(state[2])
@@ -494,6 +508,9 @@ def _runs(nonzero: jax.Array) -> jax.Array:
     return idx - prev - 1
 
 
+# compiled once per shape and parameters (no key is derived inside), so that eager calls do not dispatch op
+# by op; inside an outer jit or vmap they are inlined
+@functools.partial(jax.jit, static_argnames=("trial_m", "capacity_words"))
 def encode_lattice_stream(h: jax.Array, coords: jax.Array, *, trial_m: int, capacity_words: int):
     """Writes trial indices and lattice coordinates as one stream (layout in the module docstring).
 
@@ -535,12 +552,46 @@ def encode_lattice_stream(h: jax.Array, coords: jax.Array, *, trial_m: int, capa
     return words, as_bits(end), fits
 
 
+def _trial_length_at(operands, pos):
+    """Length of the Golomb codeword (parameter ``m``) of a trial index at ``pos`` (``INVALID_LENGTH``
+    where none is valid); ``operands = (view, m)``."""
+    view, m = operands
+    return golomb_decode_at(view, pos, m)[1]
+
+
+def _symbol_length_at(operands, pos):
+    """Length of the coordinate symbol (run Golomb code, Elias-gamma magnitude, sign bit) at ``pos``
+    (``INVALID_LENGTH`` where either code is invalid); ``operands = (view, m)``."""
+    view, m = operands
+    _, rl, rvalid = golomb_decode_at(view, pos, m)
+    _, ml, mvalid = elias_gamma_decode_at(view, pos + rl)
+    return jnp.where(rvalid & mvalid, rl + ml + 1, INVALID_LENGTH)
+
+
+def _chain(length_at, operands, bit_capacity: int, end, max_symbols: int, start, method):
+    """The codeword starts from ``start`` to ``end`` (:func:`sidejax.coding.bitstream.codeword_starts`):
+    on the CPU (``"walk"``) each length is computed when the walk reaches it
+    (:func:`~sidejax.coding.bitstream.walk_symbols`, O(1) a codeword); with ``"jump"`` the lengths at every
+    bit position are tabulated first and the chain is found by pointer doubling."""
+    if resolve_chain_method(method) == "walk":
+        return walk_symbols(
+            length_at, operands, end, max_symbols=max_symbols, bit_capacity=bit_capacity, start=start
+        )
+    table = length_at(operands, jnp.arange(bit_capacity, dtype=jnp.int32))
+    return jump_codewords(table, end, max_symbols=max_symbols, start=start)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "n", "trial_m", "method"))
 def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int, method: str | None = None):
     """Parses a stream of :func:`encode_lattice_stream` (bit exact).
 
-    Every codeword's length is computed at every bit position at once and the chains of codeword starts
-    are followed by :func:`sidejax.coding.bitstream.codeword_starts` (first the ``N`` trial indices, then
-    the coordinate symbols from the header to ``num_bits``).
+    The chains of codeword starts are followed first through the ``N`` trial indices, then through the
+    coordinate symbols from the header to ``num_bits``. On the CPU the walk reads each codeword where it
+    meets it, in O(1) word operations (:func:`sidejax.coding.bitstream.walk_symbols`), so the work is
+    proportional to the codewords sent, not to the bits of the static buffer (16 per coordinate by default,
+    against 0.2-0.7 sent); with ``method="jump"`` (the accelerators' default) the lengths at every bit
+    position are tabulated and the chain found by pointer doubling (same output,
+    :func:`sidejax.coding.bitstream.codeword_starts`). Then the values at the starts are read at once.
 
     Returns:
       ``(h [N], coords [N, n], errors)``: int32 arrays (``h ≡ 1`` when ``trial_m == 0``) and an int32
@@ -553,14 +604,15 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     width = dim.bit_length()
     words, ok_len = mask_to_length(words, num_bits)
     end = jnp.asarray(num_bits, jnp.int32)
+    view = stream_view(words)
+    cap = 32 * words.shape[0]  # bit positions of the buffer
     if trial_m:
-        tv, tl, tvalid = golomb_decode(words, None, trial_m)
-        lengths_at = jnp.where(tvalid, tl, INVALID_LENGTH)
-        starts, count, _ = codeword_starts(lengths_at, end, max_symbols=blocks, method=method)
-        h = tv[starts] + 1
-        last = starts[blocks - 1]
-        h_end = last + lengths_at[last]
-        ok_h = (count == blocks) & jnp.all(tvalid[starts]) & (h_end <= end)
+        m_h = jnp.int32(trial_m)
+        starts, count, _ = _chain(_trial_length_at, (view, m_h), cap, end, blocks, 0, method)
+        tv, tl, tvalid = golomb_decode_at(view, jnp.clip(starts, 0, cap - 1), m_h)
+        h = tv + 1
+        h_end = starts[blocks - 1] + tl[blocks - 1]
+        ok_h = (count == blocks) & jnp.all(tvalid) & (h_end <= end)
     else:
         h = jnp.ones((blocks,), jnp.int32)
         h_end = jnp.int32(0)
@@ -569,18 +621,15 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     m = read_bits(words, h_end + width, width).astype(jnp.int32)
     ok_head = (h_end + 2 * width <= end) & (k <= dim) & (m >= 1) & (m <= dim)
     m = jnp.clip(m, 1, dim)
-    run, rl, rvalid = golomb_decode(words, None, m)
-    pos = jnp.arange(32 * words.shape[0], dtype=jnp.int32)
-    mag, ml, mvalid = elias_gamma_decode(words, pos + rl)
-    sym_len = jnp.where(rvalid & mvalid, rl + ml + 1, INVALID_LENGTH)
-    starts, count, ok_chain = codeword_starts(
-        sym_len, end, max_symbols=dim, start=h_end + 2 * width, method=method
-    )
+    starts, count, ok_chain = _chain(_symbol_length_at, (view, m), cap, end, dim, h_end + 2 * width, method)
+    at = jnp.clip(starts, 0, cap - 1)
+    run, rl, _ = golomb_decode_at(view, at, m)
+    mag, ml, _ = elias_gamma_decode_at(view, at + rl)
     live = jnp.arange(dim) < count
-    gaps = jnp.where(live, run[starts] + 1, 0)
+    gaps = jnp.where(live, run + 1, 0)
     idx = jnp.cumsum(gaps) - 1
-    sign = read_bits(words, starts + rl[starts] + ml[starts], 1)
-    value = mag[starts]
+    sign = read_bits(words, starts + rl + ml, 1)
+    value = mag
     ok_pos = jnp.all(jnp.where(live, (idx < dim) & (value <= jnp.uint32(2**31 - 1)), True))
     ok_parse = ok_h & ok_head & ok_chain & (count == k)
     signed = jnp.where(sign == 1, -value.astype(jnp.int32), value.astype(jnp.int32))
@@ -590,6 +639,7 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     return jnp.where(good, h, 0), flat.reshape(blocks, n), errors
 
 
+@jax.jit
 def _order0_bits(flat: jax.Array) -> jax.Array:
     """``d`` times the empirical entropy (bits) of the values in ``flat [d]``."""
     s = jnp.sort(flat)

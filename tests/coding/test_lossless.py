@@ -261,6 +261,37 @@ def test_chain_methods_agree_under_vmap():
         np.testing.assert_array_equal(np.asarray(sj[b]), np.asarray(sw[b]))
 
 
+def _golomb_length_at(operands, pos):
+    view, m = operands
+    return bs.golomb_decode_at(view, pos, m)[1]
+
+
+def test_walk_symbols_is_the_walk_on_the_table_of_every_position():
+    """walk_symbols computes each length where the walk reaches it; it returns walk_codewords' result on
+    the table of every position (random streams of Golomb codewords, some ending inside a codeword or past
+    the buffer), unbatched and under vmap; the readers at given positions equal those at every position."""
+    rng = np.random.default_rng(5)
+    streams = rng.integers(0, 2**32, (12, 6), dtype=np.uint64).astype(np.uint32)
+    streams[:4] &= np.uint32(0x11111111)  # long runs of zeros
+    ends = np.concatenate([rng.integers(0, 192, 10), [192, 250]]).astype(np.int32)
+    m = jnp.int32(3)
+
+    def both(words, end):
+        view = bs.stream_view(words)
+        walked = bs.walk_symbols(_golomb_length_at, (view, m), end, max_symbols=40, bit_capacity=192, start=1)
+        tabled = bs.walk_codewords(bs.golomb_decode(words, None, m)[1], end, max_symbols=40, start=1)
+        pos = jnp.arange(192)
+        at = bs.golomb_decode_at(view, pos, m), bs.elias_gamma_decode_at(view, pos)
+        return walked, tabled, at, (bs.golomb_decode(words, None, m), bs.elias_gamma_decode(words))
+
+    batched = jax.jit(jax.vmap(both))(jnp.asarray(streams), jnp.asarray(ends))
+    single = jax.jit(both)(jnp.asarray(streams[0]), jnp.asarray(ends[0]))
+    for walked, tabled, at, every in (batched, single):
+        for x, y in zip(jax.tree.leaves((walked, at)), jax.tree.leaves((tabled, every)), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert 0 < int(np.sum(np.asarray(batched[0][2]))) < len(ends)  # both outcomes of ok occur
+
+
 # ----------------------------------------------------------------------------------------------------
 # QSGD Elias stream
 
