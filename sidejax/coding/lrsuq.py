@@ -337,7 +337,13 @@ def _trial(dither_key, xs, i, lattice):
     y = xs - v
     _, coords = lattice.nearest(y)
     e = _point(lattice, coords, dtype) - y
-    return coords, v, jnp.sum(jnp.square(e)) <= lattice.packing_radius**2
+    inside = jnp.sum(jnp.square(e)) <= lattice.packing_radius**2
+    # On a one-dimensional lattice the ball of radius ρ = s/2 is the whole cell: every trial accepts in
+    # exact arithmetic (p = 1), and the stream sends no trial index (the decoder takes h = 1). A float32
+    # rounding of the residual must not reject it: with a scale that is not a power of two that kept trial
+    # 2 while the decoder rebuilt trial 1, and for |x/β| an odd integer in [2^23, 2^24) every trial was
+    # rejected and the encoder never stopped.
+    return coords, v, inside | (lattice.dim == 1)
 
 
 def _trial_loop(dither_key, xs, lattice, start, accepted):

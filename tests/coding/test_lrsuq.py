@@ -252,3 +252,28 @@ def test_non_finite_input_is_not_encoded():
     h, coords = Q.lrsuq_encode(key, key, jnp.array([jnp.nan, 0.0]), lattice, noise)
     assert int(h) == 0
     assert np.all(np.isnan(np.asarray(Q.lrsuq_decode(key, key, h, coords, lattice, noise))))
+
+
+def test_a_one_dimensional_lattice_accepts_its_first_trial_whatever_float32_rounding_says():
+    """Z^1's p = 1 holds in exact arithmetic; its stream sends no trial index, so the decoder rebuilds
+    trial 1. Before the fix a float32 rounding of the residual could reject trial 1: with scale 0.1 the
+    encoder kept a later trial for 15 of these 400,000 blocks (a silent wrong value), and with scale 1 and
+    ``x/β = 2^23 + 1`` every trial was rejected until trial 8,981,265."""
+    noise = Q.GaussianNoise(0.5)
+    z = L.integer_lattice(1, 0.1)
+    n = 400_000
+    lk, dk = _keys(1, n), _keys(2, n)
+    x = jnp.asarray(np.random.default_rng(3).normal(0.0, 1000.0, (n, 1)), jnp.float32)
+    h, coords, x_hat = jax.jit(jax.vmap(lambda a, b, v: Q._lrsuq_encode(a, b, v, z, noise)))(lk, dk, x)
+    assert np.all(np.asarray(h) == 1)
+    decoded = jax.jit(jax.vmap(lambda a, b, hh, c: Q.lrsuq_decode(a, b, hh, c, z, noise)))(lk, dk, h, coords)
+    # two compiled programs: within 4 ULP (a later trial's dither would differ by up to a cell, 0.1 β)
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(x_hat), rtol=2.0**-21, atol=0)
+    # scale 1, x/β an odd integer just above 2^23: trial 1, a finite value, no endless loop
+    one = L.integer_lattice(1, 1.0)
+    lk1, dk1 = lk[0], dk[0]
+    _, beta = Q.lrsuq_latent(lk1, one, noise, jnp.float32)
+    x_big = jnp.asarray([float(beta) * (2.0**23 + 1.0)], jnp.float32)
+    h1, c1, xh1 = Q._lrsuq_encode(lk1, dk1, x_big, one, noise)
+    assert int(h1) == 1 and np.all(np.isfinite(np.asarray(xh1)))
+    np.testing.assert_array_equal(Q.lrsuq_decode(lk1, dk1, h1, c1, one, noise), xh1)
