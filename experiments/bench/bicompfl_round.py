@@ -24,7 +24,7 @@ the same cores (``--cores``, default one core: :func:`experiments.bench.common.p
 flags still leave two threads busy), median of ``--repeats`` runs after a warm-up, each contestant timed in
 turn within a repeat, wall and CPU time. Beside them, ``candidate_floor``: the candidates the encode cannot
 avoid generating, from the coder's own generator (:func:`experiments.bench.common.candidate_floor`), timed
-in the same run; an encode whose CPU time is below a quarter of it is refused with an error
+in the same run; an encode whose CPU time is below a tenth of it is refused with an error
 (:func:`experiments.bench.common.check_above_floor`) instead of reported. Writes JSON (default
 ``results/bench/bicompfl_round.json``) with each configuration's seconds and timing, the machine, threads,
 cores and load average before and after, ``encode_over_floor_cpu_time``, and ``torch_over_sidejax_time``
