@@ -29,7 +29,7 @@ mixers with low avalanche bias (see docs/architecture.md#candidate-generator). W
 
 - **Cost.** ``a`` and ``b`` are computed once per coordinate and once per candidate; each of the ``K x d``
   uniforms costs one xor, two ``mix`` and one add, about 18 integer operations, against Threefry's ~65. In
-  one process on this machine's CPU the ``K x d`` uniforms come 9-10x faster than the format-1 Threefry
+  one process on this machine's CPU the ``K x d`` uniforms come 7.5-10x faster than the format-1 Threefry
   ones (experiments/bench/importance_coder.py, ``floor_counter`` vs ``floor_threefry``).
 - **Portability.** Only ``uint32`` xor, shift, add and multiply, which every backend computes exactly, then
   an exact float32 conversion: the same key gives the same words and the same uniforms on CPU, GPU and
