@@ -41,7 +41,7 @@ def test_cepam_quantize_bench_tiny(tmp_path, capsys):
     assert saved["dims"] == [d] and saved["repeats"] == 2 and saved["sigma"] == 0.1 and saved["b"] == 0.1
     machine = saved["machine"]
     assert machine["cpu_count"] >= 1 and len(machine["devices"]) >= 1 and machine["backend"]
-    assert len(machine["load_average_after"]) == 3 and len(saved["load_average_before"]) == 3
+    assert len(machine["load_average_after"]) == 3 and len(machine["load_average_before"]) == 3
     assert saved["threads"]["pinned_core"] == core and saved["threads"]["usable_cpus"] == 1
     assert saved["threads"]["jax_imported_before_the_flags"]  # in this process: the flags are recorded as is
     assert saved["process_cpu_seconds"] > 0

@@ -8,6 +8,8 @@ import json
 import pytest
 from test_bench_common import check_run_record, check_timing
 
+from experiments.bench.common import FLOOR_TOLERANCE
+
 
 @pytest.mark.slow  # a benchmark script end to end
 def test_importance_coder_bench_tiny(tmp_path, capsys):
@@ -20,9 +22,12 @@ def test_importance_coder_bench_tiny(tmp_path, capsys):
     assert saved == json.loads(json.dumps(report))
     check_run_record(saved["machine"])
     (row,) = saved["results"]
-    assert set(row["timing"]) == {"floor", "floor_counter", "encode", "decode"}
+    timed = {"floor", "floor_counter", "floor_threefry", "encode", "encode_format1", "decode"}
+    assert set(row["timing"]) == timed
     for t in row["timing"].values():
         check_timing(t, 2)
     cpu = {k: t["best_cpu_s"] for k, t in row["timing"].items()}
     assert row["floor_check_time"] == "cpu"
-    assert row["encode_over_counter_floor"] == cpu["encode"] / cpu["floor_counter"] >= 0.75
+    assert row["encode_over_counter_floor"] == cpu["encode"] / cpu["floor_counter"] >= FLOOR_TOLERANCE
+    # the same encoder traced with stream format 1's Threefry uniforms, timed in the same run
+    assert row["encode_speedup_over_format1"] == row["encode_format1_s"] / row["encode_s"] > 0
