@@ -129,6 +129,12 @@ def candidates(shared_key, p, log2_num_candidates: int) -> jax.Array:
     return candidate_values(p, u)
 
 
+def _check_chunk_size(chunk_size) -> None:
+    """``ValueError`` unless ``chunk_size`` (coordinates per encoder step) is a whole number ``>= 1``."""
+    if int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
 def _check_dims(blocks: Blocks, **dists) -> None:
     """``ValueError`` naming both dimensions when a distribution does not match the partition."""
     check_dims(
@@ -218,8 +224,7 @@ def encode_bounded(
         raise ValueError(f"work_blocks must be in [1, max_blocks={mb}], got {work_blocks}")
     if chunk_size is None:
         chunk_size = choose_chunk_size(dim, K, memory_budget_bytes)
-    if int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     num_chunks = -(-dim // chunk_size)
     pad = num_chunks * chunk_size - dim
     qp, pp = _pad(q, pad), _pad(p, pad)

@@ -111,6 +111,7 @@ from sidejax.coding.bitstream import (
 )
 from sidejax.coding.importance import (
     DEFAULT_MEMORY_BUDGET_BYTES,
+    _check_chunk_size,
     _pad,
     _slice,
     candidate_uniforms,
@@ -393,8 +394,7 @@ def equal_blocks_encode(
     """
     dim = dist_dim(q)
     check_dims(dim, "q has", "q and p must describe the same vector", p=p)
-    if int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     K = 2**log2_num_candidates
     C = int(chunk_size)
     num_chunks = -(-dim // C)

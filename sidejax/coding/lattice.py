@@ -232,11 +232,12 @@ def lrsuq_quantize(shared_key, x: jax.Array, lattice: Lattice, noise, level=None
 
     When ``T0 = 1`` (``p = 1``: ``Z^1`` and Laplace; also ``A2`` at most sizes) phase 1 is one vectorised
     trial with no loop around it, and phase 2 is a loop whose condition is false at once in practice. For
-    ``p = 1`` the first trial accepts in exact arithmetic: the ball of radius ``ρ = s/2`` is the whole cell
-    ``s[−1/2, 1/2]``, and the nearest-point residual always lies in the cell. In float32 it can still be
-    rejected by rounding (a scale ``s`` that is not a power of two: about 2·10⁻⁵ of the blocks at
-    ``s = 0.1``; ``|x/β| ≥ 2^23``, where ``x/β − V`` rounds to an integer and ``floor(y + ½)`` to the even
-    one), so phase 2 stays: it keeps the output that of the per-block loop in every case.
+    ``p = 1`` (a one-dimensional lattice) the first trial accepts in exact arithmetic: the ball of radius
+    ``ρ = s/2`` is the whole cell ``s[−1/2, 1/2]``. Float32 rounding of the residual could reject it (a scale
+    that is not a power of two, or ``|x/β| ≥ 2^23``), so the trial test itself accepts every trial of a
+    one-dimensional lattice (:func:`sidejax.coding.lrsuq._trial`): the stream sends no trial index there and
+    the decoder rebuilds trial 1. Phase 2 stays for ``A2``, whose ``p < 1``; for ``p = 1`` its loop never
+    runs.
 
     Args:
       shared_key: the key shared by the client and the server for this message.
