@@ -18,8 +18,8 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
           ├─ SERVER                    the server's noise (QLSD)
           └─ CLIENTS ─ client i        i = global client id
              ├─ SHARED                 candidates, dithers (the server re-derives it)
-             │  ├─ LAYERS ─ block j    CEPAM: the latent scale U_j of lattice block j
-             │  └─ DITHERS ─ block j   the dither family of block j; trial i: DRAWS ─ draw i
+             │  ├─ LAYERS              CEPAM: the latent scales U_j (counter hash at draw k, block j)
+             │  └─ DITHERS             CEPAM: the dithers (counter hash at trial i, coordinate j·n + c)
              └─ PRIVATE
                 ├─ SAMPLE              the message: index choice, quantisation, mask sample
                 ├─ PROJECTIONS         CoreSet-PFedBayes: posterior sample s of the projection (DRAWS ─ s)
@@ -116,8 +116,8 @@ __all__ = [
     "leaf_key",
     "draw_key",
     "downlink_keys",
-    "BlockKeys",
-    "block_keys",
+    "LatticeKeys",
+    "lattice_keys",
     "track_key",
     "record_keys",
 ]
@@ -145,8 +145,8 @@ EVAL = 19  # FedPM init key -> the evaluation-mask uniforms
 DRAWS = 20  # any key -> a family of independent draws (index: draw j), e.g. evaluation masks
 MODEL = 21  # init key -> the model's parameters (flax folds its module-path hashes in below this tag)
 RECIPIENTS = 22  # downlink key -> the family of per-recipient downlink keys (index: global client id i)
-LAYERS = 23  # shared key -> the family of lattice-block latent keys (index: block j; CEPAM's U_j)
-DITHERS = 24  # shared key -> the family of lattice-block dither keys (index: block j; trial i = draw i)
+LAYERS = 23  # shared key -> the counter-hash key of CEPAM's lattice latents U_j (counters: draw k, block j)
+DITHERS = 24  # shared key -> the counter-hash key of CEPAM's dithers (counters: trial i, coordinate j·n + c)
 TRACKS = 25  # train key -> the family of variational training tracks (index: track; pFedBayes)
 POSTERIOR = 26  # init key -> the initial variational posterior's means (pFedBayes)
 PROJECTIONS = (
@@ -371,22 +371,19 @@ def downlink_keys(downlink_key: PRNGKey, recipient=None) -> ClientKeys:
     return ClientKeys(shared=stream_key(k, SHARED), private=stream_key(k, PRIVATE))
 
 
-class BlockKeys(NamedTuple):
-    """The two shared streams of one lattice block (CEPAM, docs/papers/cepam.md#s2-9): ``layer`` draws the
-    latent scale ``U_j``, ``dither`` is the family of the block's dithers (trial ``i`` uses
-    ``draw_key(dither, i)``)."""
+class LatticeKeys(NamedTuple):
+    """The two shared streams of a lattice message (CEPAM, docs/papers/cepam.md#s2-9), both read through the
+    counter hash (:mod:`sidejax.coding.counter`): ``layer`` gives block ``j``'s latent scale ``U_j`` from the
+    uniforms at (draw ``k``, block ``j``), ``dither`` gives block ``j``'s trial-``i`` dither from the uniforms
+    at (trial ``i``, coordinates ``j·n … j·n + n − 1``)."""
 
     layer: PRNGKey
     dither: PRNGKey
 
 
-def block_keys(shared_key: PRNGKey, block) -> BlockKeys:
-    """Keys of lattice block ``block`` (a traced int or an int array, e.g. ``jnp.arange(N)`` under ``vmap``)
-    of a message encoded with the shared key ``shared_key`` (client ``i``, round ``t``):
-    ``layer = fold_in(fold_in(shared, LAYERS), j)``, ``dither = fold_in(fold_in(shared, DITHERS), j)``.
-    The encoder and the decoder both derive them; they are never sent. Separate streams for the latent and
-    the dithers, one pair per (client, round, block)."""
-    return BlockKeys(
-        layer=_indexed(shared_key, LAYERS, block, "block"),
-        dither=_indexed(shared_key, DITHERS, block, "block"),
-    )
+def lattice_keys(shared_key: PRNGKey) -> LatticeKeys:
+    """Keys of the lattice streams of a message encoded with the shared key ``shared_key`` (client ``i``,
+    round ``t``): ``layer = fold_in(shared, LAYERS)``, ``dither = fold_in(shared, DITHERS)``. Two derivations
+    per message, whatever its number of blocks and trials: the blocks and trials are counters of the hash,
+    not keys. The encoder and the decoder both derive them; they are never sent."""
+    return LatticeKeys(layer=stream_key(shared_key, LAYERS), dither=stream_key(shared_key, DITHERS))

@@ -198,6 +198,16 @@ class Lattice:
         """``ρ = min_{λ ≠ 0} ||λ|| / 2`` (the inradius of the Voronoi cell)."""
         return self.scale * _GEOMETRY[self.kind][2](self.dim)
 
+    def generate(self, v: jax.Array) -> jax.Array:
+        """``(sG) v`` over the last axis of a float array ``v [..., n]`` (a point from its coordinates, or a
+        point of the fundamental parallelepiped from ``v ∈ [0, 1)^n``), at ``HIGHEST`` precision. On ``Z^n``
+        (``G = I``) it is ``s·v``: the same numbers as the product, whose other terms are exact zeros,
+        without a matrix product per block."""
+        if self.kind == "Z":
+            return jnp.asarray(self.scale, v.dtype) * v
+        gen = jnp.asarray(self.generator, v.dtype)
+        return jnp.einsum("ij,...j->...i", gen, v, precision=jax.lax.Precision.HIGHEST)
+
     def nearest(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Nearest lattice point ``Q(x) = argmin_{λ ∈ Λ} ||x − λ||``, batched over leading axes.
 
@@ -230,9 +240,7 @@ def _nearest(lattice: Lattice, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:meth:`Lattice.nearest` after validation, compiled once per (lattice, shape, dtype) so eager calls
     do not dispatch op by op (a jit inside an outer ``jit``/``vmap`` is inlined)."""
     coords = _DECODERS[lattice.kind](x / jnp.asarray(lattice.scale, x.dtype))
-    gen = jnp.asarray(lattice.generator, x.dtype)
-    point = jnp.einsum("ij,...j->...i", gen, coords.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-    return point, coords
+    return lattice.generate(coords.astype(x.dtype)), coords
 
 
 def integer_lattice(n: int, scale: float = 1.0) -> Lattice:

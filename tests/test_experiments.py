@@ -1455,7 +1455,9 @@ def test_resume_of_a_checkpoint_of_another_stream_format_is_refused(full_run, tm
     header = json.loads(data[magic_end:header_end])
     payload = data[header_end + 1 :]
     meta = json.loads(payload[: header["meta_bytes"]])
-    assert meta.pop("stream_format") == 2
+    from sidejax.coding import STREAM_FORMAT
+
+    assert meta.pop("stream_format") == STREAM_FORMAT
     meta_bytes = json.dumps(meta).encode()
     payload = meta_bytes + payload[header["meta_bytes"] :]
     header.update(sha256=hashlib.sha256(payload).hexdigest(), meta_bytes=len(meta_bytes))

@@ -112,9 +112,6 @@ _EXPECTED["cepam_lrsuq"] = {
     "SHARED",
     "LAYERS",
     "DITHERS",
-    "block",
-    "DRAWS",
-    "draw",
 }
 _EXPECTED["coreset_pfedbayes"] = _ROUND | {
     "TRAIN",
@@ -191,7 +188,8 @@ def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digi
     for r in records:
         derivations[r.child].add((r.parent, r.name, r.data))
     # CEPAM's LRSUQ uplink of clients 0..2 in round 0 (11 coordinates: 6 blocks of Z^2, the last padded):
-    # per-block latent (LAYERS) and dither (DITHERS) families, trial i's dither under DRAWS; encode and decode
+    # the latent (LAYERS) and dither (DITHERS) streams of the message, read by the counter hash at (draw,
+    # block) and (trial, coordinate): no key per block or trial; encode and decode
     lrsuq = clip_update(lrsuq_coder(integer_lattice(2), GaussianNoise(0.1)))
     x = jnp.linspace(-1.0, 1.0, 11)
     with record_keys() as records:
@@ -214,7 +212,9 @@ def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digi
     assert not collisions, collisions
     roots = {p for ways in derivations.values() for p, _, _ in ways} - set(derivations)
     assert roots and not roots & set(derivations)
-    assert len(derivations) > 100  # epochs x steps x clients x algorithms: really enumerated
+    # epochs x steps x clients x algorithms: really enumerated (CEPAM adds two per message: since the
+    # counter hash its blocks and trials are counters, not keys)
+    assert len(derivations) > 60
 
 
 def test_recording_is_off_by_default_and_costs_nothing_outside_the_context():

@@ -33,8 +33,10 @@ __all__ = [
     "crc32_words",
     "INVALID_LENGTH",
     "reverse_bits32",
+    "prefix_sum",
     "write_codewords",
     "read_bits",
+    "read_bits_at",
     "next_one_bit",
     "elias_gamma_length",
     "elias_gamma_codeword",
@@ -48,6 +50,8 @@ __all__ = [
     "elias_gamma_decode_at",
     "walk_codewords",
     "walk_symbols",
+    "walk_symbol_fields",
+    "set_bit_positions",
     "jump_codewords",
     "codeword_starts",
     "resolve_chain_method",
@@ -325,6 +329,19 @@ def _low_mask(length):
     return _shr(jnp.uint32(0xFFFFFFFF), 32 - jnp.asarray(length, jnp.int32))
 
 
+def prefix_sum(x: jax.Array, axis: int = 0) -> jax.Array:
+    """Inclusive prefix sum of an integer or boolean array along ``axis`` (booleans count as int32).
+
+    The same integers as ``jnp.cumsum``, computed by ``jax.lax.associative_scan``: XLA's CPU backend
+    lowers ``cumsum`` to a reduce-window, about 4x slower (0.64 against 0.16 ms for 77,000 int32 on one
+    core), and the streams' writers and readers take several prefix sums of every coordinate.
+    """
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.int32)
+    return jax.lax.associative_scan(jnp.add, x, axis=axis)
+
+
 def write_codewords(
     values: jax.Array,
     lengths: jax.Array,
@@ -377,12 +394,13 @@ def write_codewords(
     lengths = jnp.maximum(lengths.astype(jnp.int32), 0)
     offset = jnp.asarray(bit_offset, jnp.int32)
     if lengths.ndim == 1:
-        ends = offset + jnp.cumsum(lengths)
+        ends = offset + prefix_sum(lengths)
     else:  # one prefix sum over the rows' totals, then within each (short) row
-        rows = jnp.cumsum(jnp.sum(lengths, axis=1))
-        ends = (
-            offset + (rows[:, None] - jnp.sum(lengths, axis=1, keepdims=True)) + jnp.cumsum(lengths, axis=1)
-        )
+        rows = prefix_sum(jnp.sum(lengths, axis=1))
+        within = [lengths[:, 0]]
+        for k in range(1, lengths.shape[1]):  # static and short: explicit sums fuse, a scan would not
+            within.append(within[-1] + lengths[:, k])
+        ends = offset + (rows[:, None] - jnp.sum(lengths, axis=1, keepdims=True)) + jnp.stack(within, axis=1)
     low_len = jnp.minimum(lengths, 32)
     start = ends - low_len  # first stream bit of the value's (up to) 32 written bits
     v = _u32(values) & _low_mask(low_len)
@@ -416,11 +434,18 @@ def read_bits(words: jax.Array, bit_positions: jax.Array, widths) -> jax.Array:
     return _shr(_window(reverse_bits32(words), pos), 32 - jnp.asarray(widths, jnp.int32))
 
 
+def read_bits_at(view: StreamView, bit_positions: jax.Array, widths) -> jax.Array:
+    """:func:`read_bits` from a prepared stream (:func:`stream_view`): O(1) per position, for loop bodies
+    (``read_bits`` bit-reverses the whole buffer each call)."""
+    pos = jnp.maximum(jnp.asarray(bit_positions, jnp.int32), 0)
+    return _shr(_window(view.msb, pos), 32 - jnp.asarray(widths, jnp.int32))
+
+
 def _first_nonzero_word(msb: jax.Array) -> jax.Array:
     """``[n + 1]``: for every word index ``w`` the first ``w' >= w`` with a nonzero word (``n`` if none)."""
     n = msb.shape[0]
     idx = jnp.where(msb != 0, jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
-    idx = jax.lax.cummin(idx, reverse=True)
+    idx = jax.lax.associative_scan(jnp.minimum, idx, reverse=True)  # not cummin: see prefix_sum
     return jnp.concatenate([idx, jnp.array([n], jnp.int32)])
 
 
@@ -531,18 +556,31 @@ def golomb_length(n: jax.Array, m) -> jax.Array:
     return q + 1 + jnp.where(r < u, b - 1, b)
 
 
-def golomb_codeword(n: jax.Array, m):
+def golomb_codeword(n: jax.Array, m, *, bound: int | None = None):
     """Golomb codeword of ``n >= 0`` with parameter ``m >= 1`` as a ``(value, length)`` pair.
 
     Layout (most-significant first): the quotient :math:`q` in unary as :math:`q` zeros and a terminating 1,
     then the truncated-binary remainder (:math:`r` in :math:`b - 1` bits if :math:`r < u`, else
     :math:`r + u` in :math:`b` bits). Zeros-then-one unary makes the codeword a zero-extended value
     ``(1 << rem_len) | rem`` whatever the quotient, so one (value, length) pair covers any ``n``.
+
+    ``bound`` (static, optional): every ``n`` and ``m`` is below it. With ``bound ≤ 2^24`` the quotient is
+    taken by float32 division, then corrected by one step to the exact integer quotient: ``n`` and ``m`` are
+    exact float32 numbers, the correctly rounded ``n/m`` is within one of ``⌊n/m⌋`` after the floor, and
+    the remainder ``n − q m`` says which way. The same codewords, without an integer division per value
+    (about 4x cheaper on the CPU).
     """
     m, b, u = _golomb_params(m)
     n = _u32(n)
-    q = (n // m).astype(jnp.int32)
-    r = n % m
+    if bound is not None and int(bound) <= 2**24:
+        qf = jnp.floor(n.astype(jnp.float32) / m.astype(jnp.float32)).astype(jnp.int32)
+        r = n.astype(jnp.int32) - qf * m.astype(jnp.int32)
+        mi = m.astype(jnp.int32)
+        q = jnp.where(r < 0, qf - 1, jnp.where(r >= mi, qf + 1, qf))
+        r = jnp.where(r < 0, r + mi, jnp.where(r >= mi, r - mi, r)).astype(jnp.uint32)
+    else:
+        q = (n // m).astype(jnp.int32)
+        r = n % m
     short = r < u
     rem_len = jnp.where(short, b - 1, b)
     rem = jnp.where(short, r, r + u)
@@ -673,30 +711,38 @@ def _table_length_at(table, pos):
 
 
 @functools.lru_cache(maxsize=64)
-def _walk_on_the_fly_fn(length_at, max_symbols: int, bit_capacity: int):
-    """The while-loop walk of :func:`walk_symbols` for static arguments, with a vmap rule that runs the
+def _walk_on_the_fly_fn(symbol_at, max_symbols: int, bit_capacity: int):
+    """The while-loop walk of :func:`walk_symbol_fields` for static arguments, with a vmap rule that runs the
     unbatched loop once per stream (``lax.map``). A batched ``while_loop`` would carry a scatter into every
     stream's buffer through every iteration (measured on CPU: 9.4 s instead of 2.2 ms for 10 streams of
     30,000 codewords)."""
 
     def step(operands, pos):
-        length = length_at(operands, jnp.clip(pos, 0, bit_capacity - 1))
-        return jnp.where(pos < bit_capacity, length, INVALID_LENGTH)
+        length, fields = symbol_at(operands, jnp.clip(pos, 0, bit_capacity - 1))
+        return jnp.where(pos < bit_capacity, length, INVALID_LENGTH), fields
 
     @jax.custom_batching.custom_vmap
     def walk(operands, end, start):
+        slots = max(max_symbols, 1)
+        shapes = jax.eval_shape(step, operands, start)[1]
+        fields0 = jax.tree.map(lambda f: jnp.zeros((slots, *f.shape), f.dtype), shapes)
+
         def cond(state):
-            pos, count, _ = state
+            pos, count, _, _ = state
             return (pos < end) & (count < max_symbols)
 
         def body(state):
-            pos, count, starts = state
+            pos, count, starts, fields = state
+            length, values = step(operands, pos)
             starts = jax.lax.dynamic_update_slice(starts, pos[None], (count,))
-            return pos + step(operands, pos), count + 1, starts
+            fields = jax.tree.map(
+                lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, count, 0), fields, values
+            )
+            return pos + length, count + 1, starts, fields
 
-        init = (start, jnp.int32(0), jnp.zeros(max(max_symbols, 1), jnp.int32))
-        pos, count, starts = jax.lax.while_loop(cond, body, init)
-        return starts, count, pos == end
+        init = (start, jnp.int32(0), jnp.zeros(slots, jnp.int32), fields0)
+        pos, count, starts, fields = jax.lax.while_loop(cond, body, init)
+        return starts, count, pos == end, fields
 
     @walk.def_vmap
     def walk_batched(axis_size, in_batched, operands, end, start):
@@ -706,9 +752,15 @@ def _walk_on_the_fly_fn(length_at, max_symbols: int, bit_capacity: int):
         operands = jax.tree.map(full, operands, in_batched[0])
         end, start = full(end, in_batched[1]), full(start, in_batched[2])
         out = jax.lax.map(lambda a: walk(*a), (operands, end, start))
-        return out, (True, True, True)
+        return out, jax.tree.map(lambda _: True, out)
 
     return walk
+
+
+@functools.cache
+def _length_only(length_at):
+    """``length_at`` as a ``symbol_at`` without fields (one function per ``length_at``: it keys the loop)."""
+    return lambda operands, pos: (length_at(operands, pos), ())
 
 
 def walk_symbols(length_at, operands, num_bits, *, max_symbols: int, bit_capacity: int, start=0):
@@ -728,6 +780,27 @@ def walk_symbols(length_at, operands, num_bits, *, max_symbols: int, bit_capacit
     Returns:
       ``(starts, count, ok)`` as :func:`walk_codewords`.
     """
+    starts, count, ok, _ = walk_symbol_fields(
+        _length_only(length_at),
+        operands,
+        num_bits,
+        max_symbols=max_symbols,
+        bit_capacity=bit_capacity,
+        start=start,
+    )
+    return starts, count, ok
+
+
+def walk_symbol_fields(symbol_at, operands, num_bits, *, max_symbols: int, bit_capacity: int, start=0):
+    """:func:`walk_symbols` that also keeps what each symbol read: ``symbol_at(operands, p)`` returns
+    ``(length, fields)`` with ``fields`` a pytree of scalars (e.g. a run length, a magnitude and a sign),
+    and the walk stores the fields of symbol ``i`` at index ``i``. A decoder then has every symbol's value
+    from the one pass that found the starts, instead of reading all ``max_symbols`` slots again.
+
+    Returns:
+      ``(starts, count, ok, fields)``: as :func:`walk_symbols`, and ``fields`` with arrays of
+      ``[max(max_symbols, 1), ...]`` (zero past ``count``).
+    """
     max_symbols = int(max_symbols)
     if max_symbols < 0:
         raise ValueError(f"max_symbols must be >= 0, got {max_symbols}")
@@ -735,8 +808,43 @@ def walk_symbols(length_at, operands, num_bits, *, max_symbols: int, bit_capacit
     if not 1 <= bit_capacity < _MAX_STREAM_BITS:
         raise ValueError(f"bit_capacity must be in [1, {_MAX_STREAM_BITS}), got {bit_capacity}")
     end = jnp.asarray(num_bits, jnp.int32)
-    fn = _walk_on_the_fly_fn(length_at, max_symbols, bit_capacity)
+    fn = _walk_on_the_fly_fn(symbol_at, max_symbols, bit_capacity)
     return fn(operands, end, jnp.asarray(start, jnp.int32))
+
+
+def set_bit_positions(view: StreamView, start, count: int):
+    """The stream positions of the first ``count`` 1-bits at or after bit ``start`` of a prepared stream,
+    vectorised: the ends of ``count`` unary codewords (``q`` zeros and a 1) written one after another.
+
+    The bits before ``start`` are masked off, each word's 1-bits counted (``population_count``) and
+    prefix-summed, the word holding the ``j``-th one found by binary search over those counts, and the one
+    inside its word by a 5-step binary search on the popcount of its leading bits. O(len(words) + count
+    log len(words)) with no loop over the codewords, on every backend.
+
+    Returns:
+      ``(positions, found)``: int32 ``[count]`` (``32 len(words)`` where the stream has fewer ones) and
+      whether all ``count`` ones exist.
+    """
+    count = int(count)
+    msb = view.msb
+    n = msb.shape[0]
+    start = jnp.maximum(jnp.asarray(start, jnp.int32), 0)
+    w = jnp.arange(n, dtype=jnp.int32)
+    first = start >> 5
+    keep = jnp.where(w > first, jnp.uint32(0xFFFFFFFF), _shr(jnp.uint32(0xFFFFFFFF), start & 31))
+    words = jnp.where(w >= first, msb & keep, jnp.uint32(0))
+    ones = jax.lax.population_count(words).astype(jnp.int32)
+    total = prefix_sum(ones)
+    j = jnp.arange(1, count + 1, dtype=jnp.int32)
+    at = jnp.clip(jnp.searchsorted(total, j, side="left").astype(jnp.int32), 0, n - 1)
+    word = words[at]
+    rank = j - (total[at] - ones[at])  # the rank of the wanted one inside its word, 1-based
+    lo = jnp.zeros(count, jnp.int32)
+    for k in (16, 8, 4, 2, 1):
+        before = jax.lax.population_count(_shr(word, 32 - (lo + k))).astype(jnp.int32)
+        lo = jnp.where(before < rank, lo + k, lo)
+    found = j <= total[-1]
+    return jnp.where(found, 32 * at + lo, 32 * n), jnp.all(found)
 
 
 def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0):
@@ -776,7 +884,7 @@ def jump_codewords(lengths_at: jax.Array, num_bits, *, max_symbols: int, start=0
     below = marked & (node < end)
     count = jnp.sum(below, dtype=jnp.int32)
     ok = marked[jnp.clip(end, 0, cap)] & (end >= 0) & (end <= cap) & ~marked[fail] & (count <= max_symbols)
-    slot = jnp.where(below, jnp.cumsum(below, dtype=jnp.int32) - 1, max_symbols)
+    slot = jnp.where(below, prefix_sum(below) - 1, max_symbols)
     starts = jnp.zeros(max(max_symbols, 1), jnp.int32).at[slot].set(node, mode="drop")
     return starts, jnp.minimum(count, max_symbols), ok
 

@@ -52,8 +52,10 @@ coordinates, blocks and keys (clients), and the strict avalanche criterion of ea
 (``tests/coding/test_importance*.py``, ``test_coders.py``) run on it unchanged.
 
 Streams encoded with format 1 (Threefry candidates) decode to other samples under format 2, silently: the
-index stream is the same shape. :data:`STREAM_FORMAT` is therefore written in every serialised message
-(:mod:`sidejax.coding.wire`) and every checkpoint, and both refuse another format by name.
+index stream is the same shape. Format 3 moved CEPAM's lattice latents and dithers onto the same hash
+(:func:`sidejax.keys.lattice_keys`): a format-2 lattice stream would decode with other dithers.
+:data:`STREAM_FORMAT` is therefore written in every serialised message (:mod:`sidejax.coding.wire`) and
+every checkpoint, and both refuse another format by name.
 """
 
 from __future__ import annotations
@@ -76,12 +78,14 @@ __all__ = [
     "grid_uniforms",
 ]
 
-#: The stream format this sidejax writes and reads: 2 = counter-hash candidates (this module).
-STREAM_FORMAT = 2
-#: Every stream format there has been, and how its candidates were generated.
+#: The stream format this sidejax writes and reads: 3 = counter-hash candidates (this module) and
+#: counter-hash lattice latents and dithers (CEPAM, :mod:`sidejax.coding.lrsuq`).
+STREAM_FORMAT = 3
+#: Every stream format there has been, and how its shared randomness was generated.
 STREAM_FORMATS = {
     1: "Threefry-2x32 candidates (sidejax before the counter hash); not decodable by this version",
-    2: "counter-hash candidates (sidejax.coding.counter)",
+    2: "counter-hash candidates with Threefry lattice dithers (CEPAM differs); not decodable by this version",
+    3: "counter-hash candidates, lattice latents and dithers (sidejax.coding.counter)",
 }
 
 _M1 = 0x7FEB352D

@@ -15,7 +15,7 @@ good when :math:`\\log_2 K \\gtrsim D_{KL}(q_{I_m} \\| p_{I_m})` bits (KLMS Thm 
 see docs/papers/klms.md#s7-10).
 
 Candidates are **counter-based**: the uniform behind candidate ``k`` at coordinate ``j`` is a hash of
-``(shared key, k, j)`` (:mod:`sidejax.coding.counter`, stream format 2), mapped to (0, 1) and through
+``(shared key, k, j)`` (:mod:`sidejax.coding.counter`, since stream format 2), mapped to (0, 1) and through
 ``p.icdf``. So the candidates do not depend on how the encoder chunks the work, and the decoder regenerates
 only the ``dim`` selected values instead of all ``K x dim``. The encoder streams over coordinate chunks
 (``lax.scan``), accumulating per-block log-weights with a segment sum, so memory is

@@ -89,22 +89,29 @@ from sidejax.coding.bitstream import (
     golomb_decode_at,
     jump_codewords,
     mask_to_length,
+    prefix_sum,
     read_bits,
+    read_bits_at,
     resolve_chain_method,
+    set_bit_positions,
     stream_view,
+    walk_symbol_fields,
     walk_symbols,
     write_codewords,
 )
-from sidejax.coding.lossless import MAX_STREAM_BITS, optimal_golomb_parameter
+from sidejax.coding.lossless import MAX_STREAM_BITS, _gaps, _positions_from_gaps, optimal_golomb_parameter
 from sidejax.coding.lrsuq import (
     GaussianNoise,
     LaplaceNoise,
+    _block_dithers,
+    _decode,
+    _dither,
+    _Dithers,
+    _point,
     _scaled_input,
     _trial,
     _trial_loop,
     acceptance_probability,
-    lrsuq_decode,
-    sample_dither,
 )
 from sidejax.distributions import PointMass
 from sidejax.lattices import Lattice
@@ -205,10 +212,6 @@ def lattice_blocks(x: jax.Array, lattice: Lattice) -> jax.Array:
     return jnp.pad(x, (0, blocks * n - x.shape[0])).reshape(blocks, n)
 
 
-def _block_keys(shared_key, count: int) -> keymod.BlockKeys:
-    return jax.vmap(lambda j: keymod.block_keys(shared_key, j))(jnp.arange(count))
-
-
 def lrsuq_quantize(shared_key, x: jax.Array, lattice: Lattice, noise, level=None):
     """LRSUQ of a whole vector: every block through :func:`sidejax.coding.lrsuq.lrsuq_encode` with its own
     latent and dither streams (:func:`sidejax.keys.block_keys`), vectorised over blocks.
@@ -253,9 +256,8 @@ def lrsuq_quantize(shared_key, x: jax.Array, lattice: Lattice, noise, level=None
     xb = lattice_blocks(x, lattice)
     if not jnp.issubdtype(xb.dtype, jnp.floating):
         xb = xb.astype(jnp.result_type(float))
-    bk = _block_keys(shared_key, xb.shape[0])
     t0, cap = _straggler_plan(acceptance_probability(lattice, noise), xb.shape[0])
-    return _lrsuq_quantize_blocks(bk.layer, bk.dither, xb, lattice, noise, level, t0, cap)
+    return _lrsuq_quantize_blocks(keymod.lattice_keys(shared_key), xb, lattice, noise, level, t0, cap)
 
 
 def _straggler_plan(p: float, blocks: int) -> tuple[int, int]:
@@ -301,12 +303,16 @@ def _straggler_plan(p: float, blocks: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def _lrsuq_quantize_blocks(layer_keys, dither_keys, xb, lattice: Lattice, noise, level, t0: int, cap: int):
-    """:func:`lrsuq_quantize` of the blocks ``xb [N, n]`` with their keys and a given static plan ``(T0,
-    cap)`` (any ``T0 ≥ 1``, ``1 ≤ cap ≤ N``: the output does not depend on them)."""
+def _lrsuq_quantize_blocks(streams, xb, lattice: Lattice, noise, level, t0: int, cap: int):
+    """:func:`lrsuq_quantize` of the blocks ``xb [N, n]`` with the message's stream keys
+    (:func:`sidejax.keys.lattice_keys`) and a given static plan ``(T0, cap)`` (any ``T0 ≥ 1``,
+    ``1 ≤ cap ≤ N``: the output does not depend on them)."""
     blocks, n = xb.shape
-    _, xs, ok = jax.vmap(lambda lk, b: _scaled_input(lk, b, lattice, noise, level))(layer_keys, xb)
-    trials = jax.vmap(lambda dk, y, i: _trial(dk, y, i, lattice)[::2], (0, 0, None))
+    index = jnp.arange(blocks, dtype=jnp.int32)
+    _, xs, ok = jax.vmap(lambda j, b: _scaled_input(streams.layer, j, b, lattice, noise, level))(index, xb)
+    dithers = _block_dithers(streams.dither, index, n)  # every block's seeds, once for all trials
+    axes = _Dithers(words=None, seeds=0)
+    trials = jax.vmap(lambda dt, y, i: _trial(dt, y, i, lattice)[::2], (axes, 0, None))
 
     def cond1(state):
         i, _, _, done = state
@@ -315,7 +321,7 @@ def _lrsuq_quantize_blocks(layer_keys, dither_keys, xb, lattice: Lattice, noise,
     def body1(state):
         i, h, coords, done = state
         i = i + 1
-        c, accepted = trials(dither_keys, xs, i)
+        c, accepted = trials(dithers, xs, i)
         new = accepted & ~done
         return i, jnp.where(new, i, h), jnp.where(new[:, None], c, coords), done | new
 
@@ -333,7 +339,10 @@ def _lrsuq_quantize_blocks(layer_keys, dither_keys, xb, lattice: Lattice, noise,
         (idx,) = jnp.nonzero(~done, size=cap, fill_value=blocks)
         live = idx < blocks
         j = jnp.where(live, idx, 0)
-        hj, cj, _ = jax.vmap(lambda dk, y, a: _trial_loop(dk, y, lattice, t, a))(dither_keys[j], xs[j], ~live)
+        late = _Dithers(dithers.words, dithers.seeds[j])
+        hj, cj, _ = jax.vmap(lambda dt, y, a: _trial_loop(dt, y, lattice, t, a), (axes, 0, 0))(
+            late, xs[j], ~live
+        )
         return (
             h.at[idx].set(hj, mode="drop"),
             coords.at[idx].set(cj, mode="drop"),
@@ -349,39 +358,38 @@ def lrsuq_reconstruct(
 ):
     """The decoder of :func:`lrsuq_quantize`: ``x̂ = β_j (M_j + V_{j,h_j})`` per block, padding dropped; the
     error ``x̂ − x`` is iid ``noise`` over the ``d`` coordinates, independent of ``x`` (Proposition 5)."""
-    blocks = num_blocks(dim, lattice)
-    bk = _block_keys(shared_key, blocks)
-    out = jax.vmap(lambda lk, dk, hj, cj: lrsuq_decode(lk, dk, hj, cj, lattice, noise, dtype, level))(
-        bk.layer, bk.dither, jnp.asarray(h, jnp.int32), jnp.asarray(coords, jnp.int32)
+    streams = keymod.lattice_keys(shared_key)
+    index = jnp.arange(num_blocks(dim, lattice), dtype=jnp.int32)
+    out = jax.vmap(lambda j, hj, cj: _decode(streams, j, hj, cj, lattice, noise, dtype, level))(
+        index, jnp.asarray(h, jnp.int32), jnp.asarray(coords, jnp.int32)
     )
     return out.reshape(-1)[:dim]
 
 
 def sdq_quantize(shared_key, x: jax.Array, lattice: Lattice) -> jax.Array:
     """Subtractive dithered quantization of a vector: block ``j`` sends the coordinates of
-    ``Q(x_j − V_j)`` with the dither ``V_j`` of ``draw_key(block_keys(s, j).dither, 1)``. int32 ``[N, n]``."""
+    ``Q(x_j − V_j)`` with ``V_j`` its trial-1 dither (:func:`sidejax.coding.lrsuq.sample_dither`).
+    int32 ``[N, n]``."""
     xb = lattice_blocks(x, lattice)
-    bk = _block_keys(shared_key, xb.shape[0])
+    dithers = _block_dithers(keymod.lattice_keys(shared_key).dither, jnp.arange(xb.shape[0]), lattice.dim)
 
-    def one(dk, b):
-        v = sample_dither(keymod.draw_key(dk, 1), lattice, b.dtype)
-        return lattice.nearest(b - v)[1]
+    def one(dt, b):
+        return lattice.nearest(b - _dither(dt, 1, lattice, b.dtype))[1]
 
-    return jax.vmap(one)(bk.dither, xb)
+    return jax.vmap(one, (_Dithers(words=None, seeds=0), 0))(dithers, xb)
 
 
 def sdq_reconstruct(shared_key, coords, lattice: Lattice, dim: int, dtype=jnp.float32) -> jax.Array:
     """The decoder of :func:`sdq_quantize`: ``M_j + V_j``, padding dropped; error ``Unif(𝒫)`` (crypto
     lemma)."""
-    blocks = num_blocks(dim, lattice)
-    bk = _block_keys(shared_key, blocks)
-    gen = jnp.asarray(lattice.generator, dtype)
+    blocks = jnp.arange(num_blocks(dim, lattice))
+    dithers = _block_dithers(keymod.lattice_keys(shared_key).dither, blocks, lattice.dim)
 
-    def one(dk, c):
-        v = sample_dither(keymod.draw_key(dk, 1), lattice, dtype)
-        return jnp.einsum("ij,j->i", gen, c.astype(dtype), precision=jax.lax.Precision.HIGHEST) + v
+    def one(dt, c):
+        return _point(lattice, c, dtype) + _dither(dt, 1, lattice, dtype)
 
-    return jax.vmap(one)(bk.dither, jnp.asarray(coords, jnp.int32)).reshape(-1)[:dim]
+    coords = jnp.asarray(coords, jnp.int32)
+    return jax.vmap(one, (_Dithers(words=None, seeds=0), 0))(dithers, coords).reshape(-1)[:dim]
 
 
 def trial_golomb_parameter(p: float) -> int:
@@ -501,14 +509,6 @@ def _negative_binomial_bound(blocks: int, quotient_p: float) -> int:
     return lo
 
 
-def _runs(nonzero: jax.Array) -> jax.Array:
-    """For each position, the number of zeros since the previous nonzero (or the start)."""
-    idx = jnp.arange(nonzero.shape[0], dtype=jnp.int32)
-    last = jax.lax.cummax(jnp.where(nonzero, idx, -1))
-    prev = jnp.concatenate([jnp.array([-1], jnp.int32), last[:-1]])
-    return idx - prev - 1
-
-
 # compiled once per shape and parameters (no key is derived inside), so that eager calls do not dispatch op
 # by op; inside an outer jit or vmap they are inlined
 @functools.partial(jax.jit, static_argnames=("trial_m", "capacity_words"))
@@ -532,23 +532,26 @@ def encode_lattice_stream(h: jax.Array, coords: jax.Array, *, trial_m: int, capa
     nonzero = flat != 0
     k = jnp.sum(nonzero, dtype=jnp.int32)
     m = optimal_golomb_parameter(k, dim)
-    run_v, run_l = golomb_codeword(_runs(nonzero), m)
+    run_v, run_l = golomb_codeword(jnp.maximum(_gaps(nonzero) - 1, 0), m, bound=dim + 1)  # zeros before each
     mag_v, mag_l = elias_gamma_codeword(jnp.abs(flat).astype(jnp.uint32))
-    sign = (flat < 0).astype(jnp.uint32)
-    sym_v = jnp.stack([run_v, mag_v, sign], axis=1).reshape(-1)
-    sym_l = jnp.where(nonzero[:, None], jnp.stack([run_l, mag_l, jnp.ones_like(mag_l)], axis=1), 0).reshape(
-        -1
-    )
+    tail_v = (mag_v << 1) | (flat < 0).astype(jnp.uint32)  # the magnitude, then the sign bit (mag < 2^31)
+    tail_l = mag_l + 1
+    # A symbol is one codeword when the run code's significant bits (its value: a 1, then the remainder; the
+    # quotient's zeros before it are zero-extension) and the tail fit in 32 bits together: for magnitudes
+    # up to 255 with m up to 2^15. Otherwise the run code and the tail are written as two codewords.
+    joined = (32 - jax.lax.clz(run_v).astype(jnp.int32)) + tail_l <= 32
+    first_v = jnp.where(joined, (run_v << jnp.minimum(tail_l, 31).astype(jnp.uint32)) | tail_v, run_v)
+    first_l = jnp.where(nonzero, jnp.where(joined, run_l + tail_l, run_l), 0)
+    second_l = jnp.where(nonzero & ~joined, tail_l, 0)
+    sym_v = jnp.stack([first_v, tail_v], axis=1)
+    sym_l = jnp.stack([first_l, second_l], axis=1)
     head_v = jnp.stack([k.astype(jnp.uint32), m.astype(jnp.uint32)])
     head_l = jnp.full((2,), width, jnp.int32)
-    parts_v, parts_l = [head_v, sym_v], [head_l, sym_l]
     if trial_m:
         tv, tl = golomb_codeword(jnp.maximum(jnp.asarray(h, jnp.int32) - 1, 0), trial_m)
-        parts_v.insert(0, tv)
-        parts_l.insert(0, tl)
-    values = jnp.concatenate([jnp.asarray(v, jnp.uint32) for v in parts_v])
-    lengths = jnp.concatenate([jnp.asarray(v, jnp.int32) for v in parts_l])
-    words, end = write_codewords(values, lengths, capacity_words=capacity_words)
+        head_v, head_l = jnp.concatenate([tv, head_v]), jnp.concatenate([tl, head_l])
+    words, start = write_codewords(head_v, head_l, capacity_words=capacity_words)
+    words, end = write_codewords(sym_v, sym_l, capacity_words=capacity_words, bit_offset=start, out=words)
     fits = end <= 32 * (capacity_words - 1)
     return words, as_bits(end), fits
 
@@ -560,13 +563,20 @@ def _trial_length_at(operands, pos):
     return golomb_decode_at(view, pos, m)[1]
 
 
-def _symbol_length_at(operands, pos):
-    """Length of the coordinate symbol (run Golomb code, Elias-gamma magnitude, sign bit) at ``pos``
-    (``INVALID_LENGTH`` where either code is invalid); ``operands = (view, m)``."""
+def _symbol_at(operands, pos):
+    """The coordinate symbol at ``pos``: its length (``INVALID_LENGTH`` where the run's Golomb code or the
+    magnitude's Elias-gamma code is invalid) and its fields ``(run, magnitude, sign)``;
+    ``operands = (view, m)``."""
     view, m = operands
-    _, rl, rvalid = golomb_decode_at(view, pos, m)
-    _, ml, mvalid = elias_gamma_decode_at(view, pos + rl)
-    return jnp.where(rvalid & mvalid, rl + ml + 1, INVALID_LENGTH)
+    run, rl, rvalid = golomb_decode_at(view, pos, m)
+    mag, ml, mvalid = elias_gamma_decode_at(view, pos + rl)
+    sign = read_bits_at(view, pos + rl + ml, 1)
+    return jnp.where(rvalid & mvalid, rl + ml + 1, INVALID_LENGTH), (run, mag, sign)
+
+
+def _symbol_length_at(operands, pos):
+    """The length of the coordinate symbol at ``pos`` (:func:`_symbol_at`)."""
+    return _symbol_at(operands, pos)[0]
 
 
 def _chain(length_at, operands, bit_capacity: int, end, max_symbols: int, start, method):
@@ -580,6 +590,25 @@ def _chain(length_at, operands, bit_capacity: int, end, max_symbols: int, start,
         )
     table = length_at(operands, jnp.arange(bit_capacity, dtype=jnp.int32))
     return jump_codewords(table, end, max_symbols=max_symbols, start=start)
+
+
+def _trial_indices(view, end, blocks: int, trial_m: int, bit_capacity: int, method):
+    """The ``N`` Golomb-coded trial indices from the start of the stream: ``(h, h_end, ok)``.
+
+    Unary codes (``m_h = 1``: ``Z^2``, ``Z^3``, ``A2``, ``D4``) end at a 1-bit each, so codeword ``j`` ends at
+    the ``j``-th 1-bit of the stream and ``h_j`` is the distance between consecutive ones: found for all
+    blocks at once (:func:`sidejax.coding.bitstream.set_bit_positions`), with no loop over the codewords.
+    Other parameters follow the chain of starts (:func:`_chain`)."""
+    if trial_m == 1:
+        ones, found = set_bit_positions(view, 0, blocks)
+        h = ones - jnp.concatenate([jnp.array([-1], jnp.int32), ones[:-1]])
+        h_end = ones[blocks - 1] + 1
+        return h, h_end, found & (h_end <= end)
+    m_h = jnp.int32(trial_m)
+    starts, count, _ = _chain(_trial_length_at, (view, m_h), bit_capacity, end, blocks, 0, method)
+    tv, tl, tvalid = golomb_decode_at(view, jnp.clip(starts, 0, bit_capacity - 1), m_h)
+    h_end = starts[blocks - 1] + tl[blocks - 1]
+    return tv + 1, h_end, (count == blocks) & jnp.all(tvalid) & (h_end <= end)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "n", "trial_m", "method"))
@@ -608,12 +637,7 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     view = stream_view(words)
     cap = 32 * words.shape[0]  # bit positions of the buffer
     if trial_m:
-        m_h = jnp.int32(trial_m)
-        starts, count, _ = _chain(_trial_length_at, (view, m_h), cap, end, blocks, 0, method)
-        tv, tl, tvalid = golomb_decode_at(view, jnp.clip(starts, 0, cap - 1), m_h)
-        h = tv + 1
-        h_end = starts[blocks - 1] + tl[blocks - 1]
-        ok_h = (count == blocks) & jnp.all(tvalid) & (h_end <= end)
+        h, h_end, ok_h = _trial_indices(view, end, blocks, trial_m, cap, method)
     else:
         h = jnp.ones((blocks,), jnp.int32)
         h_end = jnp.int32(0)
@@ -622,16 +646,17 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     m = read_bits(words, h_end + width, width).astype(jnp.int32)
     ok_head = (h_end + 2 * width <= end) & (k <= dim) & (m >= 1) & (m <= dim)
     m = jnp.clip(m, 1, dim)
-    starts, count, ok_chain = _chain(_symbol_length_at, (view, m), cap, end, dim, h_end + 2 * width, method)
-    at = jnp.clip(starts, 0, cap - 1)
-    run, rl, _ = golomb_decode_at(view, at, m)
-    mag, ml, _ = elias_gamma_decode_at(view, at + rl)
+    first = h_end + 2 * width
+    if resolve_chain_method(method) == "walk":  # the walk keeps each symbol's fields as it reads them
+        _, count, ok_chain, (run, value, sign) = walk_symbol_fields(
+            _symbol_at, (view, m), end, max_symbols=dim, bit_capacity=cap, start=first
+        )
+    else:
+        starts, count, ok_chain = _chain(_symbol_length_at, (view, m), cap, end, dim, first, method)
+        _, (run, value, sign) = _symbol_at((view, m), jnp.clip(starts, 0, cap - 1))
     live = jnp.arange(dim) < count
-    gaps = jnp.where(live, run + 1, 0)
-    idx = jnp.cumsum(gaps) - 1
-    sign = read_bits(words, starts + rl + ml, 1)
-    value = mag
-    ok_pos = jnp.all(jnp.where(live, (idx < dim) & (value <= jnp.uint32(2**31 - 1)), True))
+    idx, below = _positions_from_gaps(run + 1, live, dim)
+    ok_pos = below & jnp.all(jnp.where(live, value <= jnp.uint32(2**31 - 1), True))
     ok_parse = ok_h & ok_head & ok_chain & (count == k)
     signed = jnp.where(sign == 1, -value.astype(jnp.int32), value.astype(jnp.int32))
     good = ok_len & ok_parse & ok_pos
@@ -640,14 +665,34 @@ def decode_lattice_stream(words, num_bits, *, blocks: int, n: int, trial_m: int,
     return jnp.where(good, h, 0), flat.reshape(blocks, n), errors
 
 
+#: value range up to which :func:`_order0_bits` counts by a histogram instead of sorting
+_HISTOGRAM_RANGE = 4096
+
+
 @jax.jit
 def _order0_bits(flat: jax.Array) -> jax.Array:
-    """``d`` times the empirical entropy (bits) of the values in ``flat [d]``."""
-    s = jnp.sort(flat)
-    new = jnp.concatenate([jnp.array([True]), s[1:] != s[:-1]])
-    seg = jnp.cumsum(new) - 1
-    counts = jax.ops.segment_sum(jnp.ones_like(s, jnp.float32), seg, num_segments=s.shape[0])
-    return -jnp.sum(jnp.where(counts > 0, counts * jnp.log2(jnp.maximum(counts, 1.0) / s.shape[0]), 0.0))
+    """``d`` times the empirical entropy (bits) of the values in ``flat [d]``: ``−Σ_v c_v log₂(c_v / d)``
+    over the counts ``c_v`` of the distinct values.
+
+    The counts come from a histogram of ``_HISTOGRAM_RANGE`` bins from the smallest value when every value
+    fits (one scatter-add: the low-SNR coordinates LRSUQ sends span a few dozen values), and from a sort
+    otherwise (a ``lax.cond``; under ``vmap`` both branches run). Both give the same counts."""
+
+    def entropy(counts):
+        c = counts.astype(jnp.float32)
+        return -jnp.sum(jnp.where(c > 0, c * jnp.log2(jnp.maximum(c, 1.0) / flat.shape[0]), 0.0))
+
+    def histogram(v):
+        return entropy(jnp.zeros(_HISTOGRAM_RANGE, jnp.int32).at[v - jnp.min(v)].add(1))
+
+    def by_sort(v):
+        s = jnp.sort(v)
+        new = jnp.concatenate([jnp.array([True]), s[1:] != s[:-1]])
+        seg = prefix_sum(new) - 1
+        return entropy(jax.ops.segment_sum(jnp.ones_like(s), seg, num_segments=s.shape[0]))
+
+    span = jnp.max(flat).astype(jnp.uint32) - jnp.min(flat).astype(jnp.uint32)  # exact: wraps mod 2^32
+    return jax.lax.cond(span < _HISTOGRAM_RANGE, histogram, by_sort, flat)
 
 
 def _geom_entropy_bits(p: float) -> float:

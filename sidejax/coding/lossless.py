@@ -64,6 +64,7 @@ from sidejax.coding.bitstream import (
     golomb_decode,
     golomb_length,
     mask_to_length,
+    prefix_sum,
     read_bits,
     resolve_chain_method,
     write_codewords,
@@ -132,7 +133,7 @@ def _gaps(marked: jax.Array) -> jax.Array:
     gather), which is cheaper than a running maximum on CPU."""
     d = marked.shape[0]
     idx = jnp.arange(d, dtype=jnp.int32)
-    rank = jnp.cumsum(marked, dtype=jnp.int32)  # 1-based rank of each marked coordinate
+    rank = prefix_sum(marked)  # 1-based rank of each marked coordinate
     by_rank = jnp.full(d + 1, -1, jnp.int32).at[jnp.where(marked, rank, d + 1)].set(idx, mode="drop")
     return jnp.where(marked, idx - by_rank[jnp.maximum(rank - 1, 0)], 0)
 
@@ -144,7 +145,7 @@ def _positions_from_gaps(gaps: jax.Array, live: jax.Array, dim: int):
     overflow (``dim < 2**30``), so a later wrap-around cannot hide it.
     """
     g = jnp.where(live, jnp.clip(gaps, 0, dim + 1), 0)
-    pos = jnp.cumsum(g) - 1
+    pos = prefix_sum(g) - 1
     return pos, ~jnp.any(live & (pos >= dim))
 
 
@@ -396,7 +397,7 @@ def mask_encode(mask: jax.Array):
     cap = mask_capacity_words(d)
     width = d.bit_length()
     flag, coded, m, run = _mask_symbols(mask)
-    val, length = golomb_codeword(run, m)
+    val, length = golomb_codeword(run, m, bound=d + 1)
     header = (flag.astype(jnp.uint32) << width) | m.astype(jnp.uint32)
     values = jnp.concatenate([header[None], val])
     lengths = jnp.concatenate([jnp.array([1 + width], jnp.int32), jnp.where(coded, length, 0)])

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from sidejax import keys
-from sidejax.distributions import uniform_open
+from sidejax.coding.counter import candidate_seeds, combine, coordinate_seeds, counter_uniforms, key_words
+from sidejax.distributions import bits_to_open_uniform
 from sidejax.lattices import Lattice
 from sidejax.types import PRNGKey
 from sidejax.utils import check_positive
@@ -62,6 +64,7 @@ __all__ = [
     "sample_dither",
     "sdq_encode",
     "sdq_decode",
+    "latent_draws",
     "lrsuq_latent",
     "acceptance_probability",
     "lrsuq_encode",
@@ -133,21 +136,64 @@ def _check_coords(coords, lattice: Lattice) -> jax.Array:
     return coords
 
 
+def _fold(op, v: jax.Array) -> jax.Array:
+    """``op`` over the last axis of ``v`` (a block's ``n ≤ 8`` coordinates, or a latent's few uniforms)
+    written as ``n − 1`` elementwise operations: vmapped over blocks they fuse into one loop, where a
+    reduction over a minor axis of a few elements is a slow separate loop on XLA's CPU backend."""
+    out = v[..., 0]
+    for k in range(1, v.shape[-1]):  # static: the lattice dimension
+        out = op(out, v[..., k])
+    return out
+
+
 def _point(lattice: Lattice, coords: jax.Array, dtype) -> jax.Array:
     """``(sG) coords`` in ``dtype``: the one expression encoders and decoders use for a lattice point."""
-    gen = jnp.asarray(lattice.generator, dtype)
-    return jnp.einsum("ij,...j->...i", gen, coords.astype(dtype), precision=jax.lax.Precision.HIGHEST)
+    return lattice.generate(coords.astype(dtype))
 
 
-def sample_dither(key: PRNGKey, lattice: Lattice, dtype=None) -> jax.Array:
-    """A dither ``V ~ Unif(𝒫)``, uniform on the Voronoi cell of ``lattice``.
+class _Dithers(NamedTuple):
+    """One block's dither stream, ready for any trial: the dither key's two words and the counter hash's
+    coordinate seeds ``a`` of the block's ``n`` coordinates ``j·n … j·n + n − 1``
+    (:func:`sidejax.coding.counter.coordinate_seeds`). The seeds do not depend on the trial, so a trial
+    loop computes them once, not once per trial."""
 
-    ``V = u − Q(u)`` with ``u = (sG) w``, ``w ~ Unif[0, 1)^n``: ``u`` is uniform on the fundamental
+    words: tuple
+    seeds: jax.Array
+
+
+def _block_dithers(dither_key, block, n: int) -> _Dithers:
+    """The :class:`_Dithers` of block ``block`` (a scalar; or an array of blocks, seeds ``[..., n]``)."""
+    words = key_words(dither_key)
+    cols = jnp.asarray(block, jnp.uint32)[..., None] * jnp.uint32(n) + jnp.arange(n, dtype=jnp.uint32)
+    return _Dithers(words, coordinate_seeds(words, cols))
+
+
+def _dither(dithers: _Dithers, trial, lattice: Lattice, dtype) -> jax.Array:
+    """Trial ``trial``'s dither ``V = u − Q(u)``, ``u = (sG) w``, with ``w`` the counter-hash uniforms at
+    (trial, the block's coordinates) (:func:`sample_dither`)."""
+    b = candidate_seeds(dithers.words, jnp.asarray(trial, jnp.uint32))
+    u = lattice.generate(bits_to_open_uniform(combine(dithers.seeds, b)).astype(dtype))
+    q, _ = lattice.nearest(u)
+    return u - q
+
+
+def sample_dither(shared_key: PRNGKey, block, trial, lattice: Lattice, dtype=None) -> jax.Array:
+    """Block ``block``'s trial-``trial`` dither ``V ~ Unif(𝒫)``, uniform on the Voronoi cell of ``lattice``.
+
+    ``V = u − Q(u)`` with ``u = (sG) w``, ``w ~ Unif(0, 1)^n``: ``u`` is uniform on the fundamental
     parallelepiped ``sG[0, 1)^n``, and reducing it modulo ``Λ`` onto the Voronoi cell is a measure-preserving
     bijection between two fundamental domains (up to a null set), so ``V`` is uniform on the cell.
 
+    ``w`` is read from the counter hash (:mod:`sidejax.coding.counter`) of the message's dither stream
+    (:func:`sidejax.keys.lattice_keys`) at row ``trial`` and columns ``block·n … block·n + n − 1``: every
+    (block, trial) pair has its own ``n`` uniforms, and the decoder reads trial ``h`` of block ``j`` directly,
+    without the trials before it. The uniforms lie on the grid ``(k + ½)·2^{−23}``; ``V`` is uniform on the
+    cell up to that resolution, as any float32 draw is.
+
     Args:
-        key: a PRNG key (used as is).
+        shared_key: the message's shared key (client ``i``, round ``t``).
+        block: the block index ``j`` (an int or a traced integer scalar; vmap over blocks).
+        trial: the trial index ``i ≥ 1`` (SDQ uses trial 1).
         lattice: the lattice.
         dtype: float dtype of ``V`` (default: the default float dtype).
 
@@ -156,20 +202,18 @@ def sample_dither(key: PRNGKey, lattice: Lattice, dtype=None) -> jax.Array:
     """
     _check_lattice(lattice)
     dtype = jnp.result_type(float) if dtype is None else dtype
-    w = jax.random.uniform(key, (lattice.dim,), dtype)
-    gen = jnp.asarray(lattice.generator, dtype)
-    u = jnp.einsum("ij,j->i", gen, w, precision=jax.lax.Precision.HIGHEST)
-    q, _ = lattice.nearest(u)
-    return u - q
+    dithers = _block_dithers(keys.lattice_keys(shared_key).dither, block, lattice.dim)
+    return _dither(dithers, trial, lattice, dtype)
 
 
-def sdq_encode(dither_key: PRNGKey, x: jax.Array, lattice: Lattice) -> jax.Array:
+def sdq_encode(shared_key: PRNGKey, block, x: jax.Array, lattice: Lattice) -> jax.Array:
     """Subtractive dithered quantization, encoder: the coordinates of ``M = Q(x − V)``,
-    ``V = sample_dither(dither_key, lattice)``.
+    ``V = sample_dither(shared_key, block, 1, lattice)``.
 
     Args:
-        dither_key: the key of the dither, shared with the decoder.
-        x: one block ``[n]`` (vmap over blocks, with one dither key per block).
+        shared_key: the message's shared key (the dither's, shared with the decoder).
+        block: the block index ``j`` (vmap over blocks).
+        x: one block ``[n]``.
         lattice: the lattice ``Λ`` (``n = lattice.dim``).
 
     Returns:
@@ -180,17 +224,18 @@ def sdq_encode(dither_key: PRNGKey, x: jax.Array, lattice: Lattice) -> jax.Array
     """
     _check_lattice(lattice)
     x = _check_x(x, lattice)
-    v = sample_dither(dither_key, lattice, x.dtype)
+    v = sample_dither(shared_key, block, 1, lattice, x.dtype)
     _, coords = lattice.nearest(x - v)
     return coords
 
 
-def sdq_decode(dither_key: PRNGKey, coords: jax.Array, lattice: Lattice, dtype=None) -> jax.Array:
+def sdq_decode(shared_key: PRNGKey, block, coords: jax.Array, lattice: Lattice, dtype=None) -> jax.Array:
     """Subtractive dithered quantization, decoder: ``x̂ = M + V`` with ``M = (sG) coords`` and the
     regenerated dither ``V``; ``x̂ − x ~ Unif(𝒫)``, independent of ``x`` (crypto lemma).
 
     Args:
-        dither_key: the encoder's dither key.
+        shared_key: the encoder's shared key.
+        block: the encoder's block index.
         coords: ``sdq_encode``'s output, integer ``[n]``.
         lattice: the encoder's lattice.
         dtype: float dtype of ``x̂`` (default: the default float dtype; use the encoder input's dtype).
@@ -204,34 +249,72 @@ def sdq_decode(dither_key: PRNGKey, coords: jax.Array, lattice: Lattice, dtype=N
     _check_lattice(lattice)
     coords = _check_coords(coords, lattice)
     dtype = jnp.result_type(float) if dtype is None else dtype
-    return _point(lattice, coords, dtype) + sample_dither(dither_key, lattice, dtype)
+    return _point(lattice, coords, dtype) + sample_dither(shared_key, block, 1, lattice, dtype)
+
+
+def latent_draws(lattice: Lattice, noise) -> int:
+    """How many uniforms the latent ``U`` of one block reads (:func:`lrsuq_latent`): ``⌊(n + 2)/2⌋``
+    exponentials, plus one Box-Muller pair when ``n`` is odd (Gaussian); two exponentials (Laplace)."""
+    _check_noise(noise, lattice)
+    if isinstance(noise, LaplaceNoise):
+        return 2
+    n = lattice.dim
+    if n > 8:
+        raise ValueError(f"lattice: LRSUQ's latent supports dimensions up to 8, got {lattice.name}")
+    return (n + 2) // 2 + 2 * (n % 2)
+
+
+def _latent(layer_key, block, lattice: Lattice, noise, dtype, level):
+    """``(r, β)`` of :func:`lrsuq_latent` from the layer stream's key."""
+    tiny = jnp.finfo(dtype).tiny
+    m = latent_draws(lattice, noise)
+    u = counter_uniforms(layer_key, jnp.arange(m, dtype=jnp.uint32), jnp.asarray(block, jnp.uint32))
+    u = u.astype(dtype)
+    if isinstance(noise, GaussianNoise):
+        pairs = (lattice.dim + 2) // 2
+        # −2 Σ log u_k, a sum of χ²_2 terms, as one logarithm of the product (at most 5 uniforms ≥ 2^−24
+        # each for n ≤ 8: the product stays a normal float32, ≥ 2^−120)
+        chi2 = -2.0 * jnp.log(_fold(jnp.multiply, u[:pairs]))
+        if lattice.dim % 2:  # χ²_{n+2} = χ²_{n+1} + Z², Z = √(−2 log u) cos(2π v) (Box-Muller)
+            chi2 = chi2 - 2.0 * jnp.log(u[pairs]) * jnp.square(jnp.cos(2.0 * math.pi * u[pairs + 1]))
+        scale = noise.sigma if level is None else jnp.asarray(level, dtype)
+        r = scale * jnp.sqrt(jnp.maximum(chi2, tiny))
+    else:
+        gamma2 = -jnp.log(u[0] * u[1])  # −log u₀ − log u₁: Exp(1) + Exp(1) = Gamma(2, 1)
+        scale = noise.b if level is None else jnp.asarray(level, dtype)
+        r = scale * jnp.maximum(gamma2, tiny)
+    return r, r / lattice.packing_radius
 
 
 def lrsuq_latent(
-    layer_key: PRNGKey, lattice: Lattice, noise, dtype=None, level=None
+    shared_key: PRNGKey, block, lattice: Lattice, noise, dtype=None, level=None
 ) -> tuple[jax.Array, jax.Array]:
-    """The shared latent of an LRSUQ block: the radius ``r`` of the superlevel set and the scale ``β = r/ρ``.
+    """The shared latent of LRSUQ block ``block``: the radius ``r`` of the superlevel set and the scale
+    ``β = r/ρ``.
 
     Gaussian ``N(0, σ²I_n)``: ``U ~ χ²_{n+2}``, ``r = σ√U``. Laplace ``Lap(0, b)``: ``U ~ Gamma(2, 1)``,
-    ``r = bU``. ``U`` is drawn from ``layer_key`` as is, by a fixed number of draws (no rejection loop, so
-    vmapped over blocks every block costs the same):
+    ``r = bU``. ``U`` is a fixed function of :func:`latent_draws` uniforms ``u_k`` read from the counter hash
+    (:mod:`sidejax.coding.counter`) of the message's layer stream (:func:`sidejax.keys.lattice_keys`) at
+    (draw ``k``, block ``block``): no rejection loop, so vmapped over blocks every block costs the same.
 
-    * ``χ²_{n+2}`` is by definition the law of ``Σ_{k=1}^{n+2} Z_k²`` with ``Z_k`` iid ``N(0, 1)``; ``U`` is
-      that sum over ``n + 2`` standard normals (``jax.random.normal`` of shape ``(n + 2,)``).
-    * ``Gamma(2, 1)`` is the law of ``E₁ + E₂`` with ``E_k`` iid ``Exp(1)`` (a sum of independent
-      ``Gamma(a_k, 1)`` is ``Gamma(Σa_k, 1)``), and ``E = −log u`` with ``u ~ Unif(0, 1]`` is ``Exp(1)``
-      (``P(−log u > t) = P(u < e^{−t}) = e^{−t}``); ``U = −log u₁ − log u₂`` with ``u_k`` from
-      :func:`sidejax.distributions.uniform_open` (float32 uniforms ``(j + ½)·2^{−23}``, never 0, so the
-      logarithm stays finite).
+    * ``−log u`` with ``u ~ Unif(0, 1)`` is ``Exp(1)`` (``P(−log u > t) = P(u < e^{−t}) = e^{−t}``), so
+      ``−2 log u ~ χ²_2`` (``χ²_2`` is ``Exp`` of mean 2), and a sum of ``m`` independent ``χ²_2`` is
+      ``χ²_{2m}``.
+    * Gaussian, ``n`` even: ``U = −2 Σ_{k<(n+2)/2} log u_k ~ χ²_{n+2}``.
+    * Gaussian, ``n`` odd: ``χ²_{n+2} = χ²_{n+1} + χ²_1``, the first as above with ``(n + 1)/2`` terms and the
+      second ``Z²`` with ``Z = √(−2 log u_a) cos(2π u_b)`` standard normal (Box-Muller: ``(R, θ)`` with
+      ``R² ~ χ²_2`` and ``θ`` uniform independent is the polar form of two iid standard normals).
+    * Laplace: ``Gamma(2, 1)`` is the law of ``E₁ + E₂`` with ``E_k`` iid ``Exp(1)``, so ``U = −log u₀ −
+      log u₁``.
 
-    Both laws are exact up to the resolution of the float32 samplers (as for any float32 draw): the
-    uniforms lie on a grid of step ``2^{−23}`` (each ``E_k ≤ 24 log 2 ≈ 16.6``, the mass ``2^{−23}`` of the
-    lowest cell sitting at its midpoint), and ``jax.random.normal`` is ``√2 erf⁻¹`` of a uniform on a grid of
-    step ``2^{−22}`` in ``(−1, 1)`` (``|Z_k| ≲ 5.2``; the tail beyond has mass ``≈ 2^{−23}``). ``U`` is kept
-    at least the smallest normal float (``U = 0`` has probability zero; it would make ``β = 0``).
+    Exact up to the resolution of the float32 uniforms, which lie on the grid ``(k + ½)·2^{−23}`` (never 0
+    or 1, so every logarithm is finite): each exponential is capped at ``24 log 2 ≈ 16.6`` (the mass
+    ``2^{−24}`` of its lowest cell sitting at the cell's midpoint), and ``|Z| ≤ 5.8``. ``U`` is kept at
+    least the smallest normal float (``U = 0`` has probability zero; it would make ``β = 0``).
 
     Args:
-        layer_key: the key of the latent, shared with the decoder.
+        shared_key: the message's shared key (shared with the decoder).
+        block: the block index ``j`` (vmap over blocks).
         lattice: the lattice (its packing radius ``ρ``).
         noise: :class:`GaussianNoise` or :class:`LaplaceNoise` (the latter with ``lattice.dim == 1``).
         dtype: float dtype (default: the default float dtype).
@@ -247,16 +330,7 @@ def lrsuq_latent(
     _check_lattice(lattice)
     _check_noise(noise, lattice)
     dtype = jnp.result_type(float) if dtype is None else dtype
-    tiny = jnp.finfo(dtype).tiny
-    if isinstance(noise, GaussianNoise):
-        u = jnp.sum(jnp.square(jax.random.normal(layer_key, (lattice.dim + 2,), dtype)))  # χ²_{n+2}
-        scale = noise.sigma if level is None else jnp.asarray(level, dtype)
-        r = scale * jnp.sqrt(jnp.maximum(u, tiny))
-    else:
-        u = -jnp.sum(jnp.log(uniform_open(layer_key, (2,)).astype(dtype)))  # Exp(1) + Exp(1) = Gamma(2, 1)
-        scale = noise.b if level is None else jnp.asarray(level, dtype)
-        r = scale * jnp.maximum(u, tiny)
-    return r, r / lattice.packing_radius
+    return _latent(keys.lattice_keys(shared_key).layer, block, lattice, noise, dtype, level)
 
 
 def acceptance_probability(lattice: Lattice, noise) -> float:
@@ -279,19 +353,19 @@ def acceptance_probability(lattice: Lattice, noise) -> float:
 
 
 def lrsuq_encode(
-    layer_key: PRNGKey, dither_key: PRNGKey, x: jax.Array, lattice: Lattice, noise
+    shared_key: PRNGKey, block, x: jax.Array, lattice: Lattice, noise
 ) -> tuple[jax.Array, jax.Array]:
-    """LRSUQ encoder of one block: rejection-sample dithers until the scaled residual lies in the ball.
+    """LRSUQ encoder of block ``block``: rejection-sample dithers until the scaled residual lies in the ball.
 
-    With ``(r, β) = lrsuq_latent(layer_key, …)`` and ``V_i = sample_dither(draw_key(dither_key, i), …)``,
+    With ``(r, β) = lrsuq_latent(shared_key, block, …)`` and ``V_i = sample_dither(shared_key, block, i, …)``,
     trial ``i = 1, 2, …`` computes ``y_i = x/β − V_i``, ``M_i = Q(y_i)`` and accepts iff
     ``||M_i − y_i||_2 ≤ r/β = ρ`` (tested as ``Σ(M_i − y_i)² ≤ ρ²``). A ``lax.while_loop`` with no cap:
     ``h ~ Geom(p)`` (:func:`acceptance_probability`).
 
     Args:
-        layer_key: key of the latent ``U`` (shared with the decoder).
-        dither_key: key of the dither family (shared with the decoder).
-        x: one block ``[n]`` (vmap over blocks with independent key pairs).
+        shared_key: the message's shared key (its latent and dither streams, shared with the decoder).
+        block: the block index ``j`` (vmap over blocks: each block has its own latent and dithers).
+        x: one block ``[n]``.
         lattice: the lattice.
         noise: :class:`GaussianNoise` or :class:`LaplaceNoise`.
 
@@ -302,54 +376,57 @@ def lrsuq_encode(
     Raises:
         ValueError: on a bad ``lattice``, ``noise`` or ``x`` shape.
     """
-    h, coords, _ = _lrsuq_encode(layer_key, dither_key, x, lattice, noise)
+    h, coords, _ = _lrsuq_encode(shared_key, block, x, lattice, noise)
     return h, coords
 
 
-def _lrsuq_encode(layer_key, dither_key, x, lattice, noise, level=None):
+def _lrsuq_encode(shared_key, block, x, lattice, noise, level=None):
     """:func:`lrsuq_encode` plus the encoder's own reconstruction ``β(M_h + V_h)`` (for tests); ``level``
     as in :func:`lrsuq_latent`. The per-block reference of the vector encoder
     :func:`sidejax.coding.lattice.lrsuq_quantize` (which must return the same ``(h, coords)`` bit for bit)."""
     _check_lattice(lattice)
     _check_noise(noise, lattice)
     x = _check_x(x, lattice)
-    beta, xs, ok = _scaled_input(layer_key, x, lattice, noise, level)
-    h, coords, v = _trial_loop(dither_key, xs, lattice, jnp.int32(0), ~ok)
+    streams = keys.lattice_keys(shared_key)
+    beta, xs, ok = _scaled_input(streams.layer, block, x, lattice, noise, level)
+    dithers = _block_dithers(streams.dither, block, lattice.dim)
+    h, coords, v = _trial_loop(dithers, xs, lattice, jnp.int32(0), ~ok)
     x_hat = _reconstruct(lattice, beta, coords, v, h)
     return h, coords, x_hat
 
 
-def _scaled_input(layer_key, x, lattice, noise, level):
+def _scaled_input(layer_key, block, x, lattice, noise, level):
     """``(β, x/β, ok)`` of one block: the scale from :func:`lrsuq_latent`, the scaled input, and whether
     trials can be tested (``x/β`` finite and within the int32 coordinate range)."""
-    _, beta = lrsuq_latent(layer_key, lattice, noise, x.dtype, level)
+    _, beta = _latent(layer_key, block, lattice, noise, x.dtype, level)
     xs = x / beta
-    ok = jnp.all(jnp.isfinite(xs) & (jnp.abs(xs) < _COORD_LIMIT * lattice.scale))
+    ok = _fold(jnp.logical_and, jnp.isfinite(xs) & (jnp.abs(xs) < _COORD_LIMIT * lattice.scale))
     return beta, xs, ok
 
 
-def _trial(dither_key, xs, i, lattice):
-    """Trial ``i`` of one block with scaled input ``xs = x/β``: ``(coords of M_i, V_i, accepted)`` with
-    ``V_i`` from ``draw_key(dither_key, i)``, ``M_i = Q(xs − V_i)`` and acceptance iff
-    ``Σ(M_i − (xs − V_i))² ≤ ρ²``."""
+def _trial(dithers, xs, i, lattice):
+    """Trial ``i`` of a block with scaled input ``xs = x/β`` and dither stream ``dithers``
+    (:class:`_Dithers`): ``(coords of M_i, V_i, accepted)`` with ``V_i`` the block's trial-``i`` dither,
+    ``M_i = Q(xs − V_i)`` and acceptance iff ``Σ(M_i − (xs − V_i))² ≤ ρ²``."""
     dtype = xs.dtype
-    v = sample_dither(keys.draw_key(dither_key, i), lattice, dtype)
+    v = _dither(dithers, i, lattice, dtype)
     y = xs - v
     _, coords = lattice.nearest(y)
+    if lattice.dim == 1:
+        # On a one-dimensional lattice the ball of radius ρ = s/2 is the whole cell: every trial accepts in
+        # exact arithmetic (p = 1), and the stream sends no trial index (the decoder takes h = 1). The test
+        # is not computed: a float32 rounding of the residual must not reject the trial (with a scale that
+        # is not a power of two that kept trial 2 while the decoder rebuilt trial 1, and for |x/β| an odd
+        # integer in [2^23, 2^24) every trial was rejected and the encoder never stopped).
+        return coords, v, jnp.asarray(True)
     e = _point(lattice, coords, dtype) - y
-    inside = jnp.sum(jnp.square(e)) <= lattice.packing_radius**2
-    # On a one-dimensional lattice the ball of radius ρ = s/2 is the whole cell: every trial accepts in
-    # exact arithmetic (p = 1), and the stream sends no trial index (the decoder takes h = 1). A float32
-    # rounding of the residual must not reject it: with a scale that is not a power of two that kept trial
-    # 2 while the decoder rebuilt trial 1, and for |x/β| an odd integer in [2^23, 2^24) every trial was
-    # rejected and the encoder never stopped.
-    return coords, v, inside | (lattice.dim == 1)
+    return coords, v, _fold(jnp.add, jnp.square(e)) <= lattice.packing_radius**2
 
 
-def _trial_loop(dither_key, xs, lattice, start, accepted):
-    """Trials ``start + 1, start + 2, …`` of one block until one accepts (a ``lax.while_loop`` with no
-    cap); none runs when ``accepted`` is already True. Returns ``(h, coords, V_h)``: the accepted trial's
-    index, coordinates and dither, or ``(start, 0, 0)`` when no trial ran."""
+def _trial_loop(dithers, xs, lattice, start, accepted):
+    """Trials ``start + 1, start + 2, …`` of a block (its dither stream ``dithers``) until one accepts (a
+    ``lax.while_loop`` with no cap); none runs when ``accepted`` is already True. Returns ``(h, coords,
+    V_h)``: the accepted trial's index, coordinates and dither, or ``(start, 0, 0)`` when no trial ran."""
     dtype = xs.dtype
 
     def cond(state):
@@ -357,7 +434,7 @@ def _trial_loop(dither_key, xs, lattice, start, accepted):
 
     def body(state):
         i = state[0] + 1
-        coords, v, ok = _trial(dither_key, xs, i, lattice)
+        coords, v, ok = _trial(dithers, xs, i, lattice)
         return i, coords, v, ok
 
     init = (
@@ -376,8 +453,8 @@ def _reconstruct(lattice, beta, coords, v, h):
 
 
 def lrsuq_decode(
-    layer_key: PRNGKey,
-    dither_key: PRNGKey,
+    shared_key: PRNGKey,
+    block,
     h: jax.Array,
     coords: jax.Array,
     lattice: Lattice,
@@ -385,12 +462,12 @@ def lrsuq_decode(
     dtype=None,
     level=None,
 ) -> jax.Array:
-    """LRSUQ decoder of one block: ``x̂ = β (M_h + V_h)`` with ``β`` regenerated from ``layer_key`` and
-    ``V_h`` from ``draw_key(dither_key, h)``; ``x̂ − x`` has the law of ``noise``, independent of ``x``.
+    """LRSUQ decoder of block ``block``: ``x̂ = β (M_h + V_h)`` with ``β`` and the trial-``h`` dither ``V_h``
+    regenerated from the shared key; ``x̂ − x`` has the law of ``noise``, independent of ``x``.
 
     Args:
-        layer_key: the encoder's latent key.
-        dither_key: the encoder's dither key.
+        shared_key: the encoder's shared key.
+        block: the encoder's block index.
         h: the trial index (int scalar; ``h = 0`` decodes to NaN).
         coords: the coordinates of ``M_h``, integer ``[n]``.
         lattice: the encoder's lattice.
@@ -411,6 +488,11 @@ def lrsuq_decode(
     if h.shape != () or not jnp.issubdtype(h.dtype, jnp.integer):
         raise ValueError(f"h must be an integer scalar, got {h.dtype}{list(h.shape)}")
     dtype = jnp.result_type(float) if dtype is None else dtype
-    _, beta = lrsuq_latent(layer_key, lattice, noise, dtype, level)
-    v = sample_dither(keys.draw_key(dither_key, h), lattice, dtype)
+    return _decode(keys.lattice_keys(shared_key), block, h, coords, lattice, noise, dtype, level)
+
+
+def _decode(streams, block, h, coords, lattice, noise, dtype, level):
+    """:func:`lrsuq_decode` from the message's stream keys (:func:`sidejax.keys.lattice_keys`)."""
+    _, beta = _latent(streams.layer, block, lattice, noise, dtype, level)
+    v = _dither(_block_dithers(streams.dither, block, lattice.dim), h, lattice, dtype)
     return _reconstruct(lattice, beta, coords, v, h)

@@ -29,7 +29,6 @@ from sidejax.coding import lrsuq as Q
 from sidejax.coding.base import float32_coder
 from sidejax.coding.lattice import (
     NoisePrior,
-    _block_keys,
     _lrsuq_quantize_blocks,
     _straggler_plan,
     additive_noise_coder,
@@ -46,7 +45,7 @@ from sidejax.coding.lattice import (
     trial_index_capacity_bits,
 )
 from sidejax.distributions import PointMass
-from sidejax.keys import client_keys, round_key
+from sidejax.keys import client_keys, lattice_keys, round_key
 
 D = 12_001  # coordinates per message (= iid error samples, Lemma 11); not a multiple of 2, 3 or 8: padded
 P_MIN = 1e-3
@@ -150,11 +149,8 @@ def test_decoder_reproduces_the_encoder_bit_for_bit_and_a_wrong_key_does_not():
         wrong, _ = coder.decode(other_shared, p, coder.init(d), message)
         # the encoder's own reconstruction: beta (M_h + V_h) computed inside the rejection loop
         xb = jnp.pad(x, (0, 1)).reshape(-1, 2)
-        from sidejax.keys import block_keys
-
-        bk = jax.vmap(lambda j: block_keys(keys.shared, j))(jnp.arange(xb.shape[0]))
-        enc = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[2])(
-            bk.layer, bk.dither, xb
+        enc = jax.vmap(lambda j, b: Q._lrsuq_encode(keys.shared, j, b, lattice, noise)[2])(
+            jnp.arange(xb.shape[0]), xb
         )
         return y, decoded.errors, wrong, enc.reshape(-1)[:d]
 
@@ -190,18 +186,14 @@ def test_two_phase_quantizer_matches_the_plain_loop_bit_for_bit(lattice):
     @jax.jit
     def run(key, other, x):
         xb = lattice_blocks(x, lattice)
-        bk = _block_keys(key, blocks)
-        ref = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[:2])(
-            bk.layer, bk.dither, xb
-        )
+        index = jnp.arange(blocks)
+        ref = jax.vmap(lambda j, b: Q._lrsuq_encode(key, j, b, lattice, noise)[:2])(index, xb)
         plans = [
-            _lrsuq_quantize_blocks(bk.layer, bk.dither, xb, lattice, noise, None, t, c)
+            _lrsuq_quantize_blocks(lattice_keys(key), xb, lattice, noise, None, t, c)
             for t, c in ((1, 2), (64, 1))
         ]
         batched = jax.vmap(lambda k: lrsuq_quantize(k, x, lattice, noise))(jnp.stack([key, other]))
-        ref_other = jax.vmap(lambda lk, dk, b: Q._lrsuq_encode(lk, dk, b, lattice, noise)[:2])(
-            *_block_keys(other, blocks), xb
-        )
+        ref_other = jax.vmap(lambda j, b: Q._lrsuq_encode(other, j, b, lattice, noise)[:2])(index, xb)
         return ref, lrsuq_quantize(key, x, lattice, noise), plans, batched, ref_other
 
     x = np.random.default_rng(9).normal(0.0, 0.3, d)

@@ -3,7 +3,8 @@ the SDQ error is uniform on the Voronoi cell, the LRSUQ error has exactly the ta
 CDF, mean and variance) for small, huge and on-lattice inputs and is uncorrelated with the input, the number
 of trials has mean 1/p (p = packing density), and bad arguments raise.
 
-Each (lattice, noise) pair is one jit-compiled, vmapped program over N independent key pairs."""
+Each (lattice, noise) pair is one jit-compiled program vmapped over the N blocks of one message: every block
+has its own latent and dithers from the counter hash of the message's key (independent samples)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sidejax import keys
 from sidejax import lattices as L
 from sidejax.coding import lrsuq as Q
 
@@ -25,8 +25,8 @@ P_MIN = 1e-3  # KS p-value floor (fixed keys: the outcome is deterministic)
 K_SE = 5.0  # moments within this many standard errors
 
 
-def _keys(seed: int, n: int):
-    return jax.vmap(functools.partial(keys.draw_key, jax.random.key(seed)))(jnp.arange(n))
+def _blocks(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
 
 
 def _inputs(lattice: L.Lattice, huge: float, seed: int) -> dict[str, np.ndarray]:
@@ -40,23 +40,25 @@ def _inputs(lattice: L.Lattice, huge: float, seed: int) -> dict[str, np.ndarray]
     return {"small": small, "huge": big, "lattice": on}
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _lrsuq_batch(layer_keys, dither_keys, x, lattice, noise):
-    def one(lk, dk, xb):
-        h, coords, x_enc = Q._lrsuq_encode(lk, dk, xb, lattice, noise)
-        x_dec = Q.lrsuq_decode(lk, dk, h, coords, lattice, noise, xb.dtype)
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _lrsuq_batch(key, x, lattice, noise):
+    """Block ``j`` of ``x [m, n]`` through the per-block encoder and decoder with the message key ``key``."""
+
+    def one(j, xb):
+        h, coords, x_enc = Q._lrsuq_encode(key, j, xb, lattice, noise)
+        x_dec = Q.lrsuq_decode(key, j, h, coords, lattice, noise, xb.dtype)
         return h, coords, x_enc, x_dec
 
-    return jax.vmap(one)(layer_keys, dither_keys, x)
+    return jax.vmap(one)(_blocks(x.shape[0]), x)
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def _sdq_batch(dither_keys, x, lattice):
-    def one(dk, xb):
-        coords = Q.sdq_encode(dk, xb, lattice)
-        return coords, Q.sdq_decode(dk, coords, lattice, xb.dtype)
+def _sdq_batch(key, x, lattice):
+    def one(j, xb):
+        coords = Q.sdq_encode(key, j, xb, lattice)
+        return coords, Q.sdq_decode(key, j, coords, lattice, xb.dtype)
 
-    return jax.vmap(one)(dither_keys, x)
+    return jax.vmap(one)(_blocks(x.shape[0]), x)
 
 
 GAUSS_CASES = [
@@ -81,9 +83,8 @@ def _run_lrsuq(lattice, noise, huge, seed):
     groups = _inputs(lattice, huge, seed)
     x = np.concatenate(list(groups.values())).astype(np.float32)
     m = x.shape[0]
-    h, coords, x_enc, x_dec = _lrsuq_batch(
-        _keys(seed, m), _keys(seed + 1000, m), jnp.asarray(x), lattice, noise
-    )
+    del m
+    h, coords, x_enc, x_dec = _lrsuq_batch(jax.random.key(seed), jnp.asarray(x), lattice, noise)
     h, coords, x_enc, x_dec = map(np.asarray, (h, coords, x_enc, x_dec))
     np.testing.assert_array_equal(x_dec, x_enc)  # bit for bit, no NaN
     assert coords.dtype == np.int32 and np.all(h >= 1)
@@ -139,10 +140,10 @@ def test_lrsuq_encoder_accepts_in_the_ball():
     """The reconstruction is beta (M_h + V_h) with ||M_h + V_h - x/beta|| <= rho, M_h a lattice point."""
     lattice, noise = L.hexagonal(), Q.GaussianNoise(1.0)
     m = 2000
-    lk, dk = _keys(3, m), _keys(4, m)
+    key = jax.random.key(3)
     x = jnp.asarray(np.random.default_rng(0).normal(0.0, 2.0, size=(m, 2)), jnp.float32)
-    h, coords, _, x_dec = _lrsuq_batch(lk, dk, x, lattice, noise)
-    _, beta = jax.vmap(lambda k: Q.lrsuq_latent(k, lattice, noise))(lk)
+    h, coords, _, x_dec = _lrsuq_batch(key, x, lattice, noise)
+    _, beta = jax.vmap(lambda j: Q.lrsuq_latent(key, j, lattice, noise))(_blocks(m))
     beta = np.asarray(beta, np.float64)[:, None]
     scaled = (np.asarray(x_dec, np.float64) - np.asarray(x, np.float64)) / beta
     assert np.all(np.linalg.norm(scaled, axis=1) <= lattice.packing_radius * (1 + 1e-5))
@@ -150,7 +151,7 @@ def test_lrsuq_encoder_accepts_in_the_ball():
     rej = np.flatnonzero(np.asarray(h) > 1)
     assert rej.size > 50
     for b in rej[:20]:
-        v = Q.sample_dither(keys.draw_key(dk[b], int(h[b]) - 1), lattice)
+        v = Q.sample_dither(key, int(b), int(h[b]) - 1, lattice)
         y = np.asarray(x[b]) / beta[b, 0] - np.asarray(v)
         pt, _ = lattice.nearest(jnp.asarray(y, jnp.float32))
         assert np.linalg.norm(np.asarray(pt) - y) > lattice.packing_radius
@@ -160,35 +161,37 @@ def test_lrsuq_separate_decoder_program_matches():
     """A decoder compiled on its own (the server's program) gives the encoder's reconstruction bit for bit."""
     lattice, noise = L.integer_lattice(2), Q.GaussianNoise(0.7)
     m = 512
-    lk, dk = _keys(5, m), _keys(6, m)
+    key = jax.random.key(5)
     x = jnp.asarray(np.random.default_rng(1).normal(0.0, 3.0, size=(m, 2)), jnp.float32)
-    h, coords, x_enc, _ = _lrsuq_batch(lk, dk, x, lattice, noise)
-    enc = jax.jit(jax.vmap(lambda a, b, c: Q.lrsuq_encode(a, b, c, lattice, noise)))(lk, dk, x)
+    h, coords, x_enc, _ = _lrsuq_batch(key, x, lattice, noise)
+    enc = jax.jit(jax.vmap(lambda j, c: Q.lrsuq_encode(key, j, c, lattice, noise)))(_blocks(m), x)
     np.testing.assert_array_equal(np.asarray(enc[0]), np.asarray(h))
     np.testing.assert_array_equal(np.asarray(enc[1]), np.asarray(coords))
-    dec = jax.jit(jax.vmap(lambda a, b, c, d: Q.lrsuq_decode(a, b, c, d, lattice, noise)))
-    np.testing.assert_array_equal(np.asarray(dec(lk, dk, h, coords)), np.asarray(x_enc))
+    dec = jax.jit(jax.vmap(lambda j, c, d: Q.lrsuq_decode(key, j, c, d, lattice, noise)))
+    np.testing.assert_array_equal(np.asarray(dec(_blocks(m), h, coords)), np.asarray(x_enc))
 
 
 def test_sdq_error_uniform_on_the_cell():
     # Z^2: each coordinate uniform on [-1/2, 1/2)
     lattice = L.integer_lattice(2)
     x = np.concatenate(list(_inputs(lattice, 1e3, 2).values())).astype(np.float32)
-    coords, x_hat = _sdq_batch(_keys(21, x.shape[0]), jnp.asarray(x), lattice)
+    coords, x_hat = _sdq_batch(jax.random.key(21), jnp.asarray(x), lattice)
     err = np.asarray(x_hat, np.float64) - x.astype(np.float64)
     for g in range(3):
         for c in range(2):
             res = stats.kstest(err[g * N : (g + 1) * N, c], stats.uniform(loc=-0.5, scale=1.0).cdf)
             assert res.pvalue > P_MIN, (g, c, res)
     assert abs(np.corrcoef(x[:N, 0], err[:N, 0])[0, 1]) < K_SE / math.sqrt(N)
-    # the encoder sends the coordinates of M = Q(x - V), V the dither of its key
-    v = jax.vmap(lambda k: Q.sample_dither(k, lattice, jnp.float32))(_keys(21, x.shape[0]))
+    # the encoder sends the coordinates of M = Q(x - V), V the block's trial-1 dither
+    v = jax.vmap(lambda j: Q.sample_dither(jax.random.key(21), j, 1, lattice, jnp.float32))(
+        _blocks(x.shape[0])
+    )
     _, want = lattice.nearest(jnp.asarray(x) - v)
     np.testing.assert_array_equal(np.asarray(coords), np.asarray(want))
     # A2: the error lies in the Voronoi cell and has the cell's second moment E||e||^2 = 5/36
     lattice = L.hexagonal()
     x = np.random.default_rng(3).normal(0.0, 5.0, size=(N, 2)).astype(np.float32)
-    _, x_hat = _sdq_batch(_keys(22, N), jnp.asarray(x), lattice)
+    _, x_hat = _sdq_batch(jax.random.key(22), jnp.asarray(x), lattice)
     err = np.asarray(x_hat, np.float64) - x.astype(np.float64)
     _, c0 = lattice.nearest(jnp.asarray(err * (1 - 1e-4), jnp.float32))
     assert np.all(np.asarray(c0) == 0)
@@ -201,7 +204,9 @@ def test_sample_dither_uniform_on_the_cell():
     """A2 dithers lie in the Voronoi cell and have the law of a uniform point of the cell (two-sample KS of
     each coordinate against a numpy rejection sampler of the hexagon)."""
     lattice = L.hexagonal()
-    v = np.asarray(jax.vmap(lambda k: Q.sample_dither(k, lattice))(_keys(31, N)), np.float64)
+    v = np.asarray(
+        jax.vmap(lambda j: Q.sample_dither(jax.random.key(31), j, 1, lattice))(_blocks(N)), np.float64
+    )
     _, c0 = lattice.nearest(jnp.asarray(v * (1 - 1e-4), jnp.float32))
     assert np.all(np.asarray(c0) == 0)
     # numpy oracle: rejection-sample the hexagonal cell from its bounding box and compare the first
@@ -228,30 +233,30 @@ def test_validation():
         with pytest.raises(ValueError, match="b must"):
             Q.LaplaceNoise(bad)
     with pytest.raises(ValueError, match="noise: LaplaceNoise needs a one-dimensional lattice"):
-        Q.lrsuq_encode(key, key, jnp.zeros(2), z2, Q.LaplaceNoise(1.0))
+        Q.lrsuq_encode(key, 0, jnp.zeros(2), z2, Q.LaplaceNoise(1.0))
     with pytest.raises(ValueError, match="noise: LaplaceNoise"):
         Q.acceptance_probability(z2, Q.LaplaceNoise(1.0))
     with pytest.raises(ValueError, match="noise must be"):
-        Q.lrsuq_encode(key, key, jnp.zeros(1), z1, 1.0)
+        Q.lrsuq_encode(key, 0, jnp.zeros(1), z1, 1.0)
     with pytest.raises(ValueError, match="lattice must be"):
-        Q.sdq_encode(key, jnp.zeros(2), "Z2")
+        Q.sdq_encode(key, 0, jnp.zeros(2), "Z2")
     with pytest.raises(ValueError, match="x must have shape"):
-        Q.lrsuq_encode(key, key, jnp.zeros(3), z2, Q.GaussianNoise(1.0))
+        Q.lrsuq_encode(key, 0, jnp.zeros(3), z2, Q.GaussianNoise(1.0))
     with pytest.raises(ValueError, match="x must have shape"):
-        Q.sdq_encode(key, jnp.zeros((4, 2)), z2)
+        Q.sdq_encode(key, 0, jnp.zeros((4, 2)), z2)
     with pytest.raises(ValueError, match="coords must be"):
-        Q.sdq_decode(key, jnp.zeros(2), z2)
+        Q.sdq_decode(key, 0, jnp.zeros(2), z2)
     with pytest.raises(ValueError, match="h must be"):
-        Q.lrsuq_decode(key, key, jnp.float32(1.0), jnp.zeros(2, jnp.int32), z2, Q.GaussianNoise(1.0))
+        Q.lrsuq_decode(key, 0, jnp.float32(1.0), jnp.zeros(2, jnp.int32), z2, Q.GaussianNoise(1.0))
 
 
 def test_non_finite_input_is_not_encoded():
     """No trial can accept a NaN input: the encoder returns h = 0 (instead of looping) and decodes to NaN."""
     lattice, noise = L.integer_lattice(2), Q.GaussianNoise(1.0)
     key = jax.random.key(0)
-    h, coords = Q.lrsuq_encode(key, key, jnp.array([jnp.nan, 0.0]), lattice, noise)
+    h, coords = Q.lrsuq_encode(key, 0, jnp.array([jnp.nan, 0.0]), lattice, noise)
     assert int(h) == 0
-    assert np.all(np.isnan(np.asarray(Q.lrsuq_decode(key, key, h, coords, lattice, noise))))
+    assert np.all(np.isnan(np.asarray(Q.lrsuq_decode(key, 0, h, coords, lattice, noise))))
 
 
 def test_a_one_dimensional_lattice_accepts_its_first_trial_whatever_float32_rounding_says():
@@ -262,18 +267,48 @@ def test_a_one_dimensional_lattice_accepts_its_first_trial_whatever_float32_roun
     noise = Q.GaussianNoise(0.5)
     z = L.integer_lattice(1, 0.1)
     n = 400_000
-    lk, dk = _keys(1, n), _keys(2, n)
+    key = jax.random.key(1)
     x = jnp.asarray(np.random.default_rng(3).normal(0.0, 1000.0, (n, 1)), jnp.float32)
-    h, coords, x_hat = jax.jit(jax.vmap(lambda a, b, v: Q._lrsuq_encode(a, b, v, z, noise)))(lk, dk, x)
+    h, coords, x_hat = jax.jit(jax.vmap(lambda j, v: Q._lrsuq_encode(key, j, v, z, noise)))(_blocks(n), x)
     assert np.all(np.asarray(h) == 1)
-    decoded = jax.jit(jax.vmap(lambda a, b, hh, c: Q.lrsuq_decode(a, b, hh, c, z, noise)))(lk, dk, h, coords)
+    decoded = jax.jit(jax.vmap(lambda j, hh, c: Q.lrsuq_decode(key, j, hh, c, z, noise)))(
+        _blocks(n), h, coords
+    )
     # two compiled programs: within 4 ULP (a later trial's dither would differ by up to a cell, 0.1 β)
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(x_hat), rtol=2.0**-21, atol=0)
     # scale 1, x/β an odd integer just above 2^23: trial 1, a finite value, no endless loop
     one = L.integer_lattice(1, 1.0)
-    lk1, dk1 = lk[0], dk[0]
-    _, beta = Q.lrsuq_latent(lk1, one, noise, jnp.float32)
+    _, beta = Q.lrsuq_latent(key, 0, one, noise, jnp.float32)
     x_big = jnp.asarray([float(beta) * (2.0**23 + 1.0)], jnp.float32)
-    h1, c1, xh1 = Q._lrsuq_encode(lk1, dk1, x_big, one, noise)
+    h1, c1, xh1 = Q._lrsuq_encode(key, 0, x_big, one, noise)
     assert int(h1) == 1 and np.all(np.isfinite(np.asarray(xh1)))
-    np.testing.assert_array_equal(Q.lrsuq_decode(lk1, dk1, h1, c1, one, noise), xh1)
+    np.testing.assert_array_equal(Q.lrsuq_decode(key, 0, h1, c1, one, noise), xh1)
+
+
+LATENT_CASES = [
+    (L.integer_lattice(1), Q.GaussianNoise(0.3)),  # χ²_3: one exponential pair and a Box-Muller normal
+    (L.integer_lattice(2), Q.GaussianNoise(0.3)),  # χ²_4
+    (L.d4(), Q.GaussianNoise(0.3)),  # χ²_6
+    (L.e8(), Q.GaussianNoise(0.3)),  # χ²_10: the product of five uniforms under one logarithm
+    (L.integer_lattice(1), Q.LaplaceNoise(0.3)),  # Gamma(2, 1)
+]
+
+
+@pytest.mark.parametrize(
+    "lattice,noise", LATENT_CASES, ids=[f"{lat.name}-{type(nz).__name__}" for lat, nz in LATENT_CASES]
+)
+def test_latent_has_its_exact_law(lattice, noise):
+    """The latent ``U`` read from the counter hash: ``(r/σ)² ~ χ²_{n+2}`` (Gaussian) and ``r/b ~ Gamma(2, 1)``
+    (Laplace), KS against the exact CDF over 4N blocks; blocks and messages independent (the latents of
+    neighbouring blocks, and of two message keys, uncorrelated)."""
+    m = 4 * N
+    latent = jax.jit(jax.vmap(lambda k, j: Q.lrsuq_latent(k, j, lattice, noise)[0], (None, 0)))
+    r = np.asarray(latent(jax.random.key(41), _blocks(m)), np.float64)
+    other = np.asarray(latent(jax.random.key(42), _blocks(m)), np.float64)
+    if isinstance(noise, Q.GaussianNoise):
+        u, law = (r / noise.sigma) ** 2, stats.chi2(lattice.dim + 2)
+    else:
+        u, law = r / noise.b, stats.gamma(2.0)
+    assert stats.kstest(u, law.cdf).pvalue > P_MIN
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < K_SE / math.sqrt(m)
+    assert abs(np.corrcoef(r, other)[0, 1]) < K_SE / math.sqrt(m)

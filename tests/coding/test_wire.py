@@ -24,7 +24,7 @@ from sidejax.keys import client_keys, round_key, run_keys
 def test_the_header_is_magic_format_and_length_then_the_stream_bytes():
     m = Message(jnp.array([0x12345678, 0x9, 0, 0], jnp.uint32), jnp.int32(36))
     data = message_to_bytes(m)
-    assert data[:3] == b"SJX" and data[3] == STREAM_FORMAT == 2
+    assert data[:3] == b"SJX" and data[3] == STREAM_FORMAT == 3
     assert int.from_bytes(data[4:8], "little") == 36
     assert data[HEADER_BYTES:] == bytes([0x78, 0x56, 0x34, 0x12, 0x09])  # ceil(36 / 8) = 5 bytes, LSB first
     back = message_from_bytes(data)
@@ -76,3 +76,5 @@ def test_a_withheld_message_has_no_bytes_and_other_formats_are_refused():
     check_stream_format(STREAM_FORMAT, "x")
     with pytest.raises(ValueError, match="the checkpoint in /tmp/c was written with stream format 1"):
         check_stream_format(1, "the checkpoint in /tmp/c")
+    with pytest.raises(ValueError, match="stream format 2: counter-hash candidates with Threefry lattice"):
+        check_stream_format(2, "client 0's upload")
