@@ -58,7 +58,7 @@ from sidejax.fl.base import Algorithm, Batch, ClientData
 from sidejax.fl.local import schedule_batches
 from sidejax.keys import draw_key
 from sidejax.types import Params, PRNGKey
-from sidejax.utils import check_count, check_positive, tree_all_finite
+from sidejax.utils import check_settings, tree_all_finite
 
 __all__ = [
     "PerFedAvgSettings",
@@ -97,12 +97,8 @@ DEFAULT_SETTINGS = PerFedAvgSettings()
 
 def check_perfedavg_settings(settings: PerFedAvgSettings) -> PerFedAvgSettings:
     """``settings`` if valid, else ``ValueError`` naming the field."""
-    if not isinstance(settings, PerFedAvgSettings):
-        raise ValueError(f"settings must be a PerFedAvgSettings, got {type(settings).__name__}")
-    for name in ("alpha", "beta"):
-        check_positive(getattr(settings, name), f"settings.{name}")
-    for name in ("local_iters", "batch_size"):
-        check_count(getattr(settings, name), f"settings.{name}")
+    positive, counts = ("alpha", "beta"), ("local_iters", "batch_size")
+    check_settings(settings, PerFedAvgSettings, positive=positive, counts=counts)
     if settings.variant not in VARIANTS:
         raise ValueError(f"settings.variant must be one of {VARIANTS}, got {settings.variant!r}")
     return settings

@@ -28,7 +28,9 @@ and the federation minimises :math:`\frac1N\sum_i F_i(w)`. Round ``t`` (the pape
 - **uplink**: :math:`w_{i,R}` through ``coder`` (default float32, ``32 P`` bits);
 - **server**: :math:`w^{t+1} = (1-\beta)\,w^t + \beta\sum_i \frac{n_i}{\sum_j n_j} w_{i,R}` over the
   included participants (``β = 1``: FedAvg's averaging; the paper also runs ``β = 2``);
-- **personal model** (``evaluation.personal``): the client's last ``θ`` of its latest round.
+- **personal model** (``evaluation.personal``): the client's last ``θ`` of its latest round
+  (``personal = "local"``: its local model :math:`w_{i,R}`, which is what pFedMe's code evaluates,
+  docs/papers/coreset_pfedbayes.md#pfedme).
 
 The inner solve starts each round at ``w^t`` and is warm-started across the ``R`` iterations (``θ`` carries
 on from the previous minibatch's solution), as the pFedMe reference code does (its personalized optimizer
@@ -63,10 +65,11 @@ from sidejax.fl.base import Algorithm, Batch, ClientData, ClientInfo, Evaluation
 from sidejax.fl.local import schedule_batches
 from sidejax.keys import ClientKeys, client_streams
 from sidejax.types import Params, PRNGKey
-from sidejax.utils import check_count, check_positive, stack_clients, tree_all_finite
+from sidejax.utils import check_count, check_settings, stack_clients, tree_all_finite
 
 __all__ = [
     "PFedMeSettings",
+    "PERSONAL_MODELS",
     "PersonalClient",
     "check_pfedme_settings",
     "pfedme_inner",
@@ -91,6 +94,10 @@ class PFedMeSettings(NamedTuple):
       local_iters: ``R``, local iterations (minibatches) per round (20).
       batch_size: ``b``, examples per minibatch (20).
       beta: ``β > 0``, the server's step: ``w ← (1-β) w + β · mean`` (1: the plain weighted mean).
+      personal: the personal model evaluated: ``"prox"``, the last ``θ`` (the paper's personalized model,
+        the envelope's proximal point), or ``"local"``, the local model ``w_{i,R}`` (what pFedMe's code
+        evaluates as its "personalized" model: its ``persionalized_model_bar`` ends each round holding the
+        local model's values).
     """
 
     lam: float = 15.0
@@ -100,7 +107,11 @@ class PFedMeSettings(NamedTuple):
     local_iters: int = 20
     batch_size: int = 20
     beta: float = 1.0
+    personal: str = "prox"
 
+
+#: what ``PFedMeSettings.personal`` may name
+PERSONAL_MODELS = ("prox", "local")
 
 DEFAULT_SETTINGS = PFedMeSettings()
 
@@ -114,12 +125,10 @@ class PersonalClient(NamedTuple):
 
 def check_pfedme_settings(settings: PFedMeSettings) -> PFedMeSettings:
     """``settings`` if valid, else ``ValueError`` naming the field."""
-    if not isinstance(settings, PFedMeSettings):
-        raise ValueError(f"settings must be a PFedMeSettings, got {type(settings).__name__}")
-    for name in ("lam", "personal_lr", "lr", "beta"):
-        check_positive(getattr(settings, name), f"settings.{name}")
-    for name in ("inner_steps", "local_iters", "batch_size"):
-        check_count(getattr(settings, name), f"settings.{name}")
+    positive, counts = ("lam", "personal_lr", "lr", "beta"), ("inner_steps", "local_iters", "batch_size")
+    check_settings(settings, PFedMeSettings, positive=positive, counts=counts)
+    if settings.personal not in PERSONAL_MODELS:
+        raise ValueError(f"settings.personal must be one of {PERSONAL_MODELS}, got {settings.personal!r}")
     return settings
 
 
@@ -169,7 +178,7 @@ def pfedme_local_step(
 
 def _pfedme_train(loss_fn, settings: PFedMeSettings, key, w: Params, data: ClientData):
     """The client's ``R`` iterations from the received ``w`` (``θ`` starts there too):
-    ``(w_R, θ, mean loss, finite, iterations done)``."""
+    ``(w_R, personal model (θ or w_R), mean loss, finite, iterations done)``."""
     batches, keys = schedule_batches(key, data, settings.batch_size, settings.local_iters)
 
     def iteration(carry, inputs):
@@ -184,7 +193,7 @@ def _pfedme_train(loss_fn, settings: PFedMeSettings, key, w: Params, data: Clien
     count = jnp.sum(done.astype(jnp.int32))
     loss = jnp.sum(losses) / jnp.maximum(count, 1).astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(losses)) & tree_all_finite((w, theta))
-    return w, theta, loss, finite, count
+    return w, theta if settings.personal == "prox" else w, loss, finite, count
 
 
 def _personalized_init(coder: Coder, server_optimizer, key, params: Params, num_clients: int):

@@ -126,11 +126,12 @@ def _one_client(c, n=12):
 def test_a_round_is_R_envelope_steps_with_warm_started_inner_solves():
     """One client whose minibatches all give ``f = ½(θ − c)ᵀA(θ − c)``: the round's upload (the server's new
     model, ``β = 1``) and personal model are the closed-form recursion ``θ ← K GD steps from θ`` (starting at
-    ``w⁰``, carried across iterations), ``w ← w − ηλ(w − θ)``, ``R`` times."""
+    ``w⁰``, carried across iterations), ``w ← w − ηλ(w − θ)``, ``R`` times; with ``personal = "local"`` the
+    personal model is the local model ``w_R``."""
     c = np.array([1.0, -2.0, 0.5])
     s = PFedMeSettings(lam=2.0, personal_lr=0.15, lr=0.1, inner_steps=3, local_iters=7, batch_size=4)
-    algo = pfedme(quadratic_loss, clients_per_round=1, settings=s)
-    state = algo.init(jax.random.key(0), {"w": jnp.asarray(W, jnp.float32)}, 1)
+    algo, w0 = pfedme(quadratic_loss, clients_per_round=1, settings=s), {"w": jnp.asarray(W, jnp.float32)}
+    state = algo.init(jax.random.key(0), w0, 1)
     state, info = run_rounds(algo, jax.random.key(1), state, _one_client(c), 1)
     w, theta = W.copy(), W.copy()
     for _ in range(s.local_iters):
@@ -140,6 +141,10 @@ def test_a_round_is_R_envelope_steps_with_warm_started_inner_solves():
     np.testing.assert_allclose(np.asarray(state.server.params["w"]), w, atol=2e-6)
     np.testing.assert_allclose(np.asarray(algo.evaluation.personal(state)["w"][0]), theta, atol=2e-6)
     assert int(info.clients.extra[0, 0]) == s.local_iters and int(info.uplink_bits[0, 0]) == 32 * D
+    # personal = "local" (pFedMe's code's evaluation): the local model, here the one client's upload
+    local = pfedme(quadratic_loss, clients_per_round=1, settings=s._replace(personal="local"))
+    state, _ = run_rounds(local, jax.random.key(1), local.init(jax.random.key(0), w0, 1), _one_client(c), 1)
+    np.testing.assert_array_equal(local.evaluation.personal(state)["w"][0], state.server.params["w"])
 
 
 def test_server_beta_mixes_the_old_model_and_the_clients_mean():
@@ -170,6 +175,7 @@ def test_server_beta_mixes_the_old_model_and_the_clients_mean():
         (dict(beta=-1.0), "settings.beta"),
         (dict(inner_steps=0), "settings.inner_steps"),
         (dict(batch_size=2.5), "settings.batch_size"),
+        (dict(personal="theta"), "settings.personal must be one of"),
     ],
 )
 def test_bad_settings_name_the_field(change, match):
