@@ -19,8 +19,10 @@ round, for a GPU) and the reduced CPU setting ``fmnist_mlp_cpu`` (60 rounds, cor
 rounds). MNIST is read from local files or tensorflow-datasets (``sidejax.data``), never downloaded.
 
 A **method** is a row of the paper's Tables 1/3 (:data:`METHODS`): FedAvg (pFedMe's baseline settings:
-lr 0.005, batch 20, 20 local epochs), pFedBayes on the full data, RandomSubset (pFedBayes on a fixed random
-50% subset, unit weights as in the paper, and reweighted by n/k), CoreSet-PFedBayes at 50/30/15/10% coresets.
+lr 0.005, batch 20, 20 local epochs), pFedMe (its own settings: lr 0.005, personal lr 0.1, lambda 15, K = 5,
+R = 20, batch 20), Per-FedAvg (first order, alpha 0.005, beta 0.001, R = 20, batch 20), pFedBayes on the full
+data, RandomSubset (pFedBayes on a fixed random 50% subset, unit weights as in the paper, and reweighted by
+n/k), CoreSet-PFedBayes at 50/30/15/10% coresets.
 Preset ``coreset_pfedbayes_<setting>_<method>``.
 
 The table (``table.md`` / ``table.csv``) has one row per method, the mean ± std over the seeds found:
@@ -95,6 +97,8 @@ METHODS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "method.local_epochs": 20,
         },
     ),
+    "pfedme": ("pFedMe", "pfedme", {}),
+    "perfedavg": ("Per-FedAvg (FO)", "perfedavg", {}),
     "pfedbayes": ("PFedBayes (full)", "pfedbayes", {}),
     "random_50": ("RandomSubset (50%)", "pfedbayes_subset", {"method.subset_size": 500}),
     "random_50_rw": (
@@ -129,7 +133,9 @@ def _label(name: str, config: dict[str, Any]) -> str:
         if name == "coreset_pfedbayes":
             return f"CoreSet-PFedBayes ({size})"
         return f"RandomSubset ({size}, weights n/k)" if method.get("reweight") else f"RandomSubset ({size})"
-    return {"fedavg": "FedAvg", "pfedbayes": "PFedBayes (full)"}.get(name, name)
+    if name == "perfedavg":
+        return f"Per-FedAvg ({method.get('variant', 'fo').upper()})"
+    return {"fedavg": "FedAvg", "pfedbayes": "PFedBayes (full)", "pfedme": "pFedMe"}.get(name, name)
 
 
 def _train_size(config: dict[str, Any]) -> int | None:

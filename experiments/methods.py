@@ -36,7 +36,9 @@ from sidejax.algorithms import (
 from sidejax.algorithms.bpcfl import check_settings
 from sidejax.algorithms.fedpa import SHRINKAGE_FORMS, check_fedpa_settings
 from sidejax.algorithms.mirror import mirror_descent
+from sidejax.algorithms.perfedavg import VARIANTS, PerFedAvgSettings, check_perfedavg_settings
 from sidejax.algorithms.pfedbayes import KL_SCALE_MODES, CoresetSettings, PFedBayesSettings
+from sidejax.algorithms.pfedme import PERSONAL_MODELS, PFedMeSettings, check_pfedme_settings
 from sidejax.fl import Algorithm, LocalTraining
 
 __all__ = [
@@ -65,6 +67,8 @@ __all__ = [
     "PFedBayesConfig",
     "PFedBayesSubsetConfig",
     "CoresetPFedBayesConfig",
+    "PFedMeConfig",
+    "PerFedAvgConfig",
     "BPCFLConfig",
     "FedPAConfig",
     "ERROR_FEEDBACK_METHODS",
@@ -602,6 +606,39 @@ class CoresetPFedBayesConfig(PFedBayesConfig):
         )
 
 
+@dataclass(frozen=True)
+@fills(PFedMeSettings, choices={"personal": PERSONAL_MODELS})
+class PFedMeConfig(MethodConfig):
+    """pFedMe (:func:`sidejax.algorithms.pfedme`): each client's personal model is the proximal point of its
+    loss around its local model (K gradient steps at personal_lr), the local model steps on the Moreau
+    envelope (lr times lam), the server mixes by beta (:class:`sidejax.algorithms.PFedMeSettings`'s fields).
+    Defaults: pFedMe's own settings, the CoreSet-PFedBayes tables' baseline
+    (docs/papers/coreset_pfedbayes.md#r-baselines)."""
+
+    name: ClassVar[str] = "pfedme"
+    coders: ClassVar[tuple[str, ...]] = ("float32",)
+    library_args: ClassVar = {"settings": PFedMeSettings}
+
+    def check(self) -> None:
+        self.relabel(check_pfedme_settings, self.library_value(PFedMeSettings))
+
+
+@dataclass(frozen=True)
+@fills(PerFedAvgSettings, choices={"variant": VARIANTS})
+class PerFedAvgConfig(MethodConfig):
+    """Per-FedAvg (:func:`sidejax.algorithms.perfedavg`): local MAML meta-steps (fo: first order, the pFedMe
+    code's; hf: with the exact Hessian-vector product), the personal model one gradient step at alpha from
+    the received model (:class:`sidejax.algorithms.PerFedAvgSettings`'s fields). Defaults: the pFedMe code's
+    Per-FedAvg, the CoreSet-PFedBayes tables' baseline (docs/papers/coreset_pfedbayes.md#r-baselines)."""
+
+    name: ClassVar[str] = "perfedavg"
+    coders: ClassVar[tuple[str, ...]] = ("float32",)
+    library_args: ClassVar = {"settings": PerFedAvgSettings}
+
+    def check(self) -> None:
+        self.relabel(check_perfedavg_settings, self.library_value(PerFedAvgSettings))
+
+
 # BICompFL's uplink as the CPU profile of docs/papers/bicompfl.md#s2-3: Fixed blocks of 128 with 16
 # candidates, 1/32 bit per parameter
 _BICOMPFL_FIXED = {"adaptive": False, "block_size": 128, "log2_num_candidates": 4}
@@ -892,6 +929,8 @@ METHODS: dict[str, type[MethodConfig]] = by_name(
     PFedBayesConfig,
     PFedBayesSubsetConfig,
     CoresetPFedBayesConfig,
+    PFedMeConfig,
+    PerFedAvgConfig,
     FedPAConfig,
     BPCFLConfig,
 )

@@ -17,6 +17,7 @@ __all__ = [
     "check_count",
     "check_positive",
     "check_number",
+    "check_settings",
     "stack_clients",
     "enable_x64",
     "masked_mean",
@@ -77,6 +78,21 @@ def check_number(value, name: str, requirement: str, ok) -> float:
     if x is None or not ok(x):
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
     return x
+
+
+def check_settings(
+    settings, settings_type: type, *, positive: tuple[str, ...] = (), counts: tuple[str, ...] = ()
+):
+    """``settings`` if it is a ``settings_type`` whose ``positive`` fields are finite numbers ``> 0``
+    (:func:`check_positive`) and whose ``counts`` fields are integers ``>= 1`` (:func:`check_count`); else
+    ``ValueError`` naming ``settings.<field>``."""
+    if not isinstance(settings, settings_type):
+        raise ValueError(f"settings must be a {settings_type.__name__}, got {type(settings).__name__}")
+    for name in positive:
+        check_positive(getattr(settings, name), f"settings.{name}")
+    for name in counts:
+        check_count(getattr(settings, name), f"settings.{name}")
+    return settings
 
 
 def stack_clients(tree: PyTree, num_clients: int) -> PyTree:

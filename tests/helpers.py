@@ -33,7 +33,9 @@ from sidejax.algorithms import (
     sgld,
     signsgd,
 )
+from sidejax.algorithms.perfedavg import PerFedAvgSettings, perfedavg
 from sidejax.algorithms.pfedbayes import CoresetSettings, PFedBayesSettings, coreset_pfedbayes, pfedbayes
+from sidejax.algorithms.pfedme import PFedMeSettings, pfedme
 from sidejax.coding.klms import KLMSConfig, klms_coder, klms_init
 from sidejax.coding.lattice import additive_noise_coder, clip_update
 from sidejax.coding.lrsuq import GaussianNoise
@@ -359,6 +361,14 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
             loss,
             settings=PFedBayesSettings(local_iters=2, personal_steps=2, batch_size=8, mc_samples=2),
             **common,
+        ),
+        # the personalized baselines: pFedMe's inner solves, Per-FedAvg (HF: three minibatches per step) and
+        # its personal step on the client's data (DRAWS under TRAIN)
+        "pfedme": pfedme(
+            loss, settings=PFedMeSettings(inner_steps=2, local_iters=3, batch_size=16, lam=1.0), **common
+        ),
+        "perfedavg": perfedavg(
+            loss, settings=PerFedAvgSettings(local_iters=2, batch_size=16, variant="hf"), **common
         ),
         "memsgd": memsgd(loss, LocalTraining(optax.sgd(0.1), **local), **common),
         "cser": cser(loss, LocalTraining(optax.sgd(0.1), **local), **common),

@@ -55,6 +55,52 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
     assert load_preset("coreset_pfedbayes_fmnist_mlp_cpu_random_50").method.subset_size == 500
 
 
+@pytest.mark.parametrize("dataset", ["mnist", "fmnist"])
+def test_the_personalized_baselines_presets_trace_one_round_at_the_papers_size(dataset):
+    """pFedMe and Per-FedAvg at the tables' settings (pFedMe's code, docs/papers/coreset_pfedbayes.md#pfedme):
+    the presets carry them, and each builds and traces one round (shapes only, nothing runs: MNIST is not
+    available offline) on a stand-in federation of pFedMe's split (10 clients x 1,000 training examples,
+    28 x 28 inputs, the MLP 784-100-10): every client's personal model, a 79,510-float upload each."""
+    import jax
+    import numpy as np
+
+    from experiments.algorithms import build_algorithm
+    from sidejax.data import make_federated_data
+    from sidejax.fl import build_round_step, classification_loss
+    from sidejax.keys import round_key, run_keys
+    from sidejax.models import get_model, init_params
+
+    pfedme_cfg = load_preset(preset_name(f"{dataset}_mlp", "pfedme"))
+    perfedavg_cfg = load_preset(preset_name(f"{dataset}_mlp", "perfedavg"))
+    m = pfedme_cfg.method
+    assert (m.lr, m.personal_lr, m.lam, m.inner_steps, m.local_iters, m.batch_size, m.beta) == (
+        0.005,
+        0.1,
+        15.0,
+        5,
+        20,
+        20,
+        1.0,
+    )
+    m = perfedavg_cfg.method
+    assert (m.alpha, m.beta, m.local_iters, m.batch_size, m.variant) == (0.005, 0.001, 20, 20, "fo")
+    assert pfedme_cfg.data.partition == perfedavg_cfg.data.partition == "pfedme"
+    spec = get_model("mlp_100", num_classes=10, input_shape=(28, 28, 1))
+    x = np.zeros((10 * 1000, 28, 28, 1), np.float32)
+    fed = make_federated_data(x, np.arange(10 * 1000, dtype=np.int32) % 10, np.arange(10_000).reshape(10, -1))
+    init_key, rounds_key = run_keys(0)
+    for config in (pfedme_cfg, perfedavg_cfg):
+        algo = build_algorithm(config, classification_loss(spec.module.apply))
+        state = jax.eval_shape(lambda k, algo=algo: algo.init(k, init_params(k, spec), 10), init_key)
+        new, info = jax.eval_shape(
+            build_round_step(algo, client_map="map"), round_key(rounds_key, 0), state, fed
+        )
+        personal = algo.evaluation.personal(new)
+        assert {a.shape[0] for a in jax.tree.leaves(personal)} == {10}
+        assert sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(personal)) == 79_510
+        assert info.uplink_bits.shape == (10,)
+
+
 def test_bad_names_and_configs_say_what_to_do():
     with pytest.raises(ValueError, match="unknown method"):
         suite_config("fmnist_mlp", "coreset_5")

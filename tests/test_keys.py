@@ -137,6 +137,8 @@ _EXPECTED["bpcfl"] = _ROUND | {
     "ORDER",
     "SERVER",
 }
+_EXPECTED["pfedme"] = _ROUND | _TRAIN
+_EXPECTED["perfedavg"] = _ROUND | _TRAIN | {"DRAWS", "draw"}
 _EXPECTED["bicompfl_pr_splitdl"] = _EXPECTED["fedpm"] | {"DRAWS", "draw", "RECIPIENTS", "recipient"}
 
 

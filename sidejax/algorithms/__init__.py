@@ -16,6 +16,8 @@
   per-client noise levels.
 - :func:`pfedbayes`, :func:`pfedbayes_subset`, :func:`coreset_pfedbayes`: personalized variational Bayesian
   FL (pFedBayes), its RandomSubset baseline, and CoreSet-PFedBayes (A-IHT coreset weights per client).
+- :func:`pfedme`, :func:`perfedavg`: the personalized baselines of CoreSet-PFedBayes' tables, pFedMe (Moreau
+  envelopes) and Per-FedAvg (one-step MAML, first-order or Hessian-free), on FedAvg's downlink and server.
 - :func:`bpcfl`: BPC-FL, one-shot Bayesian FL with function-space pseudocoresets (one upload per client,
   then MAP / HMC / SGLD on the aggregated pseudocoreset: :func:`map_inference`, :func:`hmc_inference`,
   :func:`sgld_inference`).
@@ -85,6 +87,7 @@ from sidejax.algorithms.mirror import (
     mirror_descent,
     neg_entropy,
 )
+from sidejax.algorithms.perfedavg import PerFedAvgSettings, perfedavg
 from sidejax.algorithms.pfedbayes import (
     CoresetSettings,
     PFedBayesSettings,
@@ -92,6 +95,7 @@ from sidejax.algorithms.pfedbayes import (
     pfedbayes,
     pfedbayes_subset,
 )
+from sidejax.algorithms.pfedme import PFedMeSettings, pfedme
 from sidejax.algorithms.qsgd import (
     QSGDPrior,
     qsgd,
@@ -118,6 +122,10 @@ __all__ = [
     "coreset_pfedbayes",
     "PFedBayesSettings",
     "CoresetSettings",
+    "pfedme",
+    "PFedMeSettings",
+    "perfedavg",
+    "PerFedAvgSettings",
     "cepam",
     "sampled_sgd",
     "CepamServer",

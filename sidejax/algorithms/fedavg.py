@@ -49,6 +49,7 @@ __all__ = [
     "fedavg_init",
     "fedavg_broadcast",
     "fedavg_receive",
+    "upload_params",
     "fedavg_client_update",
     "fedavg_server_update",
     "fedavg",
@@ -101,12 +102,22 @@ def fedavg_receive(coder: Coder, dkey, keys, server: FedAvgState, cstate, messag
     return server._replace(params=unravel(received), coder=cstate)
 
 
+def upload_params(coder: Coder, keys: ClientKeys, server: FedAvgState, params: Params):
+    """A client's upload of its local model ``params``: the point mass at it through ``coder``, against the
+    point mass at the received global model, with the client's ``SAMPLE`` stream as the private key.
+
+    Returns:
+      ``(message, coder info)``.
+    """
+    p = PointMass(ravel_pytree(server.params)[0])
+    sample_keys = ClientKeys(keys.shared, client_streams(keys.private).sample)
+    return coder.encode(sample_keys, PointMass(ravel_pytree(params)[0]), p, server.coder)
+
+
 def fedavg_client_update(local_train, coder: Coder, keys: ClientKeys, server: FedAvgState, state, data):
     """One client: local training from the received model, then its point mass through ``coder``."""
     params, info = local_train(client_streams(keys.private).train, server.params, data)
-    p = PointMass(ravel_pytree(server.params)[0])
-    sample_keys = ClientKeys(keys.shared, client_streams(keys.private).sample)
-    message, cinfo = coder.encode(sample_keys, PointMass(ravel_pytree(params)[0]), p, server.coder)
+    message, cinfo = upload_params(coder, keys, server, params)
     return (
         state,
         message,

@@ -36,6 +36,7 @@ __all__ = [
     "masked_mean",
     "build_local_trainer",
     "build_sampling_trainer",
+    "schedule_batches",
     "LocalTraining",
 ]
 
@@ -147,6 +148,39 @@ def build_local_trainer(
     else:
         num_steps = check_count(num_steps, "num_steps")
     return _scan_trainer(loss_fn, optimizer, batch_size, num_epochs, num_steps, None)
+
+
+def schedule_batches(
+    key: PRNGKey, data: ClientData, batch_size: int, num_steps: int
+) -> tuple[Batch, PRNGKey]:
+    """The first ``num_steps`` minibatches of :func:`build_local_trainer`'s epoch schedule, stacked: for the
+    local loops that are not one optimizer step per batch (pFedMe's inner solves, Per-FedAvg's two or three
+    batches per step).
+
+    Global step ``t`` is step ``s = t mod steps_per_epoch`` of epoch ``e = t // steps_per_epoch``: the batch
+    at positions ``s·batch_size ..`` of the order drawn from ``stream_key(epoch_key(key, e), ORDER)``, its
+    mask (1 for a valid example), and the step's key ``step_key(epoch_key(key, e), s)``: the batches and
+    keys :func:`build_local_trainer` uses with ``num_steps``.
+
+    Returns:
+      ``(batches, keys)``: a :class:`Batch` whose leaves have a leading ``[num_steps]`` axis, and the
+      ``[num_steps]`` step keys.
+    """
+    batch_size = check_count(batch_size, "batch_size")
+    num_steps = check_count(num_steps, "num_steps")
+    max_examples = data.indices.shape[0]
+    steps = num_local_steps(max_examples, batch_size)
+    epochs = -(-num_steps // steps)
+    ekeys = jax.vmap(lambda e: epoch_key(key, e))(jnp.arange(epochs))
+    orders = jax.vmap(lambda k: epoch_order(stream_key(k, ORDER), data.num_examples, max_examples))(ekeys)
+    orders = jnp.pad(orders, ((0, 0), (0, steps * batch_size - max_examples)))
+    t = jnp.arange(num_steps)
+    e, s = t // steps, t % steps
+    pos = orders.reshape(epochs, steps, batch_size)[e, s]
+    valid = (s[:, None] * batch_size + jnp.arange(batch_size)) < data.num_examples
+    gidx = data.indices[pos]
+    batches = Batch(x=data.x[gidx], y=data.y[gidx], mask=valid.astype(jnp.float32))
+    return batches, jax.vmap(step_key)(ekeys[e], s)
 
 
 class _Recorder(NamedTuple):

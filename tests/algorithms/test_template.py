@@ -16,7 +16,7 @@ from sidejax.algorithms import pfedbayes_subset
 from sidejax.fl import Algorithm, Evaluation, LocalTraining
 
 #: the skeletons that make an Algorithm from a method value (the public builders above them are checked)
-SKELETONS = {"dense_algorithm", "compressed_algorithm"}
+SKELETONS = {"dense_algorithm", "compressed_algorithm", "personalized_algorithm"}
 #: the builder of each variant of :func:`helpers.every_algorithm` whose name is not its builder's
 VARIANT_OF = {
     "fedpm_klms": "fedpm",
@@ -98,8 +98,9 @@ def test_builder_returns_an_algorithm_that_declares_its_evaluation(name, built):
     assert isinstance(evaluation.ensemble, bool)
     assert evaluation.personal is None or callable(evaluation.personal)
     assert algorithm.eval_params is evaluation.params
-    # only BPC-FL evaluates an ensemble (its posterior samples), only the pFedBayes family personal models
+    # only BPC-FL evaluates an ensemble (its posterior samples), only the pFedBayes family and the
+    # personalized baselines of its tables personal models
     assert evaluation.ensemble == (name == "bpcfl")
     assert (evaluation.personal is not None) == (
-        name in {"pfedbayes", "pfedbayes_subset", "coreset_pfedbayes"}
+        name in {"pfedbayes", "pfedbayes_subset", "coreset_pfedbayes", "pfedme", "perfedavg"}
     )

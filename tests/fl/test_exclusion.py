@@ -118,6 +118,8 @@ FAMILIES = [
     "cepam",
     "pfedbayes",
     "coreset_pfedbayes",
+    "pfedme",
+    "perfedavg",
     "bpcfl",
 ]
 

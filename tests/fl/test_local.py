@@ -9,7 +9,14 @@ import optax
 import pytest
 from helpers import tree_equal
 
-from sidejax.fl import ClientData, build_local_trainer, build_sampling_trainer, epoch_order, num_local_steps
+from sidejax.fl import (
+    ClientData,
+    build_local_trainer,
+    build_sampling_trainer,
+    epoch_order,
+    num_local_steps,
+    schedule_batches,
+)
 from sidejax.keys import ORDER, epoch_key, step_key, stream_key
 
 # The recorder federation: 23 examples whose input is their own id; a client owns 17 of them (a permutation)
@@ -86,6 +93,26 @@ def test_schedule_is_exactly_the_documented_one(schedule):
     # correctly rounded (XLA may multiply by the reciprocal), so within 2 ulp there (on the H200, 2 + 2·7
     # steps failed bit equality); any schedule error moves the loss by whole units of the dyadic weights.
     np.testing.assert_array_max_ulp(np.float32(info.loss), np.float32(loss), maxulp=2)
+
+
+def test_schedule_batches_are_the_trainers_batches_and_keys():
+    """``schedule_batches`` (pFedMe's and Per-FedAvg's minibatches) stacks the documented schedule: two
+    epochs and 3 steps of a third, the step without data masked out entirely."""
+    key, data = jax.random.key(11), recorder_client(0, 17)
+    steps = 2 * STEPS_PER_EPOCH + 3
+    batches, keys = jax.jit(schedule_batches, static_argnums=(2, 3))(key, data, BATCH, steps)
+    assert batches.x.shape == (steps, BATCH) and keys.shape == (steps,)
+    indices = np.asarray(data.indices)
+    for t in range(steps):
+        e, s = divmod(t, STEPS_PER_EPOCH)
+        ekey = epoch_key(key, e)
+        order = np.asarray(epoch_order(stream_key(ekey, ORDER), data.num_examples, MAX_EXAMPLES))
+        pos = s * BATCH + np.arange(BATCH)
+        valid = pos < int(data.num_examples)
+        np.testing.assert_array_equal(np.asarray(batches.mask[t]), valid.astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(batches.x[t])[valid], indices[order[pos[valid]]])
+        assert jnp.array_equal(jax.random.key_data(keys[t]), jax.random.key_data(step_key(ekey, s)))
+    assert not np.asarray(batches.mask[STEPS_PER_EPOCH - 1]).any()  # the epoch's last step holds no data
 
 
 @pytest.mark.parametrize("average", [False, True])
