@@ -543,8 +543,8 @@ def encode_lattice_stream(h: jax.Array, coords: jax.Array, *, trial_m: int, capa
     first_v = jnp.where(joined, (run_v << jnp.minimum(tail_l, 31).astype(jnp.uint32)) | tail_v, run_v)
     first_l = jnp.where(nonzero, jnp.where(joined, run_l + tail_l, run_l), 0)
     second_l = jnp.where(nonzero & ~joined, tail_l, 0)
-    sym_v = jnp.stack([first_v, tail_v], axis=1)
-    sym_l = jnp.stack([first_l, second_l], axis=1)
+    sym_v = jnp.stack([first_v, tail_v], axis=1).reshape(-1)  # interleaved: one prefix sum over 2 d
+    sym_l = jnp.stack([first_l, second_l], axis=1).reshape(-1)
     head_v = jnp.stack([k.astype(jnp.uint32), m.astype(jnp.uint32)])
     head_l = jnp.full((2,), width, jnp.int32)
     if trial_m:
