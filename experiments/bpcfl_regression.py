@@ -75,9 +75,10 @@ folder) has one row per run and method: RMSE, NLL (at the model's σ and at the 
 inside the intervals and in the gaps, the uplink and total floats and the wall time; ``plot`` redraws each
 run's ``predictive.png`` from its files.
 
-Measured (seed 0, 5 x 100 points, at σ = 0.3 as printed and at σ = 1) with what they show, and why
-BPC-fKL diverges at σ = 0.3: docs/papers/bpcfl.md#results-regression and
-docs/papers/bpcfl.md#dep-regression-sigma; figures in ``docs/figures/bpcfl_regression*.png``.
+Measured (σ = 0.3 with the rescaled steps on seeds 0, 1 and 2; as printed and at σ = 1 on seed 0) with
+what they show, and why BPC-fKL diverges at σ = 0.3 as printed: docs/papers/bpcfl.md#results-regression
+and docs/papers/bpcfl.md#dep-regression-sigma; figures in ``docs/figures/bpcfl_regression*.png``
+(``bpcfl_regression.png``: seed 0 with the rescaled steps; ``bpcfl_regression_printed.png``: as printed).
 """
 
 from __future__ import annotations
