@@ -5,6 +5,7 @@ line, writing nothing; a finished run is skipped, one of another configuration r
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -209,6 +210,7 @@ def test_the_suite_configs_are_the_papers_and_the_variants():
         (["clients=0"], "clients must be >= 1"),
         (["sigma=0"], "sigma must be"),
         (["hmc_start=nuts"], "hmc_start must be"),
+        (["steps=fast"], "steps must be"),
         (["sigmaa=1"], "--set sigmaa: not a field of the regression"),
         (["clients=two"], "--set clients=two: expected a value of type int"),
     ],
@@ -222,3 +224,73 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, se
     assert not out.exists()
     with pytest.raises(ValueError, match="per_client 2 is smaller than the pseudocoreset size K = 3"):
         RegressionConfig(quick=True, per_client=2)
+
+
+def test_unit_sigma_steps_keep_the_label_gain_of_sigma_1():
+    """docs/papers/bpcfl.md#dep-regression-sigma on a linear-Gaussian coreset (closed form): ``f(z, θ) =
+    φ(z)ᵀθ``, ``K = 6 < P = 8`` points, the client's mean-reduced ``ℓ̄ + λ/2‖θ‖²`` at σ = 0.3, exact samples
+    of ``π_D`` and of the current ``π_C``. One label update is affine in ŷ; its gain matrix ``I − ∂ŷ'/∂ŷ``
+    (differences with common keys) is ``ψ_y S/(Kσ²)`` with ``S = Φ Σ_C Φᵀ/(Kσ²)``, the coreset posterior's
+    hat matrix (eigenvalues just below 1: the coreset fits its labels). Table 2's ψ_y = 1 has gain 1.85, an
+    overshooting step next to the limit 2 that multiplies the sampling noise's variance by g/(2 − g) = 12;
+    the rescaled ψ_y σ² has gain 1/K, as at σ = 1. Over 3,000 updates the labels' spread about their mean
+    follows g/(2 − g). σ = 1 keeps Table 2 (and its bits)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from sidejax.bayes.pseudocoresets import Pseudocoreset, learn_pseudocoreset
+
+    printed, scaled = RegressionConfig(steps="printed").hp, RegressionConfig().hp
+    assert RegressionConfig(sigma=1.0).hp == printed
+    assert (scaled["step_size_inputs"], scaled["hmc_step_size"]) == pytest.approx((0.01 * 0.09, 1e-3 * 0.3))
+    k, p, sigma, lam = PAPER["num_points"], 8, 0.3, PAPER["prior_precision"]
+    rng = np.random.default_rng(0)
+    phi = rng.normal(size=(k, p)) / np.sqrt(p)
+    cov_c = np.linalg.inv(phi.T @ phi / (k * sigma**2) + lam * np.eye(p))
+    hat = phi @ cov_c @ phi.T / (k * sigma**2)
+    mu_d, chol_d = rng.normal(size=p), 0.05 * np.eye(p)
+    chol_c = np.linalg.cholesky(cov_c)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+
+    def loss_fn(c, theta):  # the client's coreset loss: mean NLL (σ = 0.3) plus the prior
+        return jnp.mean((c.labels - c.inputs @ theta) ** 2) / (2 * sigma**2) + 0.5 * lam * theta @ theta
+
+    def exact_pairs(key, c):  # θ_D ~ π_D, θ_C ~ π_C(ŷ), B = 1
+        mu_c = f32(cov_c) @ (f32(phi).T @ c.labels) / (k * sigma**2)
+        e = jax.random.normal(key, (2, 1, p))
+        return f32(mu_d) + e[0] @ f32(chol_d).T, mu_c + e[1] @ f32(chol_c).T
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def learn(psi_y, labels, key):  # one update
+        return learn_pseudocoreset(
+            loss_fn, Pseudocoreset(f32(phi), labels), key, sample_pairs=exact_pairs, num_updates=1,
+            optimizer=optax.sgd(0.0), chain_length=0, step_size_inputs=0.0, step_size_labels=psi_y,
+        )[0].labels  # fmt: skip
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def trace(psi_y, labels, key):  # the labels after each of 3,000 updates
+        def step(y, u):
+            y = learn(psi_y, y, jax.random.fold_in(key, u))
+            return y, y
+
+        return jax.lax.scan(step, labels, jnp.arange(3000))[1]
+
+    y0 = f32(rng.normal(size=k))
+    shifted = y0 + 0.5 * jnp.eye(k)  # row i: ŷ with label i moved by 0.5
+    for hp in (printed, scaled):
+        psi = hp["step_size_labels"]
+        base = np.asarray(learn(psi, y0, jax.random.key(1)), np.float64)
+        moved = np.asarray(jax.vmap(lambda y, psi=psi: learn(psi, y, jax.random.key(1)))(shifted), np.float64)
+        gain = np.eye(k) - (moved.T - base[:, None]) / 0.5
+        np.testing.assert_allclose(gain, psi * hat / (k * sigma**2), atol=2e-3)
+    g_printed = printed["step_size_labels"] / (k * sigma**2)
+    g_scaled = scaled["step_size_labels"] / (k * sigma**2)
+    assert g_printed == pytest.approx(1.852, abs=1e-3) and g_scaled == pytest.approx(1 / k)
+    # the stationary spread of the labels: variance amplification g/(2 − g), 12.3 against 0.091
+    spreads = [
+        np.mean(np.var(np.asarray(trace(hp["step_size_labels"], y0, jax.random.key(2)))[1000:], axis=0))
+        for hp in (printed, scaled)
+    ]
+    want = (g_printed / (2 - g_printed)) / (g_scaled / (2 - g_scaled))
+    assert 0.7 * want < spreads[0] / spreads[1] < 1.4 * want, (spreads, want)
