@@ -12,8 +12,11 @@ measure-preserving bijection up to a null set); hence ``V`` is uniform on the Vo
 **SDQ** (Definition 1): the encoder sends the coordinates of ``M = Q(x − V)``, the decoder outputs
 ``x̂ = M + V``; by the crypto lemma ``x̂ − x ~ Unif(𝒫)``, independent of ``x``.
 
-**LRSUQ** (Definition 4, Proposition 5): shared randomness ``S = (U, (V_i)_{i≥1})``, a latent ``U`` drawn from
-``layer_key`` and iid dithers ``V_i`` drawn from ``draw_key(dither_key, i)``. Given ``U`` the superlevel set
+**LRSUQ** (Definition 4, Proposition 5): shared randomness ``S = (U, (V_i)_{i≥1})``, per block ``j`` of a
+message: a latent ``U`` (:func:`lrsuq_latent`) and iid dithers ``V_i`` (:func:`sample_dither`), read by
+the counter hash of :mod:`sidejax.coding.counter` from the message's two streams
+(:func:`sidejax.keys.lattice_keys`) at (draw, block ``j``) and at (trial ``i``, the block's coordinates), so
+the decoder reads ``U`` and ``V_h`` directly. Given ``U`` the superlevel set
 of the noise pdf ``f`` is a ball of radius ``r(U)`` and ``β = r / ρ`` is the smallest scale with
 ``L_U^+(f) ⊆ β𝒫``. In scaled coordinates (docs/papers/cepam.md#s2-5 [REC]) trial ``i`` computes
 

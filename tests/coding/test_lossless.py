@@ -292,6 +292,85 @@ def test_walk_symbols_is_the_walk_on_the_table_of_every_position():
     assert 0 < int(np.sum(np.asarray(batched[0][2]))) < len(ends)  # both outcomes of ok occur
 
 
+def _golomb_symbol_at(operands, pos):
+    view, m = operands
+    value, length, _ = bs.golomb_decode_at(view, pos, m)
+    return length, (value, pos)
+
+
+def test_walk_symbol_fields_keeps_what_each_symbol_read():
+    """walk_symbol_fields returns walk_symbols' starts, count and ok, and for symbol i the fields read at
+    its start (zero past the count), unbatched and under vmap."""
+    rng = np.random.default_rng(6)
+    streams = rng.integers(0, 2**32, (8, 6), dtype=np.uint64).astype(np.uint32)
+    streams[:3] &= np.uint32(0x01010101)
+    ends = np.concatenate([rng.integers(0, 192, 7), [192]]).astype(np.int32)
+    m = jnp.int32(5)
+
+    def both(words, end):
+        view = bs.stream_view(words)
+        fields = bs.walk_symbol_fields(_golomb_symbol_at, (view, m), end, max_symbols=40, bit_capacity=192)
+        plain = bs.walk_symbols(_golomb_length_at, (view, m), end, max_symbols=40, bit_capacity=192)
+        return fields, plain, bs.golomb_decode_at(view, plain[0], m)[0]
+
+    for words, end in ((streams, ends), (streams[0], ends[0])):
+        f = jax.jit(jax.vmap(both)) if words.ndim == 2 else jax.jit(both)
+        (starts, count, ok, (values, at)), plain, want = f(jnp.asarray(words), jnp.asarray(end))
+        for x, y in zip((starts, count, ok), plain, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        live = np.arange(40) < np.asarray(count)[..., None]
+        np.testing.assert_array_equal(
+            np.where(live, np.asarray(values), 0), np.where(live, np.asarray(want), 0)
+        )
+        np.testing.assert_array_equal(np.asarray(at), np.where(live, np.asarray(starts), 0))
+        assert np.all(np.asarray(values)[~live] == 0)
+
+
+def test_set_bit_positions_match_numpy():
+    """The first `count` ones at or after `start` (the ends of unary codewords), against numpy's
+    flatnonzero of the unpacked bits; `found` is False when the stream has fewer ones (both occur)."""
+    rng = np.random.default_rng(7)
+    fns = {c: jax.jit(lambda w, s, c=c: bs.set_bit_positions(bs.stream_view(w), s, c)) for c in (1, 7, 120)}
+    outcomes = set()
+    for density in (0.02, 0.3, 0.9):
+        bits = (rng.random(9 * 32) < density).astype(np.uint32)
+        packed = bs.pack_fixed(jnp.asarray(bits), 1)  # stream bit i is field i
+        for start in (0, 1, 31, 32, 77, 200):
+            ones = np.flatnonzero(bits[start:]) + start
+            for count, f in fns.items():
+                pos, found = f(packed, start)
+                k = min(count, len(ones))
+                np.testing.assert_array_equal(np.asarray(pos)[:k], ones[:k])
+                assert np.all(np.asarray(pos)[k:] == 32 * packed.shape[0])
+                assert bool(found) == (count <= len(ones))
+                outcomes.add(bool(found))
+    assert outcomes == {True, False}
+
+
+def test_prefix_sum_and_bounded_golomb_are_the_plain_ones():
+    """prefix_sum equals jnp.cumsum (int32 and bool, 1-D and along axis 1); golomb_codeword with a static
+    bound (float quotient, exact correction) equals the integer division for every n below the bound,
+    including the largest n near 2^24 and quotients just below and above integers."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.integers(-1000, 1000, (50, 7)), jnp.int32)
+    np.testing.assert_array_equal(bs.prefix_sum(x, axis=1), jnp.cumsum(x, axis=1))
+    np.testing.assert_array_equal(bs.prefix_sum(x.reshape(-1)), jnp.cumsum(x.reshape(-1)))
+    b = jnp.asarray(rng.random(1000) < 0.3)
+    np.testing.assert_array_equal(bs.prefix_sum(b), jnp.cumsum(b, dtype=jnp.int32))
+    bound = 2**24
+    fast_codeword = jax.jit(lambda n, m: bs.golomb_codeword(n, m, bound=bound))
+    plain_codeword = jax.jit(bs.golomb_codeword)
+    for m in (1, 2, 3, 7, 33, 1000, 65_537, 2**23 + 1, bound - 1):
+        q = rng.integers(0, bound // m, 2000)
+        n = np.clip(
+            np.concatenate([q * m, q * m - 1, q * m + m - 1, rng.integers(0, bound, 2000)]), 0, bound - 1
+        )
+        n = jnp.asarray(n, jnp.uint32)
+        fast, plain = fast_codeword(n, jnp.int32(m)), plain_codeword(n, jnp.int32(m))
+        for a, c in zip(fast, plain, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
 # ----------------------------------------------------------------------------------------------------
 # QSGD Elias stream
 
