@@ -23,9 +23,9 @@ of ``--repeats``:
   docs/papers/cepam.md (not by calling sidejax), with the stream format of sidejax (its writer produces
   sidejax's words bit for bit from the same ``(h, coords)``, tested) and numpy's own generator (PCG64)
   as the shared randomness, read in the same order by both ends (the paper's "identical seeds give
-  identical PRNG outputs"); sidejax instead derives a key per block and per trial by threefry
-  (``fold_in``), which its exact vectorised sampler and the decoder's jump to trial ``h`` need (16
-  threefry blocks per coordinate of a ``Z^1`` round trip against one for the noise addition).
+  identical PRNG outputs"); sidejax instead reads its latents and dithers from the counter hash at (draw,
+  block) and (trial, coordinate) (stream format 3), which its exact vectorised sampler and the decoder's
+  jump to trial ``h`` need.
 
 Lattices ``Z^1, Z^2, Z^3, A2, D4, E8`` with ``GaussianNoise(σ)``; ``LaplaceNoise(b)`` on ``Z^1`` only
 (LRSUQ's Laplace layering needs a one-dimensional lattice). Reported: coordinates per second of each step,
