@@ -278,28 +278,57 @@ def test_trial_index_capacity_from_the_negative_binomial_tail():
             trial_index_capacity_bits(*bad)
 
 
-def test_stream_round_trip_and_corruption():
-    rng = np.random.default_rng(4)
-    blocks, n, m = 500, 3, trial_golomb_parameter(math.pi / 6)
-    assert m == 1 and trial_golomb_parameter(1.0) == 0 and trial_golomb_parameter(0.25367) == 2
-    h = jnp.asarray(rng.geometric(math.pi / 6, blocks), jnp.int32)
-    coords = jnp.asarray(rng.integers(-3, 4, (blocks, n)) * (rng.uniform(size=(blocks, n)) < 0.2), jnp.int32)
-    cap = lattice_stream_capacity_words(blocks, n, m, 16)
-    words, nb, fits = jax.jit(functools.partial(encode_lattice_stream, trial_m=m, capacity_words=cap))(
+@pytest.mark.parametrize(
+    "trial_m",
+    [
+        pytest.param(
+            0, marks=pytest.mark.slow
+        ),  # the symbol part is the unary case's; 8 s cold: make test-all
+        1,
+        pytest.param(2, marks=pytest.mark.slow),
+    ],
+    ids=["no-trials", "unary", "golomb2"],
+)
+def test_stream_round_trip_and_corruption(trial_m):
+    """Trial indices (none, unary as on Z^2..D4, Golomb m = 2 as on E8) and coordinates, some with
+    magnitudes past 255 (written as two codewords), round-trip; the walk (CPU) and the pointer-doubling jump
+    (accelerators) decode every stream, intact or corrupted, to the same values and error flags; truncated,
+    padded and flipped streams are flagged."""
+    rng = np.random.default_rng(4 + trial_m)
+    blocks, n = 200, 3
+    p = {0: 1.0, 1: math.pi / 6, 2: 0.25367}[trial_m]
+    assert trial_golomb_parameter(p) == trial_m
+    h = jnp.asarray(rng.geometric(p, blocks), jnp.int32)
+    coords = rng.integers(-3, 4, (blocks, n)) * (rng.uniform(size=(blocks, n)) < 0.2)
+    coords[rng.integers(0, blocks, 6), rng.integers(0, n, 6)] = [300, -1000, 2**20, -(2**30), 256, 70_000]
+    coords = jnp.asarray(coords, jnp.int32)
+    cap = lattice_stream_capacity_words(blocks, n, trial_m, 16, acceptance=p if trial_m else None)
+    words, nb, fits = jax.jit(functools.partial(encode_lattice_stream, trial_m=trial_m, capacity_words=cap))(
         h, coords
     )
     assert bool(fits)
-    decode = jax.jit(functools.partial(decode_lattice_stream, blocks=blocks, n=n, trial_m=m))
-    h2, c2, err = decode(words, nb)
+    walk, jump = (
+        jax.jit(functools.partial(decode_lattice_stream, blocks=blocks, n=n, trial_m=trial_m, method=m))
+        for m in ("walk", "jump")
+    )
+    h2, c2, err = walk(words, nb)
     assert int(err) == 0
-    np.testing.assert_array_equal(np.asarray(h2), np.asarray(h))
+    np.testing.assert_array_equal(np.asarray(h2), np.asarray(h) if trial_m else np.ones(blocks))
     np.testing.assert_array_equal(np.asarray(c2), np.asarray(coords))
     # truncated by one bit, padded by one bit, a flipped bit inside the header
     for bad_nb in (nb - 1, nb + 1):
-        assert int(decode(words, bad_nb)[2]) != 0
+        assert int(walk(words, bad_nb)[2]) != 0
     flipped = words.at[0].set(words[0] ^ jnp.uint32(1))
-    out = decode(flipped, nb)
+    out = walk(flipped, nb)
     assert int(out[2]) != 0 or not np.array_equal(np.asarray(out[0]), np.asarray(h))
+    # both chain methods agree on every stream, random bit flips included
+    used = int(nb) // 32 + 1
+    streams = [(words, nb), (words, nb - 1), (words, nb + 1), (flipped, nb)]
+    for bit in rng.integers(0, 32 * used, 12):
+        streams.append((words.at[bit // 32].set(words[bit // 32] ^ jnp.uint32(1 << (bit % 32))), nb))
+    for w, b in streams:
+        for x, y in zip(walk(w, b), jump(w, b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.slow  # 25 s from an empty compilation cache (six compiled coders): make test-all
