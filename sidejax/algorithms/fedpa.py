@@ -62,6 +62,12 @@ Decisions where docs/papers/bpcfl.md#a7 is silent, marked [R] (docs/papers/bpcfl
   :math:`\\hat\\Sigma_\\ell \\propto I + \\rho M_\\ell`, :math:`M_\\ell` the scatter matrix);
   ``shrinkage_form="fedpa"`` reads ``shrinkage`` that way (ρ = 0.1 and ℓ = 10 give
   :math:`\\rho_\\ell = 0.526`, not 0.1). Which one the BPC-FL paper's "shrinkage 0.1" meant is not said.
+  The two differ in scale: where the samples' spread is small against the shrinkage (:math:`\\hat S \\ll
+  \\rho I`, as for SGD iterates), :math:`\\hat\\Sigma \\approx \\rho I` and :math:`\\Delta \\approx
+  (x_t - \\hat\\mu) / \\rho`, so the server steps as FedAvg's (at the iterate mean) with its learning rate
+  multiplied by :math:`1/\\rho` (direct: 10) or :math:`1 + (\\ell - 1)\\rho` (FedPA's: 1.9). On the BPC-FL
+  suite's ``fmnist_cpu`` the direct form diverges after the burn-in and the FedPA paper's form converges
+  (measured in docs/papers/bpcfl.md#dep-fedpa); that suite setting uses ``"fedpa"``.
 """
 
 from __future__ import annotations
