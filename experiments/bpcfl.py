@@ -161,6 +161,8 @@ SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] 
             # one client at a time: each holds 19.5 GB of checkpoints, 100 vmapped clients cannot fit a GPU
             "run.client_strategy": "map",
         },
+        # FedPA's server is SGD at lr 1.0 as on fmnist_cpu, so the direct form's 1/rho scaling would diverge
+        # the same way (docs/papers/bpcfl.md#dep-fedpa): the FedPA paper's shrinkage form
         {
             **_SGD,
             "participation": 0.1,
@@ -168,6 +170,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] 
             "eval_every": 25,
             "warm_rounds": 200,
             "fedpa_burn_in": 500,
+            "fedpa_form": "fedpa",
         },
     ),
 }
