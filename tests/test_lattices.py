@@ -61,10 +61,17 @@ def _brute_min_dist(lat, x):
         offs = np.array(list(itertools.product(range(-2, 3), repeat=2)), dtype=np.float64)
         cands = (c0[:, None, :] + offs[None]) @ g.T
     elif lat.kind == "E8":
+        # the 2 x 256 candidates c = base + o in closed form: with r = x − base in [0, 1),
+        # ||c − x||² = Σ r² + o·(1 − 2r), and Σ c is even iff Σ floor + Σ o is (Σ ½ over 8 coordinates = 4)
         offs = np.array(list(itertools.product((0, 1), repeat=8)), dtype=np.float64)
-        c_int = np.floor(x)[:, None, :] + offs[None]
-        c_half = np.floor(x - 0.5)[:, None, :] + 0.5 + offs[None]
-        cands = np.concatenate([c_int, c_half], axis=1)
+        best = np.full(x.shape[0], np.inf)
+        for shift in (0.0, 0.5):
+            floor = np.floor(x - shift)
+            r = x - shift - floor
+            d2 = np.sum(r**2, axis=-1)[:, None] + (1.0 - 2.0 * r) @ offs.T
+            even = (floor.sum(-1)[:, None] + offs.sum(-1)[None]) % 2 == 0
+            best = np.minimum(best, np.where(even, d2, np.inf).min(axis=1))
+        return np.sqrt(np.maximum(best, 0.0))
     else:
         offs = np.array(list(itertools.product(range(-1, 3), repeat=lat.dim)), dtype=np.float64)
         cands = np.floor(x)[:, None, :] + offs[None]
