@@ -410,12 +410,12 @@ def test_padding_nan_overflow_and_bad_arguments():
     assert y.shape == (D,) and int(errors) == 0 and bool(valid) and not bool(overflow)
     # NaN input: flagged invalid at the encoder (never silently sent as a valid message)
     assert not bool(run(keys, x.at[7].set(jnp.nan))[2])
-    # a stream that cannot fit its buffer is reported, not truncated: x = 3e7 (x/β inside the int32 range,
-    # every block encoded) needs ~51 bits per coordinate against the buffer's CAP = 48
-    _, _, valid, _, h, overflow = _pipeline(L.integer_lattice(1), Q.GaussianNoise(SIGMA))(
+    # a stream that cannot fit its buffer is reported, not truncated: x = 3e7 needs ~51 bits per coordinate
+    # against the buffer's CAP = 48
+    _, _, valid, _, _, overflow = _pipeline(L.integer_lattice(1), Q.GaussianNoise(SIGMA))(
         keys, jnp.full((D,), 3e7, jnp.float32)
     )
-    assert np.all(np.asarray(h) >= 1) and bool(overflow) and not bool(valid)
+    assert bool(overflow) and not bool(valid)
     with pytest.raises(ValueError, match="sigma"):
         Q.GaussianNoise(0.0)
     with pytest.raises(ValueError, match="b must"):
