@@ -4,6 +4,7 @@ moments match Conway & Sloane, jit/vmap equal eager, scaling is consistent, and 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -60,10 +61,17 @@ def _brute_min_dist(lat, x):
         offs = np.array(list(itertools.product(range(-2, 3), repeat=2)), dtype=np.float64)
         cands = (c0[:, None, :] + offs[None]) @ g.T
     elif lat.kind == "E8":
+        # the 2 x 256 candidates c = base + o in closed form: with r = x − base in [0, 1),
+        # ||c − x||² = Σ r² + o·(1 − 2r), and Σ c is even iff Σ floor + Σ o is (Σ ½ over 8 coordinates = 4)
         offs = np.array(list(itertools.product((0, 1), repeat=8)), dtype=np.float64)
-        c_int = np.floor(x)[:, None, :] + offs[None]
-        c_half = np.floor(x - 0.5)[:, None, :] + 0.5 + offs[None]
-        cands = np.concatenate([c_int, c_half], axis=1)
+        best = np.full(x.shape[0], np.inf)
+        for shift in (0.0, 0.5):
+            floor = np.floor(x - shift)
+            r = x - shift - floor
+            d2 = np.sum(r**2, axis=-1)[:, None] + (1.0 - 2.0 * r) @ offs.T
+            even = (floor.sum(-1)[:, None] + offs.sum(-1)[None]) % 2 == 0
+            best = np.minimum(best, np.where(even, d2, np.inf).min(axis=1))
+        return np.sqrt(np.maximum(best, 0.0))
     else:
         offs = np.array(list(itertools.product(range(-1, 3), repeat=lat.dim)), dtype=np.float64)
         cands = np.floor(x)[:, None, :] + offs[None]
@@ -113,6 +121,13 @@ def test_nearest_is_the_nearest_lattice_point(lat):
     assert np.array_equal(coords[3000:3500], c)
 
 
+@functools.cache
+def _uniform() -> np.ndarray:
+    """2^18 points of U[0,1)^8, drawn once (one compiled draw for every lattice): a lattice of dimension n
+    takes the first n columns."""
+    return np.asarray(jax.random.uniform(jax.random.key(7), (1 << 18, 8)))
+
+
 @pytest.mark.parametrize("lat", LATTICES, ids=IDS)
 def test_geometry_and_second_moment(lat):
     vol, cov, pack = GEOMETRY[lat.name]
@@ -127,9 +142,8 @@ def test_geometry_and_second_moment(lat):
         assert norms[norms > 0].min() / 2 == pytest.approx(pack, rel=1e-12)
 
     # x = G u, u ~ U[0,1)^n is uniform on a fundamental domain, so e = x − Q(x) is uniform on the cell
-    num = 1 << 18
-    u = jax.random.uniform(jax.random.key(7), (num, lat.dim))
-    x = u @ jnp.asarray(lat.generator, jnp.float32).T
+    num = _uniform().shape[0]
+    x = _uniform()[:, : lat.dim] @ lat.generator.T.astype(np.float32)
     point, _ = lat.nearest(x)
     e = np.asarray(x, np.float64) - np.asarray(point, np.float64)
     norm = np.linalg.norm(e, axis=-1)
@@ -174,6 +188,12 @@ def test_jit_and_vmap_match_eager(lat):
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(coords[1, 7]))
 
 
+@functools.cache
+def _normal() -> np.ndarray:
+    """2,000 points of N(0, 1)^8, drawn once: a lattice of dimension n takes the first n columns."""
+    return np.asarray(jax.random.normal(jax.random.key(11), (2000, 8)))
+
+
 @pytest.mark.parametrize("make", [L.hexagonal, L.d4, L.e8, lambda scale: L.integer_lattice(2, scale)])
 @pytest.mark.parametrize("scale", [0.25, 0.37])
 def test_scaling_is_consistent(make, scale):
@@ -184,20 +204,22 @@ def test_scaling_is_consistent(make, scale):
     assert lat.volume == pytest.approx(scale**n * base.volume, rel=1e-12)
     assert lat.covering_radius == pytest.approx(scale * base.covering_radius, rel=1e-12)
     assert lat.packing_radius == pytest.approx(scale * base.packing_radius, rel=1e-12)
-    x = jax.random.normal(jax.random.key(11), (2000, n)) * 2.0
-    point, coords = lat.nearest(x)
-    p1, c1 = base.nearest(x / scale)
+    # host arithmetic (numpy float32, IEEE like XLA's) around the decoders: no eager kernels to compile
+    x = (_normal()[:, :n] * 2.0).astype(np.float32)
+    xs = x / np.float32(scale)
+    point, coords = map(np.asarray, lat.nearest(x))
+    p1, c1 = map(np.asarray, base.nearest(xs))
     if scale == 0.25:  # power of two: x / s is exact, so the decoders see identical inputs
-        np.testing.assert_array_equal(np.asarray(coords), np.asarray(c1))
-        np.testing.assert_array_equal(np.asarray(point), np.asarray(p1) * scale)
+        np.testing.assert_array_equal(coords, c1)
+        np.testing.assert_array_equal(point, p1 * np.float32(scale))
     else:  # the scaled point is a nearest point of sΛ (distances agree with s·(unscaled) ones)
-        d = np.linalg.norm(np.asarray(x - point, np.float64), axis=-1)
-        d1 = np.linalg.norm(np.asarray(x / scale - p1, np.float64), axis=-1) * scale
+        d = np.linalg.norm((x - point).astype(np.float64), axis=-1)
+        d1 = np.linalg.norm((xs - p1).astype(np.float64), axis=-1) * scale
         np.testing.assert_allclose(d, d1, atol=1e-5)
     np.testing.assert_allclose(
-        np.asarray(point, np.float64), np.asarray(coords, np.float64) @ lat.generator.T, atol=1e-5
+        point.astype(np.float64), coords.astype(np.float64) @ lat.generator.T, atol=1e-5
     )
-    assert np.linalg.norm(np.asarray(x - point), axis=-1).max() <= lat.covering_radius + 1e-6
+    assert np.linalg.norm(x - point, axis=-1).max() <= lat.covering_radius + 1e-6
 
 
 def test_validation():

@@ -69,8 +69,9 @@ def _inputs(seed: int) -> dict[str, np.ndarray]:
 
 @functools.cache
 def _pipeline(lattice: L.Lattice, noise):
-    """One compiled program: encode x with the coder (center 0), decode the message; also the encoder-side
-    reconstruction from (h, coords) in the same program."""
+    """One compiled program per (lattice, noise), shared by the law, padding, NaN and overflow tests: encode x
+    with the coder (center 0), decode the message; also the trial indices of the vector quantizer on its own
+    in the same program."""
     coder = lrsuq_coder(lattice, noise, capacity_bits_per_coordinate=CAP)
 
     @jax.jit
@@ -79,7 +80,7 @@ def _pipeline(lattice: L.Lattice, noise):
         message, info = coder.encode(keys, PointMass(x), p, coder.init(x.shape[0]))
         y, decoded = coder.decode(keys.shared, p, coder.init(x.shape[0]), message)
         h, _ = lrsuq_quantize(keys.shared, x, lattice, noise)
-        return y, decoded.errors, info.valid, message.num_bits, h
+        return y, decoded.errors, info.valid, message.num_bits, h, info.overflow
 
     return run
 
@@ -99,7 +100,7 @@ def test_gaussian_pipeline_error_law_and_trials(lattice):
     trials = []
     for seed, (kind, x) in enumerate(_inputs(1).items()):
         x = jnp.asarray(x, jnp.float32)
-        y, errors, valid, num_bits, h = run(_keys(seed), x)
+        y, errors, valid, num_bits, h, _ = run(_keys(seed), x)
         assert int(errors) == 0 and bool(valid), kind
         err = np.asarray(y, np.float64) - np.asarray(x, np.float64)
         # float32 rounding of |x| ~ 1e3 adds ~6e-5 to an error of scale 0.5: far below what KS resolves
@@ -130,7 +131,7 @@ def test_laplace_pipeline_error_law():
     run = _pipeline(lattice, Q.LaplaceNoise(B))
     for seed, (kind, x) in enumerate(_inputs(2).items()):
         x = jnp.asarray(x, jnp.float32)
-        y, errors, valid, _, h = run(_keys(10 + seed), x)
+        y, errors, valid, _, h, _ = run(_keys(10 + seed), x)
         assert int(errors) == 0 and bool(valid) and np.all(np.asarray(h) == 1), kind
         err = np.asarray(y, np.float64) - np.asarray(x, np.float64)
         assert stats.kstest(err, "laplace", args=(0.0, B)).pvalue > P_MIN, kind
@@ -231,6 +232,21 @@ def test_straggler_plan():
     assert _straggler_plan(1.0, 10) == (1, 10)
 
 
+# (blocks, n, trial_m, p): the stream tests' one shape, Z^3's trials (p = π/6, Golomb parameter 1)
+STREAM = (500, 3, 1, math.pi / 6)
+
+
+@functools.cache
+def _stream_codec():
+    """The stream encoder and decoder at :data:`STREAM`, compiled once for the stream tests; the buffer holds
+    4 bits per coordinate and the trial indices' 1e-18 quantile at p."""
+    blocks, n, m, p = STREAM
+    cap = lattice_stream_capacity_words(blocks, n, m, 4, acceptance=p)
+    encode = jax.jit(functools.partial(encode_lattice_stream, trial_m=m, capacity_words=cap))
+    decode = jax.jit(functools.partial(decode_lattice_stream, blocks=blocks, n=n, trial_m=m))
+    return encode, decode, cap
+
+
 def _chernoff_quotient_bound(blocks: int, quotient_p: float, eps: float = 1e-18) -> int:
     """Oracle: the smallest t with the Chernoff bound on P(S >= t + 1) <= eps, S ~ NB(blocks, quotient_p)
     (E e^{sS} = (p'/(1 - (1 - p') e^s))^N, minimised at e^s = t/((N + t)(1 - p')))."""
@@ -263,10 +279,9 @@ def test_trial_index_capacity_from_the_negative_binomial_tail():
                 )
     assert trial_index_capacity_bits(5, 1, 1.0) == 5
     # the bound is reached: quotient sum exactly T fits the coder's buffer, a stream past the buffer does not
-    blocks, n, p = 40, 2, math.pi / 4
-    cap = lattice_stream_capacity_words(blocks, n, 1, 4, acceptance=p)
-    t = trial_index_capacity_bits(blocks, 1, p) - blocks
-    encode = jax.jit(functools.partial(encode_lattice_stream, trial_m=1, capacity_words=cap))
+    encode, _, cap = _stream_codec()
+    blocks, n, m, p = STREAM
+    t = trial_index_capacity_bits(blocks, m, p) - blocks
     coords = jnp.zeros((blocks, n), jnp.int32)
     h = jnp.ones((blocks,), jnp.int32).at[0].set(1 + t)
     _, _, fits = encode(h, coords)
@@ -281,9 +296,8 @@ def test_trial_index_capacity_from_the_negative_binomial_tail():
 @pytest.mark.parametrize(
     "trial_m",
     [
-        pytest.param(
-            0, marks=pytest.mark.slow
-        ),  # the symbol part is the unary case's; 8 s cold: make test-all
+        # no trials and Golomb-2 trials: make test-all (8 s each cold); the symbols are the unary case's
+        pytest.param(0, marks=pytest.mark.slow),
         1,
         pytest.param(2, marks=pytest.mark.slow),
     ],
@@ -377,58 +391,61 @@ def test_baselines_additive_noise_and_sdq():
     x = jnp.asarray(np.random.default_rng(7).normal(0, 0.1, d), jnp.float32)
     zero = PointMass(jnp.zeros(d))
     keys = _keys(8)
-    gauss = additive_noise_coder(Q.GaussianNoise(0.2))
-    message, _ = jax.jit(gauss.encode)(keys, PointMass(x), zero, gauss.init(d))
-    assert float(message.num_bits) == 32 * d  # float32 payload
-    y, decoded = jax.jit(gauss.decode)(keys.shared, zero, gauss.init(d), message)
-    assert int(decoded.errors) == 0
-    assert stats.kstest(np.asarray(y - x, np.float64) / 0.2, "norm").pvalue > P_MIN
-    # the noise is the client's private randomness: another private key, another message
-    other = keys._replace(private=_keys(9).private)
-    assert not np.array_equal(
-        np.asarray(jax.jit(gauss.encode)(other, PointMass(x), zero, ())[0].payload), message.payload
-    )
-    lap = additive_noise_coder(Q.LaplaceNoise(0.2), float32_coder())
-    y, _ = jax.jit(lap.decode)(keys.shared, zero, (), jax.jit(lap.encode)(keys, PointMass(x), zero, ())[0])
-    assert stats.kstest(np.asarray(y - x, np.float64), "laplace", args=(0.0, 0.2)).pvalue > P_MIN
     step = 0.05
     sdq = sdq_coder(L.integer_lattice(1, step))
-    message, info = jax.jit(sdq.encode)(keys, PointMass(x), zero, ())
-    y, decoded = jax.jit(sdq.decode)(keys.shared, zero, (), message)
-    assert int(decoded.errors) == 0 and bool(info.valid)
+    coders = {
+        "gauss": additive_noise_coder(Q.GaussianNoise(0.2)),
+        "laplace": additive_noise_coder(Q.LaplaceNoise(0.2), float32_coder()),
+        "sdq": sdq,
+        "noisy-sdq": additive_noise_coder(Q.GaussianNoise(0.2), sdq),
+    }
+
+    @jax.jit
+    def round_trips(keys, other, x):
+        """Every baseline's encode and decode in one program; the Gaussian encoder also under ``other``."""
+        out = {}
+        for name, coder in coders.items():
+            message, info = coder.encode(keys, PointMass(x), zero, coder.init(d))
+            y, decoded = coder.decode(keys.shared, zero, coder.init(d), message)
+            out[name] = (message, info.valid, y, decoded.errors)
+        return out, coders["gauss"].encode(other, PointMass(x), zero, ())[0].payload
+
+    # the noise is the client's private randomness: another private key, another message
+    out, other_payload = round_trips(keys, keys._replace(private=_keys(9).private), x)
+    message, _, y, errors = out["gauss"]
+    assert float(message.num_bits) == 32 * d  # float32 payload
+    assert int(errors) == 0
+    assert stats.kstest(np.asarray(y - x, np.float64) / 0.2, "norm").pvalue > P_MIN
+    assert not np.array_equal(np.asarray(other_payload), np.asarray(message.payload))
+    y = out["laplace"][2]
+    assert stats.kstest(np.asarray(y - x, np.float64), "laplace", args=(0.0, 0.2)).pvalue > P_MIN
+    _, valid, y, errors = out["sdq"]
+    assert int(errors) == 0 and bool(valid)
     err = np.asarray(y - x, np.float64)
     assert stats.kstest(err, "uniform", args=(-step / 2, step)).pvalue > P_MIN
-    noisy = additive_noise_coder(Q.GaussianNoise(0.2), sdq)
-    y, decoded = jax.jit(noisy.decode)(
-        keys.shared, zero, (), jax.jit(noisy.encode)(keys, PointMass(x), zero, ())[0]
-    )
-    assert int(decoded.errors) == 0
+    _, _, y, errors = out["noisy-sdq"]
+    assert int(errors) == 0
     assert abs(np.var(np.asarray(y - x)) - (0.04 + step**2 / 12)) < 5 * 0.04 * math.sqrt(2 / d)
 
 
 def test_padding_nan_overflow_and_bad_arguments():
+    """Padding, NaN and overflow on the law tests' programs (one dimension D, the properties do not depend
+    on it): D is not a multiple of 3, so Z^3's last block is padded."""
     keys = _keys(11)
-    lattice = L.integer_lattice(3)
-    d = 203  # 3 does not divide it: the last block is padded
-    assert num_blocks(d, lattice) == 68 and num_blocks(d, L.e8()) == 26
-    coder = lrsuq_coder(lattice, Q.GaussianNoise(0.1))
-    x = jnp.asarray(np.random.default_rng(12).normal(0, 0.1, d), jnp.float32)
-
-    @jax.jit
-    def both(v):
-        p = PointMass(jnp.zeros(d))
-        message, info = coder.encode(keys, PointMass(v), p, ())
-        y, decoded = coder.decode(keys.shared, p, (), message)
-        return y, decoded.errors, info.valid
-
-    y, errors, valid = both(x)
-    assert y.shape == (d,) and int(errors) == 0 and bool(valid)
+    assert D % 3 and num_blocks(D, L.integer_lattice(3)) == 4001 and num_blocks(D, L.e8()) == 1501
+    assert num_blocks(203, L.integer_lattice(3)) == 68 and num_blocks(203, L.e8()) == 26
+    run = _pipeline(L.integer_lattice(3), Q.GaussianNoise(SIGMA))
+    x = jnp.asarray(np.random.default_rng(12).normal(0, 0.1, D), jnp.float32)
+    y, errors, valid, _, _, overflow = run(keys, x)
+    assert y.shape == (D,) and int(errors) == 0 and bool(valid) and not bool(overflow)
     # NaN input: flagged invalid at the encoder (never silently sent as a valid message)
-    assert not bool(both(x.at[7].set(jnp.nan))[2])
-    # a stream that cannot fit its buffer (tiny noise against a large update) is reported, not truncated
-    tight = lrsuq_coder(L.integer_lattice(1), Q.GaussianNoise(1e-6), capacity_bits_per_coordinate=4)
-    _, info = jax.jit(tight.encode)(keys, PointMass(jnp.ones(64)), PointMass(jnp.zeros(64)), ())
-    assert bool(info.overflow) and not bool(info.valid)
+    assert not bool(run(keys, x.at[7].set(jnp.nan))[2])
+    # a stream that cannot fit its buffer is reported, not truncated: x = 3e7 needs ~51 bits per coordinate
+    # against the buffer's CAP = 48
+    _, _, valid, _, _, overflow = _pipeline(L.integer_lattice(1), Q.GaussianNoise(SIGMA))(
+        keys, jnp.full((D,), 3e7, jnp.float32)
+    )
+    assert bool(overflow) and not bool(valid)
     with pytest.raises(ValueError, match="sigma"):
         Q.GaussianNoise(0.0)
     with pytest.raises(ValueError, match="b must"):
