@@ -546,3 +546,33 @@ def test_conv6_sized_update_round_decodes_for_every_client():
     sizes = [np.diff(np.append(s[c, : m[c]], dim)) for c in range(clients)]
     assert all(z.min() >= 1 and z.max() <= 256 for z in sizes)
     assert all(z.min() <= 4 and z.max() == 256 for z in sizes)  # both regimes in every client's partition
+
+
+@pytest.mark.parametrize("max_block_size, block", [(16, 16), (256, 19)])
+def test_the_cap_floors_the_index_rate_of_a_gaussian_with_known_kl(max_block_size, block):
+    """SGLD-KLMS's closed form (docs/papers/klms.md#sgld-qlsd-bits): q = N(h, s^2), p = N(0, s^2) with
+    the same KL kappa = 0.105 bits in every coordinate (about the reduced-scale run's mean KL). Blocks hold
+    floor(2 / kappa) = 19 coordinates (1.995 bits <= D_target = 2) unless the cap is smaller: with [C]'s cap
+    16 every block is cap-bound and the index rate is 2/16 = 0.125 bpp > kappa; with cap 256 it is
+    2/19 = 0.105 bpp. An update round also sends each block's length in log2(cap) bits, so there the larger
+    cap costs more per block."""
+    # dim: a multiple of 16 and 19; scale^2 = 2 / (gamma N) at [C]'s gamma = 1e-5 and N = 10
+    dim, kappa, scale = 1520, 0.105, 141.0
+    cfg = KLMSConfig(log2_num_candidates=2, max_block_size=max_block_size, bucketed=False)
+    q = DiagGaussian.create(jnp.full((dim,), scale * np.sqrt(2 * kappa * np.log(2))), scale)
+    p = DiagGaussian.create(jnp.zeros(dim), scale)
+    kl = q.kl_bits(p)
+    np.testing.assert_allclose(np.asarray(kl), kappa, rtol=1e-5)
+    blocks = kl_blocks(kl, cfg.target_bits, max_block_size=max_block_size, max_blocks=dim)
+    num_blocks = dim // block
+    assert int(blocks.num_blocks) == num_blocks
+    np.testing.assert_allclose(np.asarray(block_sums(kl, blocks))[:num_blocks], block * kappa, rtol=1e-4)
+    assert cfg.dbar_lo <= block * kappa <= cfg.dbar_hi  # the next rounds keep this partition
+    update = klms_init(dim, cfg)
+    fixed = update._replace(blocks=blocks, update=jnp.asarray(False))
+    # one compiled encoder (the round kind is traced) for the update round and a round on its partition
+    bits = [int(encode(KEYS, q, p, state, cfg)[0].num_bits) for state in (update, fixed)]
+    assert bits == [num_blocks * (2 + int(np.log2(max_block_size))) + 32, num_blocks * 2 + 32]
+    index_bpp = 2 * num_blocks / dim
+    assert index_bpp == 2 / block
+    assert index_bpp > 1.15 * kappa if block == max_block_size else index_bpp < 1.01 * kappa
