@@ -28,10 +28,9 @@ from sidejax.coding.base import (
     Coder,
     EmptyState,
     Message,
-    concat_messages,
+    concat_after_float32,
     decode_float32,
     empty_message,
-    encode_float32,
     included,
     split_message,
 )
@@ -131,7 +130,7 @@ def vector_downlink(flat: jax.Array, coder: Coder, coder_state, *middle: Message
     """The downlink of a method that broadcasts one float vector (the model, FedPM's mask probabilities):
     the vector as float32 words, then ``middle`` (e.g. a prior's side information), then the coder's
     protocol stream, in one message."""
-    return concat_messages(encode_float32(flat), *middle, coder.downlink(coder_state))
+    return concat_after_float32(flat, *middle, coder.downlink(coder_state))
 
 
 def receive_vector(message: Message, dim: int, coder: Coder, coder_state, middle_bits: tuple[int, ...] = ()):

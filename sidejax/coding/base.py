@@ -83,6 +83,7 @@ __all__ = [
     "included",
     "empty_message",
     "concat_messages",
+    "concat_after_float32",
     "split_message",
     "concat_stacked",
     "split_stacked",
@@ -359,6 +360,21 @@ def concat_messages(*parts: Message) -> Message:
     return Message(words, offset)
 
 
+def concat_after_float32(values: jax.Array, *parts: Message) -> Message:
+    """``concat_messages(encode_float32(values), *parts)``, the same payload and length, with the first join
+    done by placing words: the float32 header is a whole number of words known when tracing, so the next
+    part starts on a word and needs no shift of each of its words (``concat_messages`` cannot know that of
+    a traced length). The header of :func:`clip_update`-style coders and of vector downlinks."""
+    head = encode_float32(values)
+    if not parts:
+        return head
+    first, rest = parts[0], parts[1:]
+    pw = _words(first)
+    words = jnp.concatenate([head.payload.reshape(-1), pw, jnp.zeros(1, jnp.uint32)])
+    check_capacity_bits(32 * words.shape[0], "a concatenated message's buffer")
+    return concat_messages(Message(words, head.num_bits + as_bits(first.num_bits)), *rest)
+
+
 def split_message(message: Message, lengths: tuple[int, ...]):
     """Cuts a stream built by :func:`concat_messages` whose leading parts have the static ``lengths`` (bits);
     the last part is the rest. Returns ``len(lengths) + 1`` messages (each leading part's payload holds
@@ -372,14 +388,23 @@ def split_message(message: Message, lengths: tuple[int, ...]):
     offset = 0
     for length in lengths:
         cap = -(-length // 32)
-        part = unpack_fixed(jnp.pad(words, (0, cap + 1)), cap, 32, bit_offset=offset)
+        part = _words_from(words, cap, offset)
         part, _ = mask_to_length(part, length)
         parts.append(Message(part, as_bits(length)))
         offset += length
     rest_cap = max(0, n - offset // 32)
-    rest = unpack_fixed(jnp.pad(words, (0, rest_cap + 1)), rest_cap, 32, bit_offset=offset)
+    rest = _words_from(words, rest_cap, offset)
     parts.append(Message(rest, as_bits(message.num_bits) - offset))
     return parts
+
+
+def _words_from(words: jax.Array, count: int, offset: int) -> jax.Array:
+    """``count`` words of the stream from its static bit ``offset`` (zeros past the end): a slice when
+    ``offset`` is a whole number of words, else :func:`~sidejax.coding.bitstream.unpack_fixed`'s shifts."""
+    padded = jnp.pad(words, (0, count + 1))
+    if offset % 32 == 0:
+        return padded[offset // 32 : offset // 32 + count]
+    return unpack_fixed(padded, count, 32, bit_offset=offset)
 
 
 def concat_stacked(messages: Message, keep: jax.Array | None = None) -> Message:
@@ -580,7 +605,7 @@ def with_side_info(coder: Coder, num_values: int) -> Coder:
             raise ValueError(f"side information must have shape ({num_values},), got {side.shape}")
         msg, info = coder.encode(keys, inner_q, p, state)
         info = info._replace(valid=info.valid & jnp.all(jnp.isfinite(side)))
-        return concat_messages(encode_float32(side), msg), info
+        return concat_after_float32(side, msg), info
 
     def decode(shared_key, p, state, message):
         side_msg, inner_msg = split_message(message, (head,))

@@ -74,9 +74,8 @@ from sidejax.coding.base import (
     Coder,
     Message,
     StreamCheck,
-    concat_messages,
+    concat_after_float32,
     decode_float32,
-    encode_float32,
     failed_checks,
     float32_coder,
     split_message,
@@ -981,7 +980,7 @@ def clip_update(coder: Coder, *, gamma: float = 1.0, mode: str = "normalise") ->
         message, info = coder.encode(keys, PointMass(xt), zero, state)
         ideal = info.ideal_bits
         if normalise:
-            message = concat_messages(encode_float32(norm[None]), message)
+            message = concat_after_float32(norm[None], message)
             ideal = ideal + 32.0
         return message, ClipInfo(info, norm, info.valid & jnp.isfinite(norm), ideal)
 
