@@ -1180,8 +1180,9 @@ def test_a_personalized_method_needs_per_client_test_sets(tmp_path, monkeypatch)
 
 def test_every_method_builds_an_algorithm_that_declares_its_evaluation():
     """The driver evaluates what the built algorithm's ``evaluation`` says (nothing is declared beside it):
-    only BPC-FL's is an ensemble (its posterior samples), only the pFedBayes family has personal models.
-    Only BPC-FL is one-shot and needs the model context."""
+    only BPC-FL's is an ensemble (its posterior samples), only the pFedBayes family and the personalized
+    baselines (pFedMe, Per-FedAvg) have personal models. Only BPC-FL is one-shot and needs the model
+    context."""
     declared = {}
     for name, cls in METHODS.items():
         config = default_config(f"{name}+{cls.default_coder}", **{"data.num_clients": 4})
@@ -1193,6 +1194,8 @@ def test_every_method_builds_an_algorithm_that_declares_its_evaluation():
         "pfedbayes",
         "pfedbayes_subset",
         "coreset_pfedbayes",
+        "pfedme",
+        "perfedavg",
     }
     assert {n for n, (*_, one_shot, needs_model) in declared.items() if one_shot or needs_model} == {"bpcfl"}
 
