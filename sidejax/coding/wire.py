@@ -54,8 +54,8 @@ def check_stream_format(found, what: str) -> None:
     raise ValueError(
         f"{what} was written with stream format {found!r}: {known}. This sidejax reads and writes stream "
         f"format {STREAM_FORMAT} ({STREAM_FORMATS[STREAM_FORMAT]}), whose shared randomness differs, so "
-        f"decoding it would give other samples without any error. Encode it again with this version, or read it with "
-        f"the version that wrote it"
+        f"decoding it would give other samples without any error. Encode it again with this version, or read "
+        f"it with the version that wrote it"
     )
 
 
