@@ -11,8 +11,9 @@ noise that is exactly Gaussian or Laplace), :func:`sdq_coder`, :func:`additive_n
 normalisation :func:`clip_update` (:mod:`sidejax.coding.lattice`, per-block quantizers in
 :mod:`sidejax.coding.lrsuq`). :mod:`sidejax.coding.importance_law` holds the exact
 law of the importance-sampled Bernoulli (block size 1) and BICompFL's bounds on its bias.
-:mod:`sidejax.coding.counter` generates the importance-sampling candidates (a counter hash, stream format
-2), and :mod:`sidejax.coding.wire` writes and reads a message as bytes with a header that names the format.
+:mod:`sidejax.coding.counter` generates the importance-sampling candidates and CEPAM's lattice latents and
+dithers (a counter hash, stream format 3), and :mod:`sidejax.coding.wire` writes and reads a message as
+bytes with a header that names the format.
 """
 
 from sidejax.coding import (

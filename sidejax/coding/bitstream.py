@@ -400,10 +400,9 @@ def write_codewords(
         ends = offset + prefix_sum(lengths)
     else:  # one prefix sum over the rows' totals, then within each (short) row
         rows = prefix_sum(jnp.sum(lengths, axis=1))
-        within = [lengths[:, 0]]
-        for k in range(1, lengths.shape[1]):  # static and short: explicit sums fuse, a scan would not
-            within.append(within[-1] + lengths[:, k])
-        ends = offset + (rows[:, None] - jnp.sum(lengths, axis=1, keepdims=True)) + jnp.stack(within, axis=1)
+        ends = (
+            offset + (rows[:, None] - jnp.sum(lengths, axis=1, keepdims=True)) + prefix_sum(lengths, axis=1)
+        )
     low_len = jnp.minimum(lengths, 32)
     start = ends - low_len  # first stream bit of the value's (up to) 32 written bits
     v = _u32(values) & _low_mask(low_len)
