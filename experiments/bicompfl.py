@@ -36,7 +36,16 @@ from __future__ import annotations
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, alias, draw_figure, mean_of, single_figure
+from experiments.suite import (
+    Suite,
+    alias,
+    by_label,
+    draw_figure,
+    mean_curve,
+    mean_of,
+    seed_cells,
+    single_figure,
+)
 
 __all__ = ["SETTINGS", "VARIANTS", "SUITE", "suite_config", "variant_label"]
 
@@ -205,30 +214,35 @@ def _cells(run, runs) -> dict[str, Any]:
         "uplink": up,
         "downlink": down,
         "rounds": str(s.get("rounds_run", len(rows))),
-        "run": run["name"],
+        **seed_cells(run),
     }
 
 
+def _curve(run) -> list[tuple[float, float]]:
+    """(cumulative total bits per parameter per client, test accuracy %) at each evaluation of a run."""
+    total, points = 0.0, []
+    for row in run["rows"]:
+        total += row["uplink_bpp"] + row["downlink_bpp"]
+        if row.get("test_accuracy") is not None:
+            points.append((total, 100 * row["test_accuracy"]))
+    return points
+
+
 def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
-    """Test accuracy against cumulative total bits per parameter per client (log x), one line per run
-    (solid: BICompFL, dashed: the baselines)."""
+    """Test accuracy against cumulative total bits per parameter per client (log x), one line per method,
+    the mean over its seeds (solid: BICompFL, dashed: the baselines)."""
 
     def draw(ax, plt):
         colors = plt.get_cmap("tab20").colors
-        for i, r in enumerate(runs):
-            total, xs, ys = 0.0, [], []
-            for row in r["rows"]:
-                total += row["uplink_bpp"] + row["downlink_bpp"]
-                if row.get("test_accuracy") is not None:
-                    xs.append(total)
-                    ys.append(100 * row["test_accuracy"])
+        for i, (label, group) in enumerate(by_label(runs).items()):
+            xs, ys = mean_curve(group, _curve)
             if xs:
-                style = "-" if r["config"]["method"]["name"].startswith("bicompfl") else "--"
-                ax.plot(
-                    xs, ys, style, marker=".", color=colors[(2 * i) % 20 + (i // 10) % 2], label=r["label"]
-                )
+                style = "-" if group[0]["config"]["method"]["name"].startswith("bicompfl") else "--"
+                color = colors[(2 * i) % 20 + (i // 10) % 2]
+                ax.plot(xs, ys, style, marker=".", color=color, label=label)
 
     xlabel = "cumulative bits per parameter per client (uplink + downlink)"
+    title = title and f"{title}: mean over seeds"
     return draw_figure(path, draw, xlabel=xlabel, ylabel="test accuracy (%)", title=title, xlog=True)
 
 
@@ -237,11 +251,12 @@ SUITE = Suite.of_module(
     variants=VARIANTS,
     columns=(
         "method | acc (%):.2f | last-5 acc (%):.2f | bpp:.4g | bpp (BC):.4g | uplink:.4g | "
-        "downlink:.4g | rounds | run"
+        "downlink:.4g | rounds | seeds | runs"
     ),
     label=variant_label,
     cells=_cells,
     figure=single_figure("accuracy_vs_total_bpp.png", plot),
+    per_label=True,
     preset_prefix="BICompFL ",
 )
 

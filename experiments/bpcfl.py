@@ -57,12 +57,11 @@ per method, one-shot methods as single points.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, alias, by_label, draw_figure, single_figure
+from experiments.suite import Suite, alias, by_label, draw_figure, mean_curve, seed_cells, single_figure
 
 __all__ = ["SETTINGS", "METHODS", "SUITE", "suite_config"]
 
@@ -284,26 +283,18 @@ def _cells(run, runs) -> dict[str, Any]:
         "total floats": offset + rows[-1]["cumulative_bits"] / 32 if rows else None,
         "floats to NLL": _floats_to_reach(run, "test_loss", ref.get("nll"), lambda v, t: v <= t),
         "floats to acc": _floats_to_reach(run, "test_accuracy", ref.get("acc"), lambda v, t: v >= t),
-        "seeds": str(run["config"]["run"]["seed"]),
-        "runs": run["name"],
+        **seed_cells(run),
     }
 
 
-def _mean_curve(group) -> tuple[list[float], list[float]]:
-    """The mean over seeds of (cumulative floats, test accuracy %) at each evaluation all runs reached."""
-    curves = []
-    for r in group:
-        offset = _warm_start_floats(r)
-        curves.append(
-            [
-                (offset + x["cumulative_bits"] / 32, 100 * x["test_accuracy"])
-                for x in r["rows"]
-                if x.get("test_accuracy") is not None
-            ]
-        )
-    length = min(len(c) for c in curves)
-    xs = [statistics.fmean(c[j][0] for c in curves) for j in range(length)]
-    return xs, [statistics.fmean(c[j][1] for c in curves) for j in range(length)]
+def _curve(run) -> list[tuple[float, float]]:
+    """(cumulative floats, test accuracy %) at each evaluation of a run."""
+    offset = _warm_start_floats(run)
+    return [
+        (offset + x["cumulative_bits"] / 32, 100 * x["test_accuracy"])
+        for x in run["rows"]
+        if x.get("test_accuracy") is not None
+    ]
 
 
 def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
@@ -311,7 +302,7 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
 
     def draw(ax, plt):
         for i, (label, group) in enumerate(by_label(runs).items()):
-            xs, ys = _mean_curve(group)
+            xs, ys = mean_curve(group, _curve)
             if xs:
                 one = len(xs) == 1
                 ax.plot(

@@ -37,7 +37,16 @@ from typing import Any
 
 from experiments.coders import MechanismConfig
 from experiments.config import TABLES, ExperimentConfig, config_from_dict, default_config
-from experiments.suite import Suite, alias, draw_figure, mean_of, single_figure
+from experiments.suite import (
+    Suite,
+    alias,
+    by_label,
+    draw_figure,
+    mean_by_round,
+    mean_of,
+    seed_cells,
+    single_figure,
+)
 from sidejax import privacy
 
 __all__ = ["SETTINGS", "SCHEMES", "SUITE", "suite_config", "guarantee"]
@@ -158,24 +167,21 @@ def _cells(run, runs) -> dict[str, Any]:
         "uplink bpp": mean_of(rows, "uplink_bpp"),
         "ideal bpp": None if ideal is None or ideal != ideal else ideal,
         "rounds": str(s.get("rounds_run", len(rows))),
-        "run": run["name"],
+        **seed_cells(run),
     }
 
 
 def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
-    """Test accuracy against the round, one line per scheme (solid: CEPAM, dashed: the baselines)."""
+    """Test accuracy against the round, one line per scheme, the mean over its seeds (solid: CEPAM, dashed:
+    the baselines)."""
 
     def draw(ax, plt):
-        for r in runs:
-            pts = [
-                (row["round"], 100 * row["test_accuracy"])
-                for row in r["rows"]
-                if row.get("test_accuracy") is not None
-            ]
-            if pts:
-                style = "-" if r["label"].startswith("CEPAM") else "--"
-                ax.plot(*zip(*pts, strict=True), style, marker=".", label=r["label"])
+        for label, group in by_label(runs).items():
+            common, mean = mean_by_round(group, "test_accuracy")
+            if common:
+                ax.plot(common, mean, "-" if label.startswith("CEPAM") else "--", marker=".", label=label)
 
+    title = title and f"{title}: mean over seeds"
     return draw_figure(path, draw, xlabel="round", ylabel="test accuracy (%)", title=title)
 
 
@@ -184,11 +190,12 @@ SUITE = Suite.of_module(
     variants=SCHEMES,
     columns=(
         "scheme | acc (%):.2f | final acc (%):.2f | epsilon:.6g | delta:.4g | vacuous | "
-        "uplink bpp:.4g | ideal bpp:.4g | rounds | run"
+        "uplink bpp:.4g | ideal bpp:.4g | rounds | seeds | runs"
     ),
     label=_label,
     cells=_cells,
     figure=single_figure("accuracy_vs_round.png", plot),
+    per_label=True,
     noun="schemes",
     preset_prefix="CEPAM ",
     annotate=lambda config: {"g": guarantee(config)},

@@ -43,11 +43,19 @@ one colour per method, the mean over seeds.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from experiments.config import ExperimentConfig, default_config
-from experiments.suite import Suite, alias, by_label, draw_figure, evaluated, single_figure
+from experiments.suite import (
+    Suite,
+    alias,
+    by_label,
+    draw_figure,
+    evaluated,
+    mean_by_round,
+    seed_cells,
+    single_figure,
+)
 
 __all__ = ["SETTINGS", "METHODS", "SUITE", "suite_config", "rounds_to_fraction"]
 
@@ -171,16 +179,8 @@ def _cells(run, runs) -> dict[str, Any]:
         "final global (%)": 100 * glob[-1] if glob else None,
         "rounds to 99%": rounds_to_fraction(rows, key),
         "uplink floats / client / round": sum(floats) / len(floats) if floats else None,
-        "seeds": str(run["config"]["run"]["seed"]),
-        "runs": run["name"],
+        **seed_cells(run),
     }
-
-
-def mean_curves(group, key):
-    """The rounds every run of ``group`` evaluated ``key`` at, and the mean of ``key`` there (in %)."""
-    curves = [dict(evaluated(r["rows"], key)) for r in group]
-    common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    return common, [100 * statistics.fmean(c[t] for c in curves) for t in common]
 
 
 def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
@@ -192,7 +192,7 @@ def plot(runs: list[dict[str, Any]], path, *, title: str | None = None):
                 ("personal_accuracy", "-", "personal"),
                 ("test_accuracy", "--", "global"),
             ):
-                common, mean = mean_curves(group, key)
+                common, mean = mean_by_round(group, key)
                 if common:
                     ax.plot(common, mean, style, color=f"C{i % 10}", marker=".", label=f"{label} {suffix}")
 

@@ -154,7 +154,8 @@ class Suite:
       title: one line for ``--help`` and ``list``.
       columns: ``(column, format)`` in order, or the header ``"column | column:format | ..."``; ``format`` is
         a format spec for numbers (a cell over several seeds is ``mean ± sample std``), ``None`` (no
-        ``:format``) for text (joined with ", " over seeds). The first column is the row label.
+        ``:format``) for text (its distinct values joined with ", " over seeds). The first column is the
+        row label.
       label: ``(folder name, config) -> row label`` of a run (a run whose label cannot be made is skipped
         with a warning).
       cells: ``(run, all runs) -> {column: value}`` for every column but the first; a run is
@@ -295,14 +296,37 @@ def collect(s: Suite, directory: Path) -> list[dict[str, Any]]:
 
 
 def mean_std(values, spec: str) -> str:
-    """``"mean ± sample std"`` of the non-``None`` ``values`` formatted with ``spec`` (one value: itself;
-    none: ``"-"``): a suite table's cell over seeds."""
+    """``"mean ± sample std"`` of the non-``None`` ``values`` formatted with ``spec`` (one distinct value:
+    itself; none: ``"-"``): a suite table's cell over seeds."""
     vals = [v for v in values if v is not None]
     if not vals:
         return "-"
-    if len(vals) == 1:
+    if len(set(vals)) == 1:  # one value, or the same on every seed (a preset's rate, say)
         return format(vals[0], spec)
     return f"{format(statistics.fmean(vals), spec)} ± {format(statistics.stdev(vals), spec)}"
+
+
+def seed_cells(run: dict) -> dict[str, str]:
+    """The ``seeds`` and ``runs`` cells of a run (its ``run.seed`` and folder name): the last two columns of a
+    table with one row per label over seeds."""
+    config = run["config"]
+    return {"seeds": str(config.get("run", config).get("seed")), "runs": run["name"]}
+
+
+def mean_curve(group: list[dict], points: Callable[[dict], list[tuple[float, float]]]):
+    """The mean over the runs of ``group`` (one label's seeds) of their curves ``points(run)`` (``(x, y)``
+    per evaluation), at each evaluation every run reached: ``(xs, ys)``."""
+    curves = [points(r) for r in group]
+    length = min(len(c) for c in curves)
+    xs = [statistics.fmean(c[j][0] for c in curves) for j in range(length)]
+    return xs, [statistics.fmean(c[j][1] for c in curves) for j in range(length)]
+
+
+def mean_by_round(group: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """The rounds every run of ``group`` evaluated ``key`` at, and the mean of ``key`` there (in %)."""
+    curves = [dict(evaluated(r["rows"], key)) for r in group]
+    common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return common, [100 * statistics.fmean(c[t] for c in curves) for t in common]
 
 
 def by_label(runs: list[dict]) -> dict[str, list[dict]]:
@@ -333,7 +357,8 @@ def table_rows(s: Suite, runs: list[dict[str, Any]]) -> list[dict[str, str]]:
         row = {s.columns[0][0]: group[0]["label"]}
         for column, spec in s.columns[1:]:
             got = [v[column] for v in values]
-            row[column] = ", ".join(got) if spec is None else mean_std(got, spec)
+            # text over seeds: each distinct value once (a label's runs share their rounds, say)
+            row[column] = ", ".join(dict.fromkeys(got)) if spec is None else mean_std(got, spec)
         out.append(row)
     return out
 

@@ -1,5 +1,6 @@
 """The KLMS results table (docs/papers/klms.md): accuracy, average bits per parameter and compression factors
-of finished runs, one row per run folder, as a :class:`experiments.suite.Suite` (``klms``).
+of finished runs, one row per preset (mean ± std over its seeds' run folders), as a
+:class:`experiments.suite.Suite` (``klms``).
 
 Examples::
 
@@ -19,7 +20,7 @@ against round, total bits and uplink bits). Columns:
 - ``uplink bpp``: mean over rounds and participants of the uplink message length (bits) / parameters;
 - ``x vs 32-bit``: ``32 / uplink bpp``;
 - ``x vs host``: the host method's uplink bpp / this run's, for a KLMS run whose host (e.g. ``fedpm`` for
-  ``fedpm_klms``) is in the same table with the same dataset and model;
+  ``fedpm_klms``) is in the same table with the same dataset, model and seed;
 - ``ideal bpp``: the coder's mean ideal rate / parameters (``info.ideal_bits``), a bound, not a code length:
   :math:`\\sum_j D_{KL}(q_j\\|p_j)` for KLMS, the two-part enumerative length for FedPM's Golomb-coded
   masks, none for the other baselines.
@@ -27,12 +28,13 @@ against round, total bits and uplink bits). Columns:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from experiments.algorithms import KLMS_HOSTS
 from experiments.driver import plot_runs, tail_accuracy
-from experiments.suite import Suite
+from experiments.suite import Suite, seed_cells
 
 __all__ = ["SUITE", "run_identity"]
 
@@ -53,12 +55,19 @@ def _tail(run) -> float | None:
     return tail_accuracy([r["test_accuracy"] for r in run["rows"] if r.get("test_accuracy") is not None])
 
 
+def _seed(config: dict[str, Any]):
+    return config.get("run", config).get("seed")
+
+
 def _cells(run, runs) -> dict[str, Any]:
     (algorithm, dataset, model), s = run_identity(run["config"]), run["summary"]
-    host_bpp = {run_identity(r["config"]): r["summary"]["mean_uplink_bpp"] for r in runs}
+    # the host run of the same dataset, model and seed
+    host_bpp = {
+        (*run_identity(r["config"]), _seed(r["config"])): r["summary"]["mean_uplink_bpp"] for r in runs
+    }
     bpp = s["mean_uplink_bpp"]
     host = KLMS_HOSTS.get(algorithm)
-    hb = host_bpp.get((host, dataset, model)) if host else None
+    hb = host_bpp.get((host, dataset, model, _seed(run["config"]))) if host else None
     tail = _tail(run)
     return {
         "algorithm": algorithm,
@@ -72,6 +81,7 @@ def _cells(run, runs) -> dict[str, Any]:
         "x vs 32-bit": 32 / bpp if bpp else None,
         "x vs host": hb / bpp if (hb and bpp) else None,
         "ideal bpp": s.get("mean_ideal_bpp"),
+        **seed_cells(run),
     }
 
 
@@ -93,13 +103,18 @@ def comparison_plots(runs: list[dict[str, Any]], directory: Path) -> list[Path]:
 
 SUITE = Suite(
     name="klms",
-    title="KLMS and its hosts: accuracy, bits per parameter and compression factors, one row per run",
-    columns=(
-        "run | algorithm | dataset | model | rounds | final acc (%):.2f | best acc (%):.2f | "
-        "last-5 mean acc (%):.2f | uplink bpp:.4f | x vs 32-bit:.0f | x vs host:.1f | "
-        "ideal bpp:.4f"
+    title=(
+        "KLMS and its hosts: accuracy, bits per parameter and compression factors, one row per preset (mean "
+        "± std over its seeds)"
     ),
-    label=lambda name, config: name,
+    columns=(
+        "preset | algorithm | dataset | model | rounds | final acc (%):.2f | best acc (%):.2f | "
+        "last-5 mean acc (%):.2f | uplink bpp:.4f | x vs 32-bit:.0f | x vs host:.1f | "
+        "ideal bpp:.4f | seeds | runs"
+    ),
+    # a run's preset: its folder's name without the ``_s<seed>`` that ``--seeds`` appends
+    label=lambda name, config: re.sub(r"_s\d+$", "", name),
+    per_label=True,
     cells=_cells,
     figure=comparison_plots,
 )

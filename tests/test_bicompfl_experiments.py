@@ -113,10 +113,10 @@ def test_table_command_runs_the_methods_and_writes_the_papers_columns(tmp_path, 
     assert main(args) == 0
     assert "finished run found" in capsys.readouterr().out
     md = (tmp_path / "table.md").read_text()
-    assert (
-        md.splitlines()[0]
-        == "| method | acc (%) | last-5 acc (%) | bpp | bpp (BC) | uplink | downlink | rounds | run |"
+    header = (
+        "| method | acc (%) | last-5 acc (%) | bpp | bpp (BC) | uplink | downlink | rounds | seeds | runs |"
     )
+    assert md.splitlines()[0] == header
     assert "| GR-Fixed |" in md and "| PR-Fixed-SplitDL |" in md and "| GR-Fixed |" in out
     assert (tmp_path / "accuracy_vs_total_bpp.png").stat().st_size > 1000
     run = tmp_path / preset_name("fmnist_lenet5_cpu", "gr_fixed")

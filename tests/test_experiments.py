@@ -136,15 +136,34 @@ def test_results_table_lists_runs_with_bits_and_compression(full_run, tmp_path):
     assert suite_main(["klms", "table", str(tmp_path / "runs")]) == 0
     assert suite_main(["klms", "plot", str(tmp_path / "runs")]) == 0
     lines = (tmp_path / "runs" / "table.md").read_text().splitlines()
-    assert lines[0].startswith("| run | algorithm |") and len(lines) == 3
-    cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    row = dict(zip([c.strip() for c in lines[0].strip("|").split("|")], cells, strict=True))
+    assert lines[0].startswith("| preset | algorithm |") and len(lines) == 3
+
+    def table_row():
+        lines = (tmp_path / "runs" / "table.md").read_text().splitlines()
+        cells = [c.strip() for c in lines[2].strip("|").split("|")]
+        return len(lines), dict(zip([c.strip() for c in lines[0].strip("|").split("|")], cells, strict=True))
+
     summary = json.loads((full_run / "summary.json").read_text())
-    assert row["run"] == "fedavg_small" and row["uplink bpp"] == "32.0000" and row["x vs 32-bit"] == "1"
+    config = json.loads((full_run / "config.json").read_text())
+    _, row = table_row()
+    assert row["preset"] == "fedavg_small" and row["uplink bpp"] == "32.0000" and row["x vs 32-bit"] == "1"
     assert row["last-5 mean acc (%)"] == f"{100 * summary['tail_accuracy']:.2f}"
+    assert row["seeds"] == str(config["run"]["seed"]) and row["runs"] == "fedavg_small"
     assert (tmp_path / "runs" / "table.csv").is_file()
     for name in PLOT_FILES:  # the runs of one dataset and model, plotted together
         assert (tmp_path / "runs" / "plots" / "digits_mlp_32_16" / name).is_file()
+    # another seed of the preset (the folder --seeds names <preset>_s<seed>) joins its row: mean ± std
+    other = tmp_path / "runs" / "fedavg_small_s7"
+    shutil.copytree(full_run, other)
+    (other / "config.json").write_text(json.dumps({**config, "run": {**config["run"], "seed": 7}}))
+    (other / "summary.json").write_text(
+        json.dumps({**summary, "final_accuracy": summary["final_accuracy"] - 0.1})
+    )
+    assert suite_main(["klms", "table", str(tmp_path / "runs")]) == 0
+    n, row = table_row()
+    final = [100 * summary["final_accuracy"], 100 * summary["final_accuracy"] - 10]
+    assert n == 3 and row["seeds"] == f"{config['run']['seed']}, 7" and row["uplink bpp"] == "32.0000"
+    assert row["final acc (%)"] == f"{np.mean(final):.2f} ± {np.std(final, ddof=1):.2f}"
     assert suite_main(["klms", "table", str(tmp_path / "empty_dir_that_does_not_exist")]) == 2
 
 

@@ -192,6 +192,8 @@ def test_rows_per_label_are_mean_and_std_over_seeds():
     assert [r["value"] for r in table_rows(_fake(runner), runs)] == ["1.0", "4.0", "3.0"]
     runs[1]["summary"]["value"] = None
     assert table_rows(_fake(runner, per_label=True), runs)[1]["value"] == "-"
+    runs[2]["summary"]["value"] = 1.0  # the same on every seed (a preset's fixed rate): once, no "± 0"
+    assert table_rows(_fake(runner, per_label=True), runs)[0]["value"] == "1.0"
 
 
 def test_list_names_every_suite(capsys):
