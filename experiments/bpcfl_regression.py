@@ -392,6 +392,20 @@ def _context(cfg: RegressionConfig):
     )
 
 
+def _one_round(algo, cfg: RegressionConfig, ctx, client_map: str):
+    """A one-shot method's round on the engine from the run's initialisation and keys: ``(state, info, wall
+    seconds, with compilation)``."""
+    import jax
+
+    from sidejax.fl import run_rounds
+
+    t0 = time.perf_counter()
+    state0 = algo.init(ctx.init_key, ctx.params0, cfg.clients)
+    state, info = run_rounds(algo, ctx.rounds_key, state0, ctx.fed, 1, client_map=client_map)
+    jax.block_until_ready(state)
+    return state, info, time.perf_counter() - t0
+
+
 def _bpcfl_settings(hp):
     """The :class:`sidejax.algorithms.BPCFLSettings` of the hyperparameters named as its fields (Adam at
     ``learning_rate`` for the pretraining and the inner chain)."""
@@ -414,7 +428,6 @@ def _bpcfl(cfg: RegressionConfig, ctx) -> tuple[dict[str, Any], Any]:
     import optax
 
     from sidejax.algorithms import bpcfl, map_inference
-    from sidejax.fl import run_rounds
 
     hp = cfg.hp
     settings = ctx.settings = _bpcfl_settings(hp)
@@ -432,11 +445,7 @@ def _bpcfl(cfg: RegressionConfig, ctx) -> tuple[dict[str, Any], Any]:
         f"K_upd = {settings.num_updates}, B_w = {settings.pairs_per_update}, L_C = "
         f"{settings.coreset_chain_length}, then Adam MAP x {hp['map_steps']} (compiling ...)"
     )
-    t0 = time.perf_counter()
-    state0 = algo.init(ctx.init_key, ctx.params0, cfg.clients)
-    state, info = run_rounds(algo, ctx.rounds_key, state0, ctx.fed, 1, client_map="map")
-    jax.block_until_ready(state)
-    wall = time.perf_counter() - t0
+    state, info, wall = _one_round(algo, cfg, ctx, "map")
     server = state.server
     numbers, ctx.curves["bpcfl_map"] = ctx.evaluate(server.samples)
     k = settings.num_points
@@ -610,7 +619,6 @@ def _dosfl(cfg: RegressionConfig, ctx) -> dict[str, Any]:
 
     from sidejax.algorithms import DOSFLSettings, dosfl
     from sidejax.algorithms.dosfl import distilled_floats, replay
-    from sidejax.fl import run_rounds
 
     hp = cfg.hp
     momentum = functools.partial(optax.sgd, momentum=0.9)
@@ -631,11 +639,7 @@ def _dosfl(cfg: RegressionConfig, ctx) -> dict[str, Any]:
         f"DOSFL: {settings.num_steps} steps x {settings.batch_size} points x {settings.num_epochs} epoch(s), "
         f"{settings.num_updates} updates per client (compiling ...)"
     )
-    t0 = time.perf_counter()
-    state0 = algo.init(ctx.init_key, ctx.params0, cfg.clients)
-    state, info = run_rounds(algo, ctx.rounds_key, state0, ctx.fed, 1, client_map="vmap")
-    jax.block_until_ready(state)
-    wall = time.perf_counter() - t0
+    state, info, wall = _one_round(algo, cfg, ctx, "vmap")
     samples = jax.tree.map(lambda a: a[None], algo.eval_params(state))
     numbers, ctx.curves["dosfl"] = ctx.evaluate(samples)
     distilled = state.server.distilled

@@ -782,6 +782,17 @@ class FedPAConfig(MethodConfig):
 
 
 @dataclass(frozen=True)
+class OneShotMethodConfig(MethodConfig):
+    """Base of the one-shot methods (BPC-FL, DOSFL): one round in which every client uploads once, built from
+    the network's initialisation and input shapes (:class:`experiments.algorithms.ModelContext`)."""
+
+    run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
+    one_shot: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = True
+    full_participation: ClassVar = "one-shot: every client uploads once"
+
+
+@dataclass(frozen=True)
 @fills(
     BPCFLSettings,
     skip=("num_classes", "step_size_labels", "save_interval", "pretrain_optimizer", "chain_optimizer"),
@@ -801,7 +812,7 @@ class FedPAConfig(MethodConfig):
         "coreset_chain_length": 200,
     },
 )
-class BPCFLConfig(MethodConfig):
+class BPCFLConfig(OneShotMethodConfig):
     """BPC-FL (:func:`sidejax.algorithms.bpcfl`): one round in which every client uploads a learned
     pseudocoreset, then downstream inference on the server (:class:`sidejax.algorithms.BPCFLSettings`'s
     fields, for classification; the optimizers by name and learning rate). Defaults: the paper's 2-D moons
@@ -830,10 +841,6 @@ class BPCFLConfig(MethodConfig):
 
     name: ClassVar[str] = "bpcfl"
     coders: ClassVar[tuple[str, ...]] = ("pseudocoreset",)
-    run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
-    one_shot: ClassVar[bool] = True
-    needs_model: ClassVar[bool] = True
-    full_participation: ClassVar = "bpcfl is one-shot: every client uploads once"
     limits: ClassVar = {
         ">= 1": "map_steps hmc_integration_steps hmc_samples sgld_samples sgld_thinning",
         ">= 0": "hmc_burnin sgld_burnin",
@@ -930,7 +937,7 @@ class BPCFLConfig(MethodConfig):
         "init_std": 0.6,
     },
 )
-class DOSFLConfig(MethodConfig):
+class DOSFLConfig(OneShotMethodConfig):
     """DOSFL (:func:`sidejax.algorithms.dosfl`): one round in which every client uploads distilled data
     ``(x̃, ỹ, η̃)``, which the server replays in sequence (:class:`sidejax.algorithms.DOSFLSettings`'s
     fields, for classification: the labels are hard and fixed). Defaults: the paper's Table 4, 2-D
@@ -946,10 +953,6 @@ class DOSFLConfig(MethodConfig):
 
     name: ClassVar[str] = "dosfl"
     coders: ClassVar[tuple[str, ...]] = ("float32",)
-    run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
-    one_shot: ClassVar[bool] = True
-    needs_model: ClassVar[bool] = True
-    full_participation: ClassVar = "dosfl is one-shot: every client uploads once"
     limits: ClassVar = {"> 0": "input_lr lr_step_size"}
 
     input_optimizer: str = choice("momentum", OPTIMIZERS)

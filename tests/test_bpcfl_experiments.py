@@ -196,11 +196,10 @@ def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     assert "divergent transitions (hmc_divergent)" in err and "method.hmc_step_size, now 5.0" in err
 
 
-@pytest.mark.slow  # a paper-scale trace (100 clients, DOSFL's unroll through the EMNIST ConvNet)
-def test_the_emnist_dosfl_preset_traces_one_round_of_the_convnet():
-    """DOSFL on EMNIST is not run (the paper: out of memory; here a GPU setting): its preset's algorithm
-    traces one round of 100 clients on the ConvNet (shapes only), the upload is 30 x 30 x (784 + 1) + 1
-    floats per client and the global model has the ConvNet's shapes."""
+def _trace_emnist_round(preset: str):
+    """One round of ``preset``'s algorithm (EMNIST-62, the ConvNet, 100 clients) on a stand-in federation of
+    the right shapes (EMNIST's files are not here), traced (shapes only, nothing runs): ``(algorithm, new
+    state, round info)``."""
     import jax
     import numpy as np
 
@@ -208,9 +207,9 @@ def test_the_emnist_dosfl_preset_traces_one_round_of_the_convnet():
     from sidejax.data import make_federated_data
     from sidejax.fl import build_round_step, classification_loss
     from sidejax.keys import round_key, run_keys
-    from sidejax.models import count_params, get_model, init_params
+    from sidejax.models import get_model, init_params
 
-    config = load_preset("bpcfl_emnist_dosfl")
+    config = load_preset(preset)
     spec = get_model(config.data.model, num_classes=62, input_shape=(28, 28, 1))
     model = ModelContext(lambda key: init_params(key, spec), (28, 28, 1), 62)
     algo = build_algorithm(config, classification_loss(spec.module.apply), model=model)
@@ -222,6 +221,17 @@ def test_the_emnist_dosfl_preset_traces_one_round_of_the_convnet():
     new_state, info = jax.eval_shape(
         build_round_step(algo, client_map="map"), round_key(rounds_key, 0), state, fed
     )
+    return algo, new_state, info
+
+
+@pytest.mark.slow  # a paper-scale trace (100 clients, DOSFL's unroll through the EMNIST ConvNet)
+def test_the_emnist_dosfl_preset_traces_one_round_of_the_convnet():
+    """DOSFL on EMNIST is not run (the paper: out of memory; here a GPU setting): its preset's algorithm
+    traces one round of 100 clients on the ConvNet, the global model has the ConvNet's shapes and the server
+    holds 30 x 30 distilled images per client."""
+    from sidejax.models import count_params
+
+    algo, new_state, info = _trace_emnist_round("bpcfl_emnist_dosfl")
     assert count_params(algo.eval_params(new_state)) == 1_206_590
     assert new_state.server.distilled.inputs.shape == (100, 30, 30, 28, 28, 1)
     assert info.uplink_bits.shape == (100,)
@@ -236,25 +246,13 @@ def test_the_emnist_preset_traces_one_round_of_the_convnet():
     import jax
     import numpy as np
 
-    from experiments.algorithms import ModelContext, build_algorithm
     from sidejax.bits import BITS_DTYPE
-    from sidejax.data import make_federated_data
-    from sidejax.fl import build_round_step, classification_loss
-    from sidejax.keys import round_key, run_keys
+    from sidejax.keys import run_keys
     from sidejax.models import count_params, get_model, init_params
 
-    config = load_preset("bpcfl_emnist_bpcfl_sgd")
-    spec = get_model(config.data.model, num_classes=62, input_shape=(28, 28, 1))
-    model = ModelContext(lambda key: init_params(key, spec), (28, 28, 1), 62)
-    algo = build_algorithm(config, classification_loss(spec.module.apply), model=model)
-    x = np.zeros((100 * 70, 28, 28, 1), np.float32)
-    y = np.arange(100 * 70, dtype=np.int32) % 62
-    fed = make_federated_data(x, y, [np.arange(70 * c, 70 * (c + 1)) for c in range(100)])
-    init_key, rounds_key = run_keys(0)
-    state = jax.eval_shape(lambda k: algo.init(k, init_params(k, spec), 100), init_key)
-    new_state, info = jax.eval_shape(
-        build_round_step(algo, client_map="map"), round_key(rounds_key, 0), state, fed
-    )
+    algo, new_state, info = _trace_emnist_round("bpcfl_emnist_bpcfl_sgd")
+    spec = get_model("bpcfl_convnet", num_classes=62, input_shape=(28, 28, 1))
+    init_key, _ = run_keys(0)
     samples = algo.eval_params(new_state)
     assert (
         sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(samples))

@@ -54,15 +54,8 @@ from jax.flatten_util import ravel_pytree
 from sidejax.bayes.pseudocoresets import init_pseudocoreset
 from sidejax.coding.base import Coder, EmptyState, Message, empty_message, float32_coder, included
 from sidejax.distributions import PointMass
-from sidejax.fl.base import (
-    Algorithm,
-    Batch,
-    ClientData,
-    ClientInfo,
-    Evaluation,
-    RoundState,
-    initial_round_state,
-)
+from sidejax.fl import Algorithm, Batch, ClientData, ClientInfo, Evaluation, RoundState
+from sidejax.fl.base import initial_round_state
 from sidejax.keys import PSEUDOCORESET, SERVER, ClientKeys, client_streams, draw_key, stream_key
 from sidejax.types import Params
 from sidejax.utils import check_count, check_number, check_positive, keep_unless_none, tree_all_finite
