@@ -23,9 +23,10 @@ One round (the only one):
    accounting with ``d_y = 1``, docs/papers/bpcfl.md#a8, read from the stream's length).
 3. **Server.** It decodes the uploads and replays them **in sequence**, in client-id order: client 1's
    ``E`` epochs of ``S`` steps from :math:`\theta_0`, then client 2's from where client 1's ended, and so on
-   (the DOSFL paper's server trains one global model on the clients' distilled data, one client's after the
-   other; docs/papers/bpcfl.md#dosfl). The result is the global model (``evaluation.params``). An excluded
-   client (:func:`sidejax.coding.included`) is skipped; with none included the state is kept.
+   (our reading of the DOSFL paper's server, which trains one global model on the clients' distilled data;
+   the spec is silent [A], docs/papers/bpcfl.md#dosfl). The result is the global model
+   (``evaluation.params``). An excluded client (:func:`sidejax.coding.included`) is skipped; with none
+   included the state is kept.
 
 Choices the spec leaves open ([A], docs/papers/bpcfl.md#dosfl): the distilled inputs start at
 :math:`\mathcal N(\bar X_m, \sigma^2 I)` and the labels by frequency (classification) or at ``mean(y)``
@@ -33,8 +34,8 @@ Choices the spec leaves open ([A], docs/papers/bpcfl.md#dosfl): the distilled in
 client's whole data (masked), the same every update; the number of outer updates is a setting
 (``num_updates``); random masking and soft resets are not built (the paper says they did not help).
 
-With one client the server's replay is the client's own unroll: the global model is the :math:`\theta_{ES}`
-its distilled data was optimised for (``tests/algorithms/test_dosfl.py``). With several, the data of client
+The first client's replay is its own unroll from :math:`\theta_0`: the :math:`\theta_{ES}` its distilled
+data was optimised for (``tests/algorithms/test_dosfl.py``). With several, the data of client
 ``m > 1`` is replayed from a model it was not distilled for, which is where DOSFL's one-shot model loses
 (docs/papers/bpcfl.md#dosfl measures it).
 """
