@@ -34,8 +34,10 @@ A **setting** (:data:`SETTINGS`) fixes the data, model and the BPC-FL column of 
   (``client_strategy = map``).
 
 A **method** (:data:`METHODS`) is a row of Table 1: BPC-FL with SGD / Adam MAP, HMC, or SGLD (an addition
-beyond the paper) downstream; FedAvg one-shot (one round) and over many rounds; FedPA; and FedAvg warm-started
-from BPC-FL + SGD's MAP estimate (docs/papers/bpcfl.md#a6, ``run.init_from`` of that run's folder, same seed).
+beyond the paper) downstream; FedAvg one-shot (one round) and over many rounds; FedPA; FedAvg warm-started
+from BPC-FL + SGD's MAP estimate (docs/papers/bpcfl.md#a6, ``run.init_from`` of that run's folder, same seed);
+and DOSFL (docs/papers/bpcfl.md#dosfl: Table 4's 2-D classification column, one round; the paper has no
+DOSFL setting for EMNIST, so ``fmnist_cpu`` and ``emnist`` take the same column and are not run).
 Preset ``bpcfl_<setting>_<method>``.
 
 The table (``table.md`` / ``table.csv``), one row per method, mean ± std over the seeds found:
@@ -184,6 +186,7 @@ METHODS: dict[str, tuple[str, str]] = {
     "fedavg": ("FedAvg", "fedavg"),
     "fedpa": ("FedPA", "fedpa"),
     "bpcfl_fedavg": ("BPC-FL + SGD, then FedAvg", "fedavg"),
+    "dosfl": ("DOSFL", "dosfl"),
 }
 
 
@@ -201,6 +204,11 @@ def suite_config(setting: str, method: str) -> ExperimentConfig:
             "run.eval_every": 1,
         }
         return default_config("bpcfl+pseudocoreset").override(values, source=source)
+    if kind == "dosfl":
+        # Table 4's 2-D classification column is DOSFLConfig's defaults (docs/papers/bpcfl.md#dosfl); the
+        # paper has none for EMNIST (out of memory there), so fmnist_cpu and emnist take the same column
+        values = {**data, "run.rounds": 1, "run.eval_every": 1}
+        return default_config("dosfl+float32").override(values, source=source)
     opt = {k: v for k, v in base.items() if k.startswith("method.")}
     run = {
         "run.rounds": base["rounds"],
@@ -226,6 +234,8 @@ def _label(name: str, config: dict[str, Any]) -> str:
         return METHODS[f"bpcfl_{method['inference']}"][0]
     if method["name"] == "fedpa":
         return "FedPA"
+    if method["name"] == "dosfl":
+        return "DOSFL"
     if method["name"] == "fedavg":
         if config["run"].get("init_from"):
             return "BPC-FL + SGD, then FedAvg"

@@ -53,6 +53,13 @@ Gaussian likelihood with std ``σ = sigma`` (0.3, docs/papers/bpcfl.md#s8-15): t
 - ``fedavg``: FedOpt (Table 3 regression: client Adam 1e-2, server Adam 0.1; 10 local steps of batch 20; all
   5 clients every round), ``fedavg_rounds`` (100) rounds from the same initialisation.
 - ``fedavg_one_shot``: the same after its first round (one-shot FedAvg).
+- ``dosfl`` (variants ``dosfl`` and ``dosfl_unit_sigma``, which train it alone: ``methods = "dosfl"``): DOSFL
+  (:func:`sidejax.algorithms.dosfl`, docs/papers/bpcfl.md#dosfl) with Table 4's regression column (20 steps
+  of 10 points, 1 epoch, SGD with momentum 0.9 at 0.1 on the inputs and labels, η̃ fixed at 0.01;
+  ``DOSFL_UPDATES`` outer updates), from the same initialisation and keys; ``dosfl`` as printed,
+  ``dosfl_unit_sigma`` with the three steps times σ² (:func:`unit_sigma_steps`: the steps of σ = 1). The
+  report adds the distilled data and each client's real loss before and after distillation and the test RMSE
+  of its own replay from θ_0.
 
 **Metrics**, per method: ``test_rmse`` of the predictive mean on the fresh test points; ``test_nll``, the
 Gaussian predictive NLL (for HMC the mixture ``(1/S) Σ_s N(y; f_s(x), σ²)``; for the point estimates
@@ -84,6 +91,7 @@ and docs/papers/bpcfl.md#dep-regression-sigma; figures in ``docs/figures/bpcfl_r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -110,6 +118,8 @@ __all__ = [
 GAPS = ((-0.6, -0.2), (0.0, 0.5))
 GRID = (-1.2, 1.2)
 
+#: DOSFL's outer updates per client (not in Table 4 [A], docs/papers/bpcfl.md#dosfl)
+DOSFL_UPDATES = 500
 # fmt: off
 #: docs/papers/bpcfl.md#table-2, regression column; Table 7 (downstream) and Table 3 (FedAvg)
 PAPER = dict(
@@ -119,13 +129,17 @@ PAPER = dict(
     coreset_chain_length=200, map_lr=1e-2, map_steps=300, hmc_step_size=1e-3, hmc_inverse_mass=50.0,
     hmc_integration_steps=20, hmc_burnin=200, hmc_samples=40, fedavg_client_lr=1e-2, fedavg_server_lr=0.1,
     fedavg_local_steps=10, fedavg_batch_size=20, fedavg_rounds=100,
+    # DOSFL, docs/papers/bpcfl.md#table-4 (regression column); dosfl_updates and dosfl_init_std (BPC-FL's
+    # sigma_z) are not in it (docs/papers/bpcfl.md#dosfl)
+    dosfl_steps=20, dosfl_epochs=1, dosfl_batch_size=10, dosfl_input_lr=0.1, dosfl_label_lr=0.1,
+    dosfl_init_lr=0.01, dosfl_updates=DOSFL_UPDATES, dosfl_init_std=1.0,
 )
 #: the ``quick`` setting's tiny values (a smoke run of seconds)
 QUICK = dict(
     PAPER, num_points=3, num_updates=4, pairs_per_update=2, num_noise=2, num_trajectories=3,
     pretrain_steps=20, pretrain_batch_size=10, data_chain_length=10, coreset_chain_length=4, map_steps=10,
     hmc_integration_steps=3, hmc_burnin=3, hmc_samples=4, fedavg_local_steps=2, fedavg_batch_size=10,
-    fedavg_rounds=3,
+    fedavg_rounds=3, dosfl_steps=3, dosfl_batch_size=4, dosfl_updates=5,
 )
 # fmt: on
 
@@ -149,6 +163,8 @@ class RegressionConfig(Section):
         ``sigma``, :func:`unit_sigma_steps`; docs/papers/bpcfl.md#dep-regression-sigma) or ``printed``.
       hmc_start: HMC's start: the network initialisation (init, docs/papers/bpcfl.md#s8-10) or the Adam MAP
         estimate on the same coreset (map).
+      methods: what the run trains: bpcfl (BPC-FL's MAP and HMC, FedAvg, one-shot FedAvg) or dosfl (DOSFL
+        alone, docs/papers/bpcfl.md#dosfl).
     """
 
     seed: int = 0
@@ -162,6 +178,7 @@ class RegressionConfig(Section):
     grid_points: int = 241
     hmc_start: str = choice("init", ("init", "map"))
     steps: str = choice("unit_sigma", ("unit_sigma", "printed"))
+    methods: str = choice("bpcfl", ("bpcfl", "dosfl"))
 
     table: ClassVar[str] = "regression"
     limits: ClassVar = {
@@ -201,9 +218,14 @@ def unit_sigma_steps(hp: dict[str, Any], sigma: float) -> dict[str, Any]:
     gain ``g`` multiplies the variance of the sampled ``f_D(z)`` by ``g/(2 − g)`` (0.09 against 12.3), which
     throws ``Z`` out of the data (measured there). HMC's leapfrog frequencies ``sqrt(M⁻¹ h)`` scale as ``1/σ``
     with the likelihood's curvature ``h``, so ``εσ`` keeps ``εω`` as printed (Adam's MAP steps are invariant
-    to the loss's scale and stay as printed)."""
+    to the loss's scale and stay as printed).
+
+    DOSFL's steps (Table 4) are SGD steps too, all times ``σ²``: the inner step ``η̃`` on a loss whose gradient
+    scales as ``1/σ²``, and the outer steps on ``x̃``, ``ỹ`` along the gradient of the real NLL, which scales
+    the same way; SGD with momentum is linear in the step, so DOSFL at σ with the rescaled steps takes the
+    steps of DOSFL at σ = 1 as printed (docs/papers/bpcfl.md#dosfl)."""
     out = dict(hp)
-    for name in ("step_size_inputs", "step_size_labels"):
+    for name in ("step_size_inputs", "step_size_labels", "dosfl_input_lr", "dosfl_label_lr", "dosfl_init_lr"):
         out[name] = hp[name] * sigma**2
     out["hmc_step_size"] = hp["hmc_step_size"] * sigma
     return out
@@ -223,13 +245,22 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sigma03": ("sigma = 0.3 (the paper's)", {}),
     "sigma1": ("sigma = 1", {"sigma": 1.0}),
     "sigma1_hmc_map": ("sigma = 1, HMC from the MAP estimate", {"sigma": 1.0, "hmc_start": "map"}),
+    "dosfl": ("DOSFL, sigma = 0.3, Table 4 as printed", {"methods": "dosfl", "steps": "printed"}),
+    "dosfl_unit_sigma": (
+        "DOSFL, sigma = 0.3, Table 4's steps x sigma^2 (as at sigma = 1)",
+        {"methods": "dosfl"},
+    ),
 }
+#: fields added to :class:`RegressionConfig` since runs were saved, at the value that keeps such a run as it
+#: was (a saved run without the field is that run)
+ADDED_DEFAULTS = {"methods": "bpcfl"}
 #: results.json's methods -> their table label
 METHODS = {
     "bpcfl_map": "BPC-FL + Adam MAP",
     "bpcfl_hmc": "BPC-FL + HMC",
     "fedavg": "FedAvg",
     "fedavg_one_shot": "one-shot FedAvg",
+    "dosfl": "DOSFL",
 }
 
 
@@ -361,6 +392,20 @@ def _context(cfg: RegressionConfig):
     )
 
 
+def _one_round(algo, cfg: RegressionConfig, ctx, client_map: str):
+    """A one-shot method's round on the engine from the run's initialisation and keys: ``(state, info, wall
+    seconds, with compilation)``."""
+    import jax
+
+    from sidejax.fl import run_rounds
+
+    t0 = time.perf_counter()
+    state0 = algo.init(ctx.init_key, ctx.params0, cfg.clients)
+    state, info = run_rounds(algo, ctx.rounds_key, state0, ctx.fed, 1, client_map=client_map)
+    jax.block_until_ready(state)
+    return state, info, time.perf_counter() - t0
+
+
 def _bpcfl_settings(hp):
     """The :class:`sidejax.algorithms.BPCFLSettings` of the hyperparameters named as its fields (Adam at
     ``learning_rate`` for the pretraining and the inner chain)."""
@@ -383,7 +428,6 @@ def _bpcfl(cfg: RegressionConfig, ctx) -> tuple[dict[str, Any], Any]:
     import optax
 
     from sidejax.algorithms import bpcfl, map_inference
-    from sidejax.fl import run_rounds
 
     hp = cfg.hp
     settings = ctx.settings = _bpcfl_settings(hp)
@@ -401,11 +445,7 @@ def _bpcfl(cfg: RegressionConfig, ctx) -> tuple[dict[str, Any], Any]:
         f"K_upd = {settings.num_updates}, B_w = {settings.pairs_per_update}, L_C = "
         f"{settings.coreset_chain_length}, then Adam MAP x {hp['map_steps']} (compiling ...)"
     )
-    t0 = time.perf_counter()
-    state0 = algo.init(ctx.init_key, ctx.params0, cfg.clients)
-    state, info = run_rounds(algo, ctx.rounds_key, state0, ctx.fed, 1, client_map="map")
-    jax.block_until_ready(state)
-    wall = time.perf_counter() - t0
+    state, info, wall = _one_round(algo, cfg, ctx, "map")
     server = state.server
     numbers, ctx.curves["bpcfl_map"] = ctx.evaluate(server.samples)
     k = settings.num_points
@@ -568,6 +608,77 @@ def _fedavg(cfg: RegressionConfig, ctx) -> None:
     )
 
 
+def _dosfl(cfg: RegressionConfig, ctx) -> dict[str, Any]:
+    """DOSFL (docs/papers/bpcfl.md#dosfl), one round on the engine with Table 4's regression column, on the
+    same initialisation and keys as BPC-FL. Returns the report's entries: the distilled data per client and
+    the diagnostics that say where the one-shot model loses (each client's real loss at the start of
+    distillation and for its upload; the test RMSE of each client's own replay from θ_0, the θ_final it
+    distilled for, against the sequential replay's)."""
+    import jax
+    import optax
+
+    from sidejax.algorithms import DOSFLSettings, dosfl
+    from sidejax.algorithms.dosfl import distilled_floats, replay
+
+    hp = cfg.hp
+    momentum = functools.partial(optax.sgd, momentum=0.9)
+    settings = DOSFLSettings(
+        num_steps=hp["dosfl_steps"],
+        num_epochs=hp["dosfl_epochs"],
+        batch_size=hp["dosfl_batch_size"],
+        num_updates=hp["dosfl_updates"],
+        num_classes=None,
+        input_optimizer=momentum(hp["dosfl_input_lr"]),
+        label_optimizer=momentum(hp["dosfl_label_lr"]),
+        lr_optimizer=None,  # Table 4: step size 0, eta fixed
+        init_lr=hp["dosfl_init_lr"],
+        init_std=hp["dosfl_init_std"],
+    )
+    algo = dosfl(ctx.loss_fn, input_shape=(1,), num_clients=cfg.clients, settings=settings)
+    _log(
+        f"DOSFL: {settings.num_steps} steps x {settings.batch_size} points x {settings.num_epochs} epoch(s), "
+        f"{settings.num_updates} updates per client (compiling ...)"
+    )
+    state, info, wall = _one_round(algo, cfg, ctx, "vmap")
+    samples = jax.tree.map(lambda a: a[None], algo.eval_params(state))
+    numbers, ctx.curves["dosfl"] = ctx.evaluate(samples)
+    distilled = state.server.distilled
+    own = jax.jit(jax.vmap(lambda d: replay(ctx.loss_fn, ctx.params0, d, settings.num_epochs, None)))(
+        distilled
+    )
+    f_own = np.asarray(ctx.predict(own, ctx.x_test_j))
+    own_rmse = np.sqrt(np.mean((f_own - ctx.y_test[None]) ** 2, axis=1))
+    extra = info.clients.extra
+    ctx.results["dosfl"] = {
+        **numbers,
+        **_comm(info, 1),
+        "wall_s": wall,
+        "wall_note": "distillation on every client and the server's replay, with compilation",
+    }
+    report = {
+        "dosfl_distilled": {
+            "inputs": np.asarray(distilled.inputs).reshape(cfg.clients, -1).tolist(),
+            "labels": np.asarray(distilled.labels).reshape(cfg.clients, -1).tolist(),
+            "lr": np.asarray(distilled.lr).tolist(),
+        },
+        "dosfl_diagnostics": {
+            "real_loss_first": np.asarray(extra.loss_first)[0].tolist(),
+            "real_loss_last": np.asarray(extra.loss_last)[0].tolist(),
+            "own_replay_test_rmse": own_rmse.tolist(),
+            "clients_finite": bool(np.all(np.asarray(info.clients.finite))),
+            "included": np.asarray(info.included)[0].tolist(),
+        },
+        "dosfl_uplink_formula_floats": cfg.clients * distilled_floats(settings, (1,)),
+    }
+    _log(
+        f"DOSFL: RMSE {numbers['test_rmse']:.4f} (each client's own replay: "
+        f"{', '.join(f'{v:.3f}' for v in own_rmse)}), real loss per client "
+        f"{np.asarray(extra.loss_first)[0]} -> {np.asarray(extra.loss_last)[0]}, uplink "
+        f"{ctx.results['dosfl']['uplink_floats_total']:.0f} floats, {wall:.1f} s"
+    )
+    return report
+
+
 def run(cfg: RegressionConfig, out: Path) -> dict[str, Any]:
     """Runs the four methods of one configuration and writes ``out``'s ``curves.npz``, ``predictive.png``
     and, last, ``results.json`` (returned)."""
@@ -578,9 +689,12 @@ def run(cfg: RegressionConfig, out: Path) -> dict[str, Any]:
     ctx.results, ctx.curves = {}, {}
     mode = "quick" if cfg.quick else "paper"
     _log(f"data: {cfg.clients} clients x {cfg.per_client} points, P = {ctx.num_params}, {mode} settings")
-    bpc, server = _bpcfl(cfg, ctx)
-    _hmc(cfg, ctx, server)
-    _fedavg(cfg, ctx)
+    if cfg.methods == "dosfl":
+        bpc = _dosfl(cfg, ctx)
+    else:
+        bpc, server = _bpcfl(cfg, ctx)
+        _hmc(cfg, ctx, server)
+        _fedavg(cfg, ctx)
     report = {
         "experiment": "bpcfl_regression",
         "config": dataclasses.asdict(cfg),
@@ -595,7 +709,7 @@ def run(cfg: RegressionConfig, out: Path) -> dict[str, Any]:
         "regions": {"gaps": GAPS, "outside": "x < -0.8 or x > 0.8"},
         "hyperparameters": cfg.hp,
         **bpc,
-        "methods": {k: ctx.results[k] for k in METHODS},
+        "methods": {k: ctx.results[k] for k in METHODS if k in ctx.results},
         "backend": jax.default_backend(),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -609,8 +723,8 @@ def run(cfg: RegressionConfig, out: Path) -> dict[str, Any]:
 
 def plot(out: Path, report: dict[str, Any], data=None) -> Path:
     """``out/predictive.png`` from ``out/curves.npz`` and the report, in Fig. 2's style: clients' points,
-    truth, BPC-FL MAP, HMC mean ± 1/2 std, FedAvg, pseudo-points (the data is made again from the report
-    when not given)."""
+    truth, BPC-FL MAP, HMC mean ± 1/2 std, FedAvg, pseudo-points; for a DOSFL run its model and the distilled
+    points (the data is made again from the report when not given)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -622,29 +736,45 @@ def plot(out: Path, report: dict[str, Any], data=None) -> Path:
     data = data or interval_regression(cfg.clients, cfg.per_client, noise=cfg.noise, seed=cfg.seed)
     curves = np.load(out / "curves.npz")
     grid = curves["grid"]
-    z = np.asarray(report["pseudocoreset"]["inputs"], np.float32).reshape(-1)
-    yhat = np.asarray(report["pseudocoreset"]["labels"], np.float32).reshape(-1)
+    dosfl_run = "dosfl_distilled" in report
+    points = report["dosfl_distilled" if dosfl_run else "pseudocoreset"]
+    z = np.asarray(points["inputs"], np.float32).reshape(-1)
+    yhat = np.asarray(points["labels"], np.float32).reshape(-1)
     fig, ax = plt.subplots(figsize=(11, 5))
     colors = plt.get_cmap("tab10")
     for lo, hi in INTERVALS:
         ax.axvspan(lo, hi, color="0.93", zorder=0)
-    mean, std = curves["bpcfl_hmc"].mean(axis=0), curves["bpcfl_hmc"].std(axis=0)
-    ax.fill_between(
-        grid, mean - 2 * std, mean + 2 * std, color="tab:blue", alpha=0.12, lw=0, label="HMC ± 2 std"
-    )
-    ax.fill_between(grid, mean - std, mean + std, color="tab:blue", alpha=0.25, lw=0, label="HMC ± 1 std")
+    if "bpcfl_hmc" in curves:
+        mean, std = curves["bpcfl_hmc"].mean(axis=0), curves["bpcfl_hmc"].std(axis=0)
+        ax.fill_between(
+            grid, mean - 2 * std, mean + 2 * std, color="tab:blue", alpha=0.12, lw=0, label="HMC ± 2 std"
+        )
+        ax.fill_between(grid, mean - std, mean + std, color="tab:blue", alpha=0.25, lw=0, label="HMC ± 1 std")
     for m, part in enumerate(data.parts):
         ax.scatter(data.x[part, 0], data.y[part], s=9, color=colors(m), alpha=0.6, label=f"client {m}")
     ax.plot(grid, interval_target(grid), "k--", lw=1.5, label="true f(x)")
-    ax.plot(grid, mean, color="tab:blue", lw=2, label="BPC-FL + HMC mean")
-    ax.plot(grid, curves["bpcfl_map"][0], color="tab:red", lw=2, label="BPC-FL + Adam MAP")
-    ax.plot(grid, curves["fedavg"][0], color="tab:green", lw=1.5, label="FedAvg")
+    for key, color, label in (
+        ("bpcfl_hmc", "tab:blue", "BPC-FL + HMC mean"),
+        ("bpcfl_map", "tab:red", "BPC-FL + Adam MAP"),
+        ("fedavg", "tab:green", "FedAvg"),
+        ("dosfl", "tab:purple", "DOSFL"),
+    ):
+        if key in curves:
+            ax.plot(grid, curves[key].mean(axis=0), color=color, lw=2, label=label)
     k = len(z) // len(data.parts)
     for m in range(len(data.parts)):
         sl = slice(m * k, (m + 1) * k)
-        label = "pseudo-points (Z, ŷ)" if m == 0 else None
+        label = ("distilled points (x̃, ỹ)" if dosfl_run else "pseudo-points (Z, ŷ)") if m == 0 else None
         ax.scatter(
-            z[sl], yhat[sl], marker="*", s=160, color=colors(m), edgecolor="k", lw=0.8, zorder=5, label=label
+            z[sl],
+            yhat[sl],
+            marker="x" if dosfl_run else "*",
+            s=25 if dosfl_run else 160,
+            color=colors(m),
+            edgecolor=None if dosfl_run else "k",
+            lw=0.8,
+            zorder=5,
+            label=label,
         )
     lo = min(np.min(data.y), np.min(yhat)) - 1.0
     hi = max(np.max(data.y), np.max(yhat)) + 1.0
@@ -653,7 +783,8 @@ def plot(out: Path, report: dict[str, Any], data=None) -> Path:
     ax.set_xlabel("x")
     ax.set_ylabel("y")
     ax.set_title(
-        f"BPC-FL 1-D regression: {len(data.parts)} clients x {cfg.per_client} points, seed {cfg.seed}"
+        f"{'DOSFL' if dosfl_run else 'BPC-FL'} 1-D regression: {len(data.parts)} clients x {cfg.per_client} "
+        f"points, seed {cfg.seed}"
     )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
@@ -708,7 +839,7 @@ class RegressionRunner:
             return "run", ""
         if not (out / "results.json").is_file():
             return "run", "(unfinished, and this experiment keeps no checkpoint: it starts again)"
-        saved = json.loads((out / "results.json").read_text()).get("config", {})
+        saved = {**ADDED_DEFAULTS, **json.loads((out / "results.json").read_text()).get("config", {})}
         asked = dataclasses.asdict(config)
         if saved == asked:
             return "skip", f"finished run found in {out}, skipped (use --force to re-run)"

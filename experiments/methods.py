@@ -24,16 +24,19 @@ from experiments.coders import CODERS, CoderConfig, MechanismConfig
 from experiments.sections import Section, by_name, choice, fills
 from sidejax.algorithms import (
     BPCFLSettings,
+    DOSFLSettings,
     FedPASettings,
     LangevinSettings,
     bicompfl_downlink,
     bpcfl,
     check_client_sizes,
+    dosfl,
     hmc_inference,
     map_inference,
     sgld_inference,
 )
 from sidejax.algorithms.bpcfl import check_settings
+from sidejax.algorithms.dosfl import check_dosfl_settings
 from sidejax.algorithms.fedpa import SHRINKAGE_FORMS, check_fedpa_settings
 from sidejax.algorithms.mirror import mirror_descent
 from sidejax.algorithms.perfedavg import VARIANTS, PerFedAvgSettings, check_perfedavg_settings
@@ -71,6 +74,7 @@ __all__ = [
     "PerFedAvgConfig",
     "BPCFLConfig",
     "FedPAConfig",
+    "DOSFLConfig",
     "ERROR_FEEDBACK_METHODS",
     "METHODS",
     "SHORTCUTS",
@@ -778,6 +782,17 @@ class FedPAConfig(MethodConfig):
 
 
 @dataclass(frozen=True)
+class OneShotMethodConfig(MethodConfig):
+    """Base of the one-shot methods (BPC-FL, DOSFL): one round in which every client uploads once, built from
+    the network's initialisation and input shapes (:class:`experiments.algorithms.ModelContext`)."""
+
+    run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
+    one_shot: ClassVar[bool] = True
+    needs_model: ClassVar[bool] = True
+    full_participation: ClassVar = "one-shot: every client uploads once"
+
+
+@dataclass(frozen=True)
 @fills(
     BPCFLSettings,
     skip=("num_classes", "step_size_labels", "save_interval", "pretrain_optimizer", "chain_optimizer"),
@@ -797,7 +812,7 @@ class FedPAConfig(MethodConfig):
         "coreset_chain_length": 200,
     },
 )
-class BPCFLConfig(MethodConfig):
+class BPCFLConfig(OneShotMethodConfig):
     """BPC-FL (:func:`sidejax.algorithms.bpcfl`): one round in which every client uploads a learned
     pseudocoreset, then downstream inference on the server (:class:`sidejax.algorithms.BPCFLSettings`'s
     fields, for classification; the optimizers by name and learning rate). Defaults: the paper's 2-D moons
@@ -826,10 +841,6 @@ class BPCFLConfig(MethodConfig):
 
     name: ClassVar[str] = "bpcfl"
     coders: ClassVar[tuple[str, ...]] = ("pseudocoreset",)
-    run_defaults: ClassVar = {"rounds": 1, "eval_every": 1}
-    one_shot: ClassVar[bool] = True
-    needs_model: ClassVar[bool] = True
-    full_participation: ClassVar = "bpcfl is one-shot: every client uploads once"
     limits: ClassVar = {
         ">= 1": "map_steps hmc_integration_steps hmc_samples sgld_samples sgld_thinning",
         ">= 0": "hmc_burnin sgld_burnin",
@@ -913,6 +924,77 @@ class BPCFLConfig(MethodConfig):
         )
 
 
+@dataclass(frozen=True)
+@fills(
+    DOSFLSettings,
+    skip=("num_classes", "input_optimizer", "label_optimizer", "lr_optimizer"),
+    rename={"num_steps": "distill_steps", "num_epochs": "distill_epochs", "batch_size": "distill_batch_size"},
+    defaults={
+        "distill_steps": 30,
+        "distill_epochs": 20,
+        "distill_batch_size": 30,
+        "num_updates": 200,
+        "init_std": 0.6,
+    },
+)
+class DOSFLConfig(OneShotMethodConfig):
+    """DOSFL (:func:`sidejax.algorithms.dosfl`): one round in which every client uploads distilled data
+    ``(x̃, ỹ, η̃)``, which the server replays in sequence (:class:`sidejax.algorithms.DOSFLSettings`'s
+    fields, for classification: the labels are hard and fixed). Defaults: the paper's Table 4, 2-D
+    classification column (docs/papers/bpcfl.md#table-4); ``num_updates`` and ``init_std`` (BPC-FL's moons
+    σ_z) are not in it (docs/papers/bpcfl.md#dosfl).
+
+    Attributes:
+      input_optimizer: the distilled inputs' optimizer: sgd, momentum (0.9, Table 4) or adam.
+      input_lr: its step size.
+      lr_optimizer: the optimizer of the step size η̃: none (η̃ fixed), sgd, momentum or adam.
+      lr_step_size: its step size (lr_optimizer other than none).
+    """
+
+    name: ClassVar[str] = "dosfl"
+    coders: ClassVar[tuple[str, ...]] = ("float32",)
+    limits: ClassVar = {"> 0": "input_lr lr_step_size"}
+
+    input_optimizer: str = choice("momentum", OPTIMIZERS)
+    input_lr: float = 0.01
+    lr_optimizer: str = choice("adam", ("none", *OPTIMIZERS))
+    lr_step_size: float = 1e-4
+
+    def settings(self, num_classes: int | None) -> DOSFLSettings:
+        """The library's :class:`sidejax.algorithms.DOSFLSettings` (classification with ``num_classes``)."""
+        lr_opt = None if self.lr_optimizer == "none" else make_optimizer(self.lr_optimizer, self.lr_step_size)
+        return self.library_value(
+            DOSFLSettings,
+            num_classes=num_classes,
+            input_optimizer=make_optimizer(self.input_optimizer, self.input_lr),
+            lr_optimizer=lr_opt,
+        )
+
+    def check(self) -> None:
+        """The library's checks of the scalar settings (:func:`sidejax.algorithms.dosfl.check_dosfl_settings`;
+        the optimizers, made from the checked names and step sizes when the algorithm is built, stand in as
+        ``optax.identity()``)."""
+        placeholder = optax.identity()
+        lr_opt = None if self.lr_optimizer == "none" else placeholder
+        settings = self.library_value(
+            DOSFLSettings, num_classes=2, input_optimizer=placeholder, lr_optimizer=lr_opt
+        )
+        self.relabel(check_dosfl_settings, settings)
+
+    def algorithm(self, b: Build) -> Algorithm:
+        """``b.model`` is the :class:`experiments.algorithms.ModelContext` (one example's input shape, the
+        number of classes)."""
+        if b.model is None:
+            raise ValueError("dosfl needs the model context (input_shape, num_classes) to build")
+        return dosfl(
+            b.loss_fn,
+            input_shape=b.model.input_shape,
+            num_clients=b.num_clients,
+            settings=self.settings(b.model.num_classes),
+            coder=b.coder,
+        )
+
+
 #: the method configs by ``[method] name``
 METHODS: dict[str, type[MethodConfig]] = by_name(
     FedAvgConfig,
@@ -933,6 +1015,7 @@ METHODS: dict[str, type[MethodConfig]] = by_name(
     PerFedAvgConfig,
     FedPAConfig,
     BPCFLConfig,
+    DOSFLConfig,
 )
 
 #: the algorithm names of the results tables and plots: (method, coder) pairs

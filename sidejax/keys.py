@@ -32,7 +32,8 @@ form a tree; each edge is one ``jax.random.fold_in`` of a **role tag** (a module
                    │                   noise of inner step p, MC sample k (draw p·K + k)
                    ├─ EXPERTS          BPC-FL: the client's expert-trajectory minibatches (DRAWS ─ j ─ ORDER)
                    └─ PSEUDOCORESET    BPC-FL: DRAWS ─ 0 the initial pseudo-inputs, DRAWS ─ 1 the BPC-fKL
-                                       learner (pairs and noise of update u: DRAWS ─ 2u, 2u + 1)
+                                       learner (pairs and noise of update u: DRAWS ─ 2u, 2u + 1); DOSFL:
+                                       DRAWS ─ 0 the initial distilled inputs, DRAWS ─ 1 its loss key
 
 Two rules make a collision between two streams impossible by construction (up to a 2^-64 hash accident):
 

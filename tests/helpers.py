@@ -12,6 +12,7 @@ import optax
 
 from sidejax.algorithms import (
     BPCFLSettings,
+    DOSFLSettings,
     FedPASettings,
     LangevinSettings,
     bicompfl_downlink,
@@ -21,6 +22,7 @@ from sidejax.algorithms import (
     bpcfl,
     cepam,
     cser,
+    dosfl,
     doublesqueeze,
     fedavg,
     fedpa,
@@ -376,4 +378,13 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
             loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients
         ),
         "neolithic": neolithic(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients),
+        # DOSFL (one round, every client): 2 steps x 3 points, 2 epochs, 3 outer updates, eta learned by Adam
+        "dosfl": dosfl(
+            loss,
+            input_shape=(8, 8, 1),
+            num_clients=num_clients,
+            settings=DOSFLSettings(
+                2, 2, 3, 3, 10, optax.sgd(0.01, momentum=0.9), lr_optimizer=optax.adam(1e-4)
+            ),
+        ),
     }

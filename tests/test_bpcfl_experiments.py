@@ -93,6 +93,17 @@ def test_the_shipped_presets_are_the_suite_definitions(tmp_path):
         250,
     )
     assert load_preset("bpcfl_moons_bpcfl_fedavg").run.init_from == "bpcfl_moons_bpcfl_sgd"
+    # DOSFL: Table 4's 2-D classification column (docs/papers/bpcfl.md#table-4), one round
+    dosfl = load_preset("bpcfl_moons_dosfl")
+    d = dosfl.method
+    assert (dosfl.run.rounds, d.distill_steps, d.distill_epochs, d.distill_batch_size, d.init_lr) == (
+        1,
+        30,
+        20,
+        30,
+        0.01,
+    )
+    assert (d.input_optimizer, d.input_lr, d.lr_optimizer, d.lr_step_size) == ("momentum", 0.01, "adam", 1e-4)
     assert load_preset("bpcfl_moons_fedavg_oneshot").run.rounds == 1
 
 
@@ -149,6 +160,30 @@ def test_table_runs_bpcfl_and_warm_started_fedavg(tmp_path, monkeypatch, capsys)
     assert (tmp_path / "accuracy_vs_floats.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a DOSFL run through the driver: about 15 s cold
+def test_dosfl_runs_through_the_driver_and_the_table(tmp_path, monkeypatch):
+    """A tiny moons DOSFL (2 steps x 4 points, 2 epochs, 2 updates): one round, the measured upload is the
+    paper's S·B·(D + 1) + 1 floats per client, nothing downlink, its row in the table."""
+    tiny = {"method.distill_steps": 2, "method.distill_epochs": 2, "method.distill_batch_size": 4}
+    tiny["method.num_updates"] = 2
+    use_configs(
+        monkeypatch, SUITE, {preset_name("moons", "dosfl"): suite_config("moons", "dosfl").override(tiny)}
+    )
+    assert main(["bpcfl", "run", str(tmp_path), "--setting", "moons", "--only", "dosfl", "--seeds", "0"]) == 0
+    rows = [
+        json.loads(x) for x in (tmp_path / "bpcfl_moons_dosfl_s0" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert (
+        len(rows) == 1
+        and rows[0]["uplink_bits"] == 5 * 32 * (2 * 4 * 3 + 1)
+        and rows[0]["downlink_bits"] == 0
+    )
+    assert rows[0]["distill_loss_last"] < rows[0]["distill_loss_first"]
+    md = (tmp_path / "table.md").read_text().splitlines()
+    (row,) = [line.split("|") for line in md[2:] if line.split("|")[1].strip() == "DOSFL"]
+    assert float(row[5]) == pytest.approx(5 * (2 * 4 * 3 + 1), rel=1e-3)
+
+
 @pytest.mark.slow  # a BPC-FL run with HMC through the driver: about 17 s cold
 def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     """An HMC step far past stability on the server: the run finishes, its metrics count the divergent
@@ -161,23 +196,20 @@ def test_divergent_hmc_is_reported_by_the_driver(tmp_path, capsys):
     assert "divergent transitions (hmc_divergent)" in err and "method.hmc_step_size, now 5.0" in err
 
 
-@pytest.mark.slow  # a paper-scale trace (100 clients, the EMNIST ConvNet)
-def test_the_emnist_preset_traces_one_round_of_the_convnet():
-    """The GPU preset's algorithm (EMNIST-62, the ConvNet, K = 62, 100 clients) on a stand-in federation of
-    the right shapes (EMNIST's files are not here): one round traces (shapes only, nothing runs), the
-    posterior samples have the ConvNet's shapes (the upload's length at these sizes:
-    tests/algorithms/test_bpcfl.py::test_emnist_stream_length_is_measured_from_the_message)."""
+def _trace_emnist_round(preset: str):
+    """One round of ``preset``'s algorithm (EMNIST-62, the ConvNet, 100 clients) on a stand-in federation of
+    the right shapes (EMNIST's files are not here), traced (shapes only, nothing runs): ``(algorithm, new
+    state, round info)``."""
     import jax
     import numpy as np
 
     from experiments.algorithms import ModelContext, build_algorithm
-    from sidejax.bits import BITS_DTYPE
     from sidejax.data import make_federated_data
     from sidejax.fl import build_round_step, classification_loss
     from sidejax.keys import round_key, run_keys
-    from sidejax.models import count_params, get_model, init_params
+    from sidejax.models import get_model, init_params
 
-    config = load_preset("bpcfl_emnist_bpcfl_sgd")
+    config = load_preset(preset)
     spec = get_model(config.data.model, num_classes=62, input_shape=(28, 28, 1))
     model = ModelContext(lambda key: init_params(key, spec), (28, 28, 1), 62)
     algo = build_algorithm(config, classification_loss(spec.module.apply), model=model)
@@ -189,6 +221,38 @@ def test_the_emnist_preset_traces_one_round_of_the_convnet():
     new_state, info = jax.eval_shape(
         build_round_step(algo, client_map="map"), round_key(rounds_key, 0), state, fed
     )
+    return algo, new_state, info
+
+
+@pytest.mark.slow  # a paper-scale trace (100 clients, DOSFL's unroll through the EMNIST ConvNet)
+def test_the_emnist_dosfl_preset_traces_one_round_of_the_convnet():
+    """DOSFL on EMNIST is not run (the paper: out of memory; here a GPU setting): its preset's algorithm
+    traces one round of 100 clients on the ConvNet, the global model has the ConvNet's shapes and the server
+    holds 30 x 30 distilled images per client."""
+    from sidejax.models import count_params
+
+    algo, new_state, info = _trace_emnist_round("bpcfl_emnist_dosfl")
+    assert count_params(algo.eval_params(new_state)) == 1_206_590
+    assert new_state.server.distilled.inputs.shape == (100, 30, 30, 28, 28, 1)
+    assert info.uplink_bits.shape == (100,)
+
+
+@pytest.mark.slow  # a paper-scale trace (100 clients, the EMNIST ConvNet)
+def test_the_emnist_preset_traces_one_round_of_the_convnet():
+    """The GPU preset's algorithm (EMNIST-62, the ConvNet, K = 62, 100 clients) on a stand-in federation of
+    the right shapes (EMNIST's files are not here): one round traces (shapes only, nothing runs), the
+    posterior samples have the ConvNet's shapes (the upload's length at these sizes:
+    tests/algorithms/test_bpcfl.py::test_emnist_stream_length_is_measured_from_the_message)."""
+    import jax
+    import numpy as np
+
+    from sidejax.bits import BITS_DTYPE
+    from sidejax.keys import run_keys
+    from sidejax.models import count_params, get_model, init_params
+
+    algo, new_state, info = _trace_emnist_round("bpcfl_emnist_bpcfl_sgd")
+    spec = get_model("bpcfl_convnet", num_classes=62, input_shape=(28, 28, 1))
+    init_key, _ = run_keys(0)
     samples = algo.eval_params(new_state)
     assert (
         sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(samples))

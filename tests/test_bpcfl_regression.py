@@ -294,3 +294,57 @@ def test_unit_sigma_steps_keep_the_label_gain_of_sigma_1():
     ]
     want = (g_printed / (2 - g_printed)) / (g_scaled / (2 - g_scaled))
     assert 0.7 * want < spreads[0] / spreads[1] < 1.4 * want, (spreads, want)
+
+
+def test_the_dosfl_variants_are_table_4_as_printed_and_read_at_unit_variance():
+    """``dosfl``: Table 4's regression column as printed (docs/papers/bpcfl.md#table-4); ``dosfl_unit_sigma``:
+    its three SGD steps times σ² (docs/papers/bpcfl.md#dosfl), nothing else changed; both train DOSFL
+    alone at σ = 0.3."""
+    printed, unit = suite_config("fig2", "dosfl"), suite_config("fig2", "dosfl_unit_sigma")
+    assert (printed.methods, printed.steps, printed.sigma) == ("dosfl", "printed", 0.3)
+    assert (unit.methods, unit.steps, unit.sigma) == ("dosfl", "unit_sigma", 0.3)
+    hp = printed.hp
+    assert (hp["dosfl_steps"], hp["dosfl_epochs"], hp["dosfl_batch_size"]) == (20, 1, 10)
+    assert (hp["dosfl_input_lr"], hp["dosfl_label_lr"], hp["dosfl_init_lr"]) == (0.1, 0.1, 0.01)
+    for name in ("dosfl_input_lr", "dosfl_label_lr", "dosfl_init_lr"):
+        assert unit.hp[name] == pytest.approx(hp[name] * 0.09)
+    assert {k for k in hp if unit.hp[k] != hp[k]} == {
+        "dosfl_input_lr",
+        "dosfl_label_lr",
+        "dosfl_init_lr",
+        "step_size_inputs",
+        "step_size_labels",
+        "hmc_step_size",
+    }
+    assert suite_config("fig2", "sigma03").methods == "bpcfl"
+
+
+def test_a_run_saved_before_the_methods_field_is_the_same_run(tmp_path):
+    """A finished run whose saved config predates ``methods`` (a BPC-FL run) is skipped, not refused."""
+    import dataclasses
+
+    from experiments.bpcfl_regression import RegressionRunner
+
+    config = suite_config("fig2", "sigma03")
+    saved = {k: v for k, v in dataclasses.asdict(config).items() if k != "methods"}
+    (tmp_path / "results.json").write_text(json.dumps({"config": saved}))
+    assert RegressionRunner().plan(tmp_path, config, False)[0] == "skip"
+    assert RegressionRunner().plan(tmp_path, suite_config("fig2", "dosfl"), False)[0] == "refuse"
+
+
+@pytest.mark.slow  # DOSFL's unroll through the regression MLP: about 45 s cold
+def test_a_quick_dosfl_run_writes_its_results_and_table(tmp_path):
+    assert main(["bpcfl_regression", "run", str(tmp_path), "--setting", "quick", "--only", "dosfl"]) == 0
+    out = tmp_path / SUITE.preset_name("quick", "dosfl")
+    report = json.loads((out / "results.json").read_text())
+    assert set(report["methods"]) == {"dosfl"}
+    dosfl = report["methods"]["dosfl"]
+    # 3 steps x 4 points x (1 + 1) + 1 floats per client (QUICK), float32
+    assert dosfl["uplink_bits_per_client_round"] == [32 * 25] * 5 and dosfl["downlink_floats_total"] == 0
+    assert report["dosfl_uplink_formula_floats"] == 5 * 25
+    diagnostics = report["dosfl_diagnostics"]
+    assert len(diagnostics["own_replay_test_rmse"]) == 5 and len(report["dosfl_distilled"]["lr"]) == 5
+    assert math.isfinite(dosfl["test_rmse"])
+    assert (out / "predictive.png").stat().st_size > 10_000
+    md = (tmp_path / "table.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in md[2:]] == ["DOSFL"]

@@ -21,6 +21,8 @@
 - :func:`bpcfl`: BPC-FL, one-shot Bayesian FL with function-space pseudocoresets (one upload per client,
   then MAP / HMC / SGLD on the aggregated pseudocoreset: :func:`map_inference`, :func:`hmc_inference`,
   :func:`sgld_inference`).
+- :func:`dosfl`: DOSFL, distilled one-shot FL (BPC-FL's baseline): each client uploads distilled data
+  once, the server replays it.
 - :mod:`sidejax.algorithms.dense`: the shared "train, code the update, average, server step" skeleton.
 - :mod:`sidejax.algorithms.mirror`: mirror descent with the negative binary entropy on mask scores
   (BICompFL App. B): :func:`mirror_descent` (an Optax transformation), :func:`kl_prox_step`.
@@ -64,6 +66,7 @@ from sidejax.algorithms.dense import (
     coder_metrics,
     dense_algorithm,
 )
+from sidejax.algorithms.dosfl import Distilled, DOSFLServer, DOSFLSettings, dosfl
 from sidejax.algorithms.fedavg import FedAvgServerInfo, FedAvgState, fedavg, weighted_mean
 from sidejax.algorithms.fedpa import FedPASettings, FedPAState, fedpa, fedpa_delta
 from sidejax.algorithms.fedpm import (
@@ -181,4 +184,8 @@ __all__ = [
     "sign_law",
     "signsgd",
     "stochastic_sign_probs",
+    "dosfl",
+    "DOSFLSettings",
+    "DOSFLServer",
+    "Distilled",
 ]

@@ -64,7 +64,7 @@ def _compared(name: str, server):
     concatenated pseudocoreset, both checked on their own below)."""
     if name == "bicompfl_gr":
         return (server.theta, server.coder)
-    if name == "bpcfl":
+    if name in ONE_SHOT:
         return server.params
     return server
 
@@ -95,6 +95,8 @@ def _removed(algo, state, fed, rkey, drop, *, withheld: bool = False):
     return server, np.asarray(errors), phase
 
 
+#: the one-shot methods, whose server state is shaped by the federation (checked with the client withheld)
+ONE_SHOT = ("bpcfl", "dosfl")
 # fedavg and fedpa run in make test (a few seconds: the engine, the weighted mean, FedPA's counter); every
 # other family compiles a round of its own (15-95 s cold each on 2 CPU cores): make test-all
 FAST = ("fedavg", "fedpa")
@@ -121,6 +123,7 @@ FAMILIES = [
     "pfedme",
     "perfedavg",
     "bpcfl",
+    "dosfl",
 ]
 
 
@@ -143,8 +146,10 @@ def test_a_poisoned_participant_is_excluded_as_if_removed(name):
     assert not bool(np.asarray(info.clients.valid)[BAD] & np.asarray(info.clients.finite)[BAD])
     np.testing.assert_array_equal(np.asarray(info.included), np.arange(NUM_CLIENTS) != BAD)
     assert bool(info.server_finite), "the poisoned participant reached the server's state"
-    want, errors, _ = _removed(algo, state, fed, rkey, [BAD], withheld=name == "bpcfl")
-    np.testing.assert_array_equal(errors[np.arange(errors.shape[0]) != BAD] if name == "bpcfl" else errors, 0)
+    want, errors, _ = _removed(algo, state, fed, rkey, [BAD], withheld=name in ONE_SHOT)
+    np.testing.assert_array_equal(
+        errors[np.arange(errors.shape[0]) != BAD] if name in ONE_SHOT else errors, 0
+    )
     assert tree_equal(_compared(name, new.server), _compared(name, want)), name
     if name == "bicompfl_gr":
         # the relay keeps every stream (framed) and says who counted: each client rebuilds the federator's
@@ -156,6 +161,10 @@ def test_a_poisoned_participant_is_excluded_as_if_removed(name):
         np.testing.assert_array_equal(np.asarray(following.client_info.downlink_errors), 0)
         for c in range(NUM_CLIENTS):
             assert tree_equal(following.client_states.theta[c], new.server.theta)
+    if name == "dosfl":
+        # the whole server state: the replay without the client, whose distilled data is zeros
+        assert tree_equal(new.server, want)
+        np.testing.assert_array_equal(np.asarray(new.server.distilled.inputs[BAD]), 0)
     if name == "bpcfl":
         # the whole server state (coreset, weights, posterior samples) is the clean round's with the client
         # withheld; its points weigh 0 and the others' weights are those without it: w_m = |I| n_m / N_I
