@@ -26,6 +26,8 @@ from sidejax.algorithms import (
     fedpa,
     fedpm,
     hmc_inference,
+    liec,
+    m3,
     memsgd,
     neolithic,
     qlsd,
@@ -376,4 +378,7 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
             loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients
         ),
         "neolithic": neolithic(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients),
+        "liec": liec(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients, period=2),
+        # the permutation and the sync coin: DRAWS under the downlink key
+        "m3": m3(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients),
     }
