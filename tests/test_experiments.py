@@ -593,9 +593,9 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
     assert "--resume" in text and "--overwrite" in text
     # method and coder flags say who has them and the defaults, per method
     assert (
-        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa; default unset for "
-        "fedavg; 1.0 for qsgd; 0.02 for signsgd; 0.1 for memsgd, doublesqueeze, neolithic, cser; 0.5 for "
-        "fedpa)" in text
+        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, liec, m3, fedpa; default "
+        "unset for fedavg; 1.0 for qsgd; 0.02 for signsgd, m3; 0.1 for memsgd, doublesqueeze, neolithic, "
+        "cser, liec; 0.5 for fedpa)" in text
     )
     assert (
         "(coders klms, klms_avg; default 2 for klms; 8 for klms_avg; without a preset, as tuned for the "
@@ -897,8 +897,8 @@ def _write_preset(directory, name, text):
         (
             "[method]\nname = 'fedpm'\nserver_lr = 0.1\n",
             r"\[method\] key 'server_lr' is not a field of method 'fedpm' \(methods with it: fedavg, qsgd, "
-            r"signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa\); valid keys: name, batch_size, "
-            r"local_epochs, local_steps, client_optimizer, client_lr, estimator$",
+            r"signsgd, memsgd, doublesqueeze, neolithic, cser, liec, m3, fedpa\); valid keys: name, "
+            r"batch_size, local_epochs, local_steps, client_optimizer, client_lr, estimator$",
         ),
         ("[method]\nname = 'fedpm'\nclient_lrr = 0.1\n", r"\[method\] unknown key 'client_lrr' for method"),
         ("[method]\nname = 'qsgd'\nlevels = 2.0\n", r"\[method\] key 'levels' must be int, got 2.0"),
@@ -990,7 +990,8 @@ def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
     assert cli_main(["fedpm", "--method.server_lr", "0.1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
-    assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa)" in err
+    methods = "fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, liec, m3, fedpa"
+    assert f"(methods with it: {methods})" in err
     assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
     err = capsys.readouterr().err
     assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms, klms_avg)" in err
