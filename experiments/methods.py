@@ -63,6 +63,7 @@ __all__ = [
     "MemSGDConfig",
     "DoubleSqueezeConfig",
     "NeolithicConfig",
+    "PeriodicConfig",
     "CSERConfig",
     "LIECConfig",
     "M3Config",
@@ -453,39 +454,36 @@ class NeolithicConfig(ErrorFeedbackConfig):
 
 
 @dataclass(frozen=True)
-class CSERConfig(ErrorFeedbackConfig):
-    """CSER (:func:`sidejax.algorithms.cser`): the residual stays in each client's model, with a compressed
-    error reset every period rounds; float32 model downlink.
+class PeriodicConfig(ErrorFeedbackConfig):
+    """Base of the error-feedback baselines that do something every period rounds (CSER, LIEC).
 
     Attributes:
-      period: rounds between CSER's error resets.
+      period: rounds between CSER's error resets, or between LIEC's full-precision averagings.
     """
-
-    name: ClassVar[str] = "cser"
 
     limits: ClassVar = {">= 1": "period"}
 
     period: int = 50
+
+
+@dataclass(frozen=True)
+class CSERConfig(PeriodicConfig):
+    """CSER (:func:`sidejax.algorithms.cser`): the residual stays in each client's model, with a compressed
+    error reset every period rounds; float32 model downlink."""
+
+    name: ClassVar[str] = "cser"
 
 
 ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
 
 
 @dataclass(frozen=True)
-class LIECConfig(ErrorFeedbackConfig):
+class LIECConfig(PeriodicConfig):
     """LIEC (:func:`sidejax.algorithms.liec`): local immediate error compensation, compressed both ways, with
-    a float32 averaging every period rounds (needs every client in every round).
-
-    Attributes:
-      period: rounds between LIEC's full-precision averagings.
-    """
+    a float32 averaging every period rounds (needs every client in every round)."""
 
     name: ClassVar[str] = "liec"
     full_participation: ClassVar = _BROADCASTS
-
-    limits: ClassVar = {">= 1": "period"}
-
-    period: int = 50
 
 
 @dataclass(frozen=True)

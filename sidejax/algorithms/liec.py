@@ -71,16 +71,15 @@ from sidejax.algorithms.compressed import (
     _method,
     _server_keys,
     compress,
-    compressed_broadcast,
+    compressed_algorithm,
     compressed_init,
-    compressed_metrics,
     decompress,
     message_bits,
 )
 from sidejax.bits import as_bits
 from sidejax.coding.base import ERR_PARSE, Coder, Message, decode_float32, encode_float32, included
 from sidejax.coding.bitstream import mask_to_length, sent_words
-from sidejax.fl.base import Algorithm, ClientInfo, Evaluation
+from sidejax.fl.base import Algorithm, ClientInfo
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
@@ -208,16 +207,14 @@ def liec_server_update(
 
 
 def liec_algorithm(method: ErrorFeedbackMethod, loss_fn: Callable, local: LocalTraining) -> Algorithm:
-    """The :class:`sidejax.fl.Algorithm` of LIEC (``method.reset_period``: the averaging period)."""
-    return Algorithm(
+    """The :class:`sidejax.fl.Algorithm` of LIEC (``method.reset_period``: the averaging period):
+    DoubleSqueeze's (:func:`sidejax.algorithms.compressed.compressed_algorithm`: its broadcast, evaluation and
+    metrics) with LIEC's initial state, receiver, client and server."""
+    return compressed_algorithm(method, loss_fn, local)._replace(
         init=functools.partial(liec_init, method),
-        broadcast=functools.partial(compressed_broadcast, method),
         receive=functools.partial(liec_receive, method),
         client_update=functools.partial(liec_client_update, method, local.trainer(loss_fn)),
         server_update=functools.partial(liec_server_update, method),
-        evaluation=Evaluation(lambda state: state.server.params),
-        clients_per_round=method.clients_per_round,
-        metrics=compressed_metrics,
     )
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import BASE
+from helpers import BASE, rounds_one_by_one, small_digits_federation
 from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms import liec, m3
@@ -31,9 +31,8 @@ from sidejax.algorithms.m3 import (
     permutation_parts,
 )
 from sidejax.coding import ERR_INPUT, ERR_PARSE, Message, topk_bits, topk_coder
-from sidejax.data import load_dataset, make_federated_data, partition
 from sidejax.distributions import PointMass
-from sidejax.fl import Batch, LocalTraining, run_rounds
+from sidejax.fl import LocalTraining
 from sidejax.fl.local import LocalInfo
 from sidejax.keys import DOWNLINK, client_keys, draw_key, round_key, stream_key
 
@@ -100,11 +99,7 @@ def test_liec_virtual_model_moves_as_uncompressed_fedavg_and_averaging_resets_th
 @pytest.fixture(scope="module")
 def federation():
     """4 iid clients of 60 digits each, and the whole training set as one batch (for the loss)."""
-    train = load_dataset("digits", "train")
-    keep = np.random.default_rng(0).permutation(len(train.y))[:240]
-    x, y = train.x[keep], train.y[keep]
-    fed = make_federated_data(x, y, partition("iid", y, NUM_CLIENTS, seed=0))
-    return fed, Batch(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), jnp.float32))
+    return small_digits_federation(NUM_CLIENTS)
 
 
 @pytest.fixture(scope="module")
@@ -125,13 +120,7 @@ def runs(small_model, federation):
     def run(name):
         if name not in cache:
             algo = build[name]()
-            states = [algo.init(jax.random.key(0), params, NUM_CLIENTS)]
-            infos = []
-            for _ in range(ROUNDS):
-                state, info = run_rounds(algo, BASE, states[-1], fed, 1, client_map="map")
-                states.append(state)
-                infos.append(info)
-            cache[name] = (algo, states, jax.tree.map(lambda *a: np.concatenate(a), *infos))
+            cache[name] = (algo, *rounds_one_by_one(algo, params, fed, ROUNDS))
         return cache[name]
 
     return run
