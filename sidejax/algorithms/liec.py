@@ -70,6 +70,7 @@ from sidejax.algorithms.compressed import (
     _flat,
     _method,
     _server_keys,
+    _sum_parts,
     compress,
     compressed_algorithm,
     compressed_init,
@@ -83,7 +84,7 @@ from sidejax.fl.base import Algorithm, ClientInfo
 from sidejax.fl.local import LocalTraining
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
-from sidejax.utils import check_count, masked_mean
+from sidejax.utils import check_count
 
 __all__ = [
     "liec_capacity",
@@ -196,7 +197,11 @@ def liec_server_update(
     sync = _sync(method, server.rounds)
     decoded, errors = jax.vmap(lambda k, m: liec_decode(method.coder, k, m, dim, sync))(shared_keys, messages)
     include = included(messages, errors == 0)
-    mean = jnp.where(jnp.any(include), masked_mean(decoded, include), jnp.zeros((), decoded.dtype))
+    # summed in the participants' order (one lax.scan, as _sum_parts): the same bits in any compiled program
+    # (a sharded run's server too), since the scale of C(u) depends on every bit of u
+    count = jnp.sum(include).astype(decoded.dtype)
+    total = _sum_parts(jnp.where(include[:, None], decoded, 0.0))
+    mean = jnp.where(count > 0, total / jnp.maximum(count, 1.0), jnp.zeros((), decoded.dtype))
     u = mean + server.residual
     keys = _server_keys(stream_key(rkey, SERVER))
     downlink, step, downlink_valid = liec_message(method.coder, keys, u, sync)
