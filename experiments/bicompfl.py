@@ -12,7 +12,7 @@ from the definitions below, which a test checks)::
 A **setting** is a dataset, model and federation (:data:`SETTINGS`: the paper's MNIST LeNet5 i.i.d.,
 MNIST and Fashion-MNIST 4CNN i.i.d. and Dirichlet 0.1, CIFAR-10 6CNN, which run unchanged on a GPU, and the
 reduced CPU settings on Fashion-MNIST); a **variant** is a method of the paper's tables (:data:`VARIANTS`:
-FedAvg, the bi-directionally compressed baselines and the six BICompFL rows). Preset
+FedAvg, the bi-directionally compressed baselines, LIEC and M3 included, and the six BICompFL rows). Preset
 ``bicompfl_<setting>_<variant>`` is their combination.
 
 The table has the paper's columns (docs/papers/bicompfl.md#s5), from the messages the runs sent:
@@ -147,6 +147,9 @@ VARIANTS: dict[str, tuple[str, str, Any]] = {
     "memsgd": ("MemSGD", "memsgd+scaled_sign", lambda b, k: _BASE),
     "neolithic": ("Neolithic", "neolithic+scaled_sign", lambda b, k: _BASE),
     "cser": ("CSER", "cser+scaled_sign", lambda b, k: {**_BASE, "method.period": 50}),
+    "liec": ("LIEC", "liec+scaled_sign", lambda b, k: {**_BASE, "method.period": 50}),
+    # server lr 0.02 [P]; TopK(floor(d/n)) uplink, sync probability 1/n, EF21-M momentum 0.1 [A]
+    "m3": ("M3", "m3+topk", lambda b, k: {**_DENSE, "method.server_lr": 0.02, "method.momentum": 0.1}),
     "gr_adaptive": (
         "GR-Adaptive",
         "bicompfl_gr+klms",

@@ -13,7 +13,9 @@
   or, with ``sdq_step > 0``, SDQ-quantized (:func:`sidejax.coding.additive_noise_coder`);
 - ``sdq``: subtractive dithered quantization of the update (:func:`sidejax.coding.sdq_coder`);
 - ``scaled_sign``: the deterministic scaled sign, a float32 scale and one bit per coordinate
-  (:func:`sidejax.coding.scaled_sign_coder`), the error-feedback baselines' compressor.
+  (:func:`sidejax.coding.scaled_sign_coder`), the error-feedback baselines' compressor;
+- ``topk``: the deterministic TopK, K float32 values and their positions in ceil(log2 d) bits each
+  (:func:`sidejax.coding.topk_coder`), M3's uplink compressor.
 
 Which coders a method accepts is the method's choice (:attr:`experiments.methods.MethodConfig.coders`).
 """
@@ -44,6 +46,7 @@ from sidejax.coding import (
     pseudocoreset_coder,
     scaled_sign_coder,
     sdq_coder,
+    topk_coder,
     with_crc,
 )
 from sidejax.coding.klms import TRIGGERS
@@ -65,6 +68,7 @@ __all__ = [
     "LRSUQCoderConfig",
     "NoiseCoderConfig",
     "SDQCoderConfig",
+    "TopKCoderConfig",
     "LATTICES",
     "CODERS",
 ]
@@ -333,6 +337,25 @@ class SDQCoderConfig(CoderConfig):
         )
 
 
+@dataclass(frozen=True)
+class TopKCoderConfig(CoderConfig):
+    """TopK (:func:`sidejax.coding.topk_coder`): the K = floor(d / divisor) coordinates of largest magnitude,
+    as K float32 values and K positions of ceil(log2 d) bits. Its coder is the factory ``coder(num_clients)``
+    the method calls (M3: K = floor(d/n) with the divisor unset).
+
+    Attributes:
+      divisor: keep K = floor(d / divisor) coordinates (unset: the number of clients per round).
+    """
+
+    name: ClassVar[str] = "topk"
+    limits: ClassVar = {">= 1": "divisor"}
+
+    divisor: int | None = None
+
+    def build(self, method: MethodConfig, *, client_strategy: str):
+        return lambda num_clients: topk_coder(num_clients if self.divisor is None else self.divisor)
+
+
 #: the coder configs by ``[coder] name``
 CODERS: dict[str, type[CoderConfig]] = by_name(
     KLMSCoderConfig,
@@ -346,4 +369,5 @@ CODERS: dict[str, type[CoderConfig]] = by_name(
     NoiseCoderConfig,
     SDQCoderConfig,
     PseudocoresetCoderConfig,
+    TopKCoderConfig,
 )

@@ -42,6 +42,7 @@ from sidejax.algorithms.mirror import mirror_descent
 from sidejax.algorithms.perfedavg import VARIANTS, PerFedAvgSettings, check_perfedavg_settings
 from sidejax.algorithms.pfedbayes import KL_SCALE_MODES, CoresetSettings, PFedBayesSettings
 from sidejax.algorithms.pfedme import PERSONAL_MODELS, PFedMeSettings, check_pfedme_settings
+from sidejax.coding import Coder
 from sidejax.fl import Algorithm, LocalTraining
 
 __all__ = [
@@ -65,7 +66,10 @@ __all__ = [
     "MemSGDConfig",
     "DoubleSqueezeConfig",
     "NeolithicConfig",
+    "PeriodicConfig",
     "CSERConfig",
+    "LIECConfig",
+    "M3Config",
     "CepamConfig",
     "PFedBayesConfig",
     "PFedBayesSubsetConfig",
@@ -454,22 +458,66 @@ class NeolithicConfig(ErrorFeedbackConfig):
 
 
 @dataclass(frozen=True)
-class CSERConfig(ErrorFeedbackConfig):
-    """CSER (:func:`sidejax.algorithms.cser`): the residual stays in each client's model, with a compressed
-    error reset every period rounds; float32 model downlink.
+class PeriodicConfig(ErrorFeedbackConfig):
+    """Base of the error-feedback baselines that do something every period rounds (CSER, LIEC).
 
     Attributes:
-      period: rounds between CSER's error resets.
+      period: rounds between CSER's error resets, or between LIEC's full-precision averagings.
     """
-
-    name: ClassVar[str] = "cser"
 
     limits: ClassVar = {">= 1": "period"}
 
     period: int = 50
 
 
+@dataclass(frozen=True)
+class CSERConfig(PeriodicConfig):
+    """CSER (:func:`sidejax.algorithms.cser`): the residual stays in each client's model, with a compressed
+    error reset every period rounds; float32 model downlink."""
+
+    name: ClassVar[str] = "cser"
+
+
 ERROR_FEEDBACK_METHODS = (MemSGDConfig, DoubleSqueezeConfig, NeolithicConfig, CSERConfig)
+
+
+@dataclass(frozen=True)
+class LIECConfig(PeriodicConfig):
+    """LIEC (:func:`sidejax.algorithms.liec`): local immediate error compensation, compressed both ways, with
+    a float32 averaging every period rounds (needs every client in every round)."""
+
+    name: ClassVar[str] = "liec"
+    full_participation: ClassVar = _BROADCASTS
+
+
+@dataclass(frozen=True)
+class M3Config(ErrorFeedbackConfig):
+    """M3 (:func:`sidejax.algorithms.m3`): MARINA-P's permutation-compressed downlink with random float32
+    syncs, the uplink compressed (``topk``: TopK, K = floor(d/n) by default) with EF21 error feedback and
+    momentum (needs every client in every round). Server learning rate 0.02 [P].
+
+    Attributes:
+      momentum: the momentum weight beta in (0, 1] of z = (1 - beta) z + beta Delta (1: plain EF21).
+      sync_probability: the probability p in (0, 1] of a float32 sync downlink (unset: 1/n).
+    """
+
+    name: ClassVar[str] = "m3"
+    coders: ClassVar[tuple[str, ...]] = ("topk", "scaled_sign", "float32")
+    full_participation: ClassVar = "it sends every client its own part of the model's change"
+
+    limits: ClassVar = {"in (0, 1]": "momentum sync_probability"}
+
+    server_lr: float = 0.02
+    momentum: float = 0.1
+    sync_probability: float | None = None
+
+    def algorithm(self, b: Build) -> Algorithm:
+        """``b.coder``: a coder, or the ``topk`` factory ``coder(num_clients)`` (K = floor(d/n) unless its
+        divisor is set)."""
+        coder = b.coder if isinstance(b.coder, Coder) else b.coder(b.clients_per_round)
+        return self.call(b, coder=coder)
+
+
 # --- end of the error-feedback baselines ---
 
 
@@ -1007,6 +1055,8 @@ METHODS: dict[str, type[MethodConfig]] = by_name(
     BICompFLReconstConfig,
     BICompFLPRConfig,
     *ERROR_FEEDBACK_METHODS,
+    LIECConfig,
+    M3Config,
     CepamConfig,
     PFedBayesConfig,
     PFedBayesSubsetConfig,

@@ -28,6 +28,8 @@ from sidejax.algorithms import (
     fedpa,
     fedpm,
     hmc_inference,
+    liec,
+    m3,
     memsgd,
     neolithic,
     qlsd,
@@ -41,7 +43,8 @@ from sidejax.algorithms.pfedme import PFedMeSettings, pfedme
 from sidejax.coding.klms import KLMSConfig, klms_coder, klms_init
 from sidejax.coding.lattice import additive_noise_coder, clip_update
 from sidejax.coding.lrsuq import GaussianNoise
-from sidejax.fl import LocalTraining
+from sidejax.data import load_dataset, make_federated_data, partition
+from sidejax.fl import Batch, LocalTraining, run_rounds
 from sidejax.models import ModelSpec, count_params, init_params
 
 __all__ = [
@@ -59,10 +62,35 @@ __all__ = [
     "write_idx",
     "fake_mnist",
     "fake_cifar_batch",
+    "small_digits_federation",
+    "rounds_one_by_one",
 ]
 
 #: The base key of the shared FedAvg run (conftest ``fedavg_ten_rounds``) and of the engine tests.
 BASE = jax.random.key(42)
+
+
+def small_digits_federation(num_clients: int, num_examples: int = 240):
+    """``(fed, batch)``: ``num_examples`` digits (a fixed random choice) split iid over ``num_clients``
+    clients, and all of them as one batch (for the loss)."""
+    train = load_dataset("digits", "train")
+    keep = np.random.default_rng(0).permutation(len(train.y))[:num_examples]
+    x, y = train.x[keep], train.y[keep]
+    fed = make_federated_data(x, y, partition("iid", y, num_clients, seed=0))
+    return fed, Batch(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), jnp.float32))
+
+
+def rounds_one_by_one(algo, params, fed, rounds: int):
+    """``([state_0, ..., state_rounds], infos)``: ``rounds`` rounds of ``algo`` from ``init(key(0), params)``
+    on ``fed`` with base key :data:`BASE`, one round per call (one compiled program, every state kept), the
+    infos concatenated over rounds."""
+    states = [algo.init(jax.random.key(0), params, int(fed.num_examples.shape[0]))]
+    infos = []
+    for _ in range(rounds):
+        state, info = run_rounds(algo, BASE, states[-1], fed, 1, client_map="map")
+        states.append(state)
+        infos.append(info)
+    return states, jax.tree.map(lambda *a: np.concatenate(a), *infos)
 
 
 def tree_equal(a, b) -> bool:
@@ -387,4 +415,7 @@ def every_algorithm(loss, spec, *, num_clients: int = 10, clients_per_round: int
                 2, 2, 3, 3, 10, optax.sgd(0.01, momentum=0.9), lr_optimizer=optax.adam(1e-4)
             ),
         ),
+        "liec": liec(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients, period=2),
+        # the permutation and the sync coin: DRAWS under the downlink key
+        "m3": m3(loss, LocalTraining(optax.sgd(0.1), **local), clients_per_round=num_clients),
     }

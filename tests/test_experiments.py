@@ -612,9 +612,9 @@ def test_help_explains_every_flag_and_lists_choices(capsys):
     assert "--resume" in text and "--overwrite" in text
     # method and coder flags say who has them and the defaults, per method
     assert (
-        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa; default unset for "
-        "fedavg; 1.0 for qsgd; 0.02 for signsgd; 0.1 for memsgd, doublesqueeze, neolithic, cser; 0.5 for "
-        "fedpa)" in text
+        "(methods fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, liec, m3, fedpa; default "
+        "unset for fedavg; 1.0 for qsgd; 0.02 for signsgd, m3; 0.1 for memsgd, doublesqueeze, neolithic, "
+        "cser, liec; 0.5 for fedpa)" in text
     )
     assert (
         "(coders klms, klms_avg; default 2 for klms; 8 for klms_avg; without a preset, as tuned for the "
@@ -916,8 +916,8 @@ def _write_preset(directory, name, text):
         (
             "[method]\nname = 'fedpm'\nserver_lr = 0.1\n",
             r"\[method\] key 'server_lr' is not a field of method 'fedpm' \(methods with it: fedavg, qsgd, "
-            r"signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa\); valid keys: name, batch_size, "
-            r"local_epochs, local_steps, client_optimizer, client_lr, estimator$",
+            r"signsgd, memsgd, doublesqueeze, neolithic, cser, liec, m3, fedpa\); valid keys: name, "
+            r"batch_size, local_epochs, local_steps, client_optimizer, client_lr, estimator$",
         ),
         ("[method]\nname = 'fedpm'\nclient_lrr = 0.1\n", r"\[method\] unknown key 'client_lrr' for method"),
         ("[method]\nname = 'qsgd'\nlevels = 2.0\n", r"\[method\] key 'levels' must be int, got 2.0"),
@@ -1009,7 +1009,8 @@ def test_cli_flag_of_another_method_is_an_argparse_error(capsys):
     assert cli_main(["fedpm", "--method.server_lr", "0.1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("usage:") and "--method.server_lr: method 'fedpm' has no field 'server_lr'" in err
-    assert "(methods with it: fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, fedpa)" in err
+    methods = "fedavg, qsgd, signsgd, memsgd, doublesqueeze, neolithic, cser, liec, m3, fedpa"
+    assert f"(methods with it: {methods})" in err
     assert cli_main(["--preset", "demo_digits_fedpm", "--coder.log2_num_candidates", "4"]) == 2
     err = capsys.readouterr().err
     assert "coder 'mask' has no field 'log2_num_candidates' (coders with it: klms, klms_avg)" in err
@@ -1200,8 +1201,8 @@ def test_a_personalized_method_needs_per_client_test_sets(tmp_path, monkeypatch)
 def test_every_method_builds_an_algorithm_that_declares_its_evaluation():
     """The driver evaluates what the built algorithm's ``evaluation`` says (nothing is declared beside it):
     only BPC-FL's is an ensemble (its posterior samples), only the pFedBayes family and the personalized
-    baselines (pFedMe, Per-FedAvg) have personal models. Only BPC-FL is one-shot and needs the model
-    context."""
+    baselines (pFedMe, Per-FedAvg) have personal models. Only the one-shot methods (BPC-FL and its baseline
+    DOSFL) are one-shot and need the model context."""
     declared = {}
     for name, cls in METHODS.items():
         config = default_config(f"{name}+{cls.default_coder}", **{"data.num_clients": 4})
@@ -1216,7 +1217,8 @@ def test_every_method_builds_an_algorithm_that_declares_its_evaluation():
         "pfedme",
         "perfedavg",
     }
-    assert {n for n, (*_, one_shot, needs_model) in declared.items() if one_shot or needs_model} == {"bpcfl"}
+    one_shot = {n for n, (*_, one_shot, needs_model) in declared.items() if one_shot or needs_model}
+    assert one_shot == {"bpcfl", "dosfl"}
 
 
 def test_a_configuration_refused_when_traced_writes_no_run_folder(tmp_path):

@@ -13,6 +13,8 @@ from experiments.config import ExperimentConfig, default_config
 from experiments.methods import (
     CSERConfig,
     DoubleSqueezeConfig,
+    LIECConfig,
+    M3Config,
     MemSGDConfig,
     NeolithicConfig,
     parse_algorithm,
@@ -22,6 +24,7 @@ from sidejax.keys import round_key
 
 BASELINES = {"memsgd": MemSGDConfig, "doublesqueeze": DoubleSqueezeConfig, "neolithic": NeolithicConfig}
 BASELINES["cser"] = CSERConfig
+BASELINES["liec"] = LIECConfig
 
 
 @pytest.mark.parametrize("method", sorted(BASELINES))
@@ -79,9 +82,38 @@ def test_fields_coders_and_checks():
         default_config("memsgd+scaled_sign", **{"method.period": 3})
 
 
-@pytest.mark.parametrize("method", ["doublesqueeze", "neolithic"])
+def test_m3_builds_with_topk_floor_d_over_n(small_model):
+    """M3's section: the paper's settings with server lr 0.02, TopK with K = floor(d/n) from the number of
+    clients (the coder's divisor unset), or a divisor of its own."""
+    _, params, loss = small_model
+    config = default_config(**{"method.name": "m3"})
+    assert isinstance(config.method, M3Config) and config.coder == CODERS["topk"]()
+    assert config.algorithm == "m3+topk" and parse_algorithm("m3+topk") == ("m3", "topk")
+    m = config.method
+    assert (m.client_optimizer, m.client_lr, m.local_epochs, m.batch_size, m.server_lr) == (
+        "adam",
+        3e-4,
+        3,
+        128,
+        0.02,
+    )
+    assert (m.momentum, m.sync_probability) == (0.1, None)
+    d = sum(x.size for x in jax.tree.leaves(params))
+    for divisor, k in ((None, d // 10), (4, d // 4)):
+        algo = build_algorithm(default_config("m3+topk", **{"coder.divisor": divisor}), loss)
+        coder = algo.client_update.args[0].coder
+        assert coder.fixed_bits(d) == k * (32 + (d - 1).bit_length())
+        assert algo.client_update.args[0].sync_probability == 0.1  # 1/n
+    for field in ("momentum", "sync_probability"):
+        with pytest.raises(ValueError, match=f"{field} must be in \\(0, 1\\]"):
+            default_config("m3+topk", **{f"method.{field}": 1.5})
+    with pytest.raises(ValueError, match="divisor must be >= 1"):
+        default_config("m3+topk", **{"coder.divisor": 0})
+
+
+@pytest.mark.parametrize("method", ["doublesqueeze", "neolithic", "liec", "m3"])
 def test_compressed_downlink_needs_full_participation(method, small_model):
-    config = default_config(f"{method}+scaled_sign", **{"data.participation": 0.5})
+    config = default_config(**{"method.name": method, "data.participation": 0.5})
     assert isinstance(config, ExperimentConfig)
     with pytest.raises(ValueError, match=r"data\.participation = 1.*5 of 10"):
         build_algorithm(config, small_model[2])

@@ -140,6 +140,8 @@ _EXPECTED["bpcfl"] = _ROUND | {
 _EXPECTED["pfedme"] = _ROUND | _TRAIN
 _EXPECTED["perfedavg"] = _ROUND | _TRAIN | {"DRAWS", "draw"}
 _EXPECTED["bicompfl_pr_splitdl"] = _EXPECTED["fedpm"] | {"DRAWS", "draw", "RECIPIENTS", "recipient"}
+_EXPECTED["liec"] = _ROUND | _TRAIN | {"SAMPLE", "SERVER"}
+_EXPECTED["m3"] = _ROUND | _TRAIN | {"SAMPLE", "DRAWS", "draw"}  # M3's permutation and sync coin
 
 
 # The quickest algorithm of four key families (each round compiles once, 2-10 s from an empty compilation

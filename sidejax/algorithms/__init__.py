@@ -11,7 +11,9 @@
   importance-sampled compression of a FedPM model (GR, GR-Reconst-Fixed, PR, PR-Fixed-SplitDL);
   :func:`bicompfl_downlink`, the importance-sampled downlink coder (CRC-32 on by default).
 - :func:`memsgd`, :func:`doublesqueeze`, :func:`neolithic`, :func:`cser`: the non-stochastic
-  bi-directionally compressed baselines (error feedback, scaled-sign compressor).
+  bi-directionally compressed baselines (error feedback, scaled-sign compressor); :func:`liec` (local
+  immediate error compensation, float32 averaging every ``period`` rounds) and :func:`m3` (MARINA-P's
+  permutation-compressed downlink, TopK uplink with EF21 and momentum), the BICompFL paper's other two.
 - :func:`cepam`: CEPAM's FedAvg around a privacy mechanism coder (LRSUQ, additive noise, SDQ), with
   per-client noise levels.
 - :func:`pfedbayes`, :func:`pfedbayes_subset`, :func:`coreset_pfedbayes`: personalized variational Bayesian
@@ -84,6 +86,8 @@ from sidejax.algorithms.langevin import (
     sgld,
     sgld_klms_sigma,
 )
+from sidejax.algorithms.liec import liec
+from sidejax.algorithms.m3 import M3ClientState, M3State, m3
 from sidejax.algorithms.mirror import (
     bregman_divergence,
     kl_prox_step,
@@ -171,6 +175,10 @@ __all__ = [
     "qlsd",
     "sgld",
     "sgld_klms_sigma",
+    "liec",
+    "M3ClientState",
+    "M3State",
+    "m3",
     "bregman_divergence",
     "kl_prox_step",
     "mirror_descent",

@@ -128,7 +128,7 @@ class ErrorFeedbackMethod(NamedTuple):
       downlink_rounds: 0 for a float32 model downlink (Mem-SGD, CSER); :math:`R \\ge 1` for the server's
         error-compensated step through :math:`C_R` (DoubleSqueeze: 1, Neolithic: ``compress_rounds``).
       reset_period: 0 for client error feedback on the update (Mem-SGD, DoubleSqueeze, Neolithic); CSER's
-        error-reset period (>= 1) otherwise.
+        error-reset period (>= 1) otherwise (LIEC, :mod:`sidejax.algorithms.liec`: its averaging period).
     """
 
     name: str

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import BASE, tree_equal
+from helpers import BASE, rounds_one_by_one, small_digits_federation, tree_equal
 from jax.flatten_util import ravel_pytree
 
 from sidejax.algorithms import cser, doublesqueeze, memsgd, neolithic
@@ -38,8 +38,7 @@ from sidejax.coding import (
     with_crc,
 )
 from sidejax.coding.base import Float32Info, StreamCheck, decode_float32
-from sidejax.data import load_dataset, make_federated_data, partition
-from sidejax.fl import Batch, LocalTraining, run_rounds
+from sidejax.fl import LocalTraining, run_rounds
 from sidejax.fl.local import LocalInfo
 from sidejax.keys import client_keys, round_key
 
@@ -54,11 +53,7 @@ COMPRESS = jax.jit(compress, static_argnums=(0, 3))
 @pytest.fixture(scope="module")
 def federation():
     """4 iid clients of 60 digits each, and the whole training set as one batch (for the loss)."""
-    train = load_dataset("digits", "train")
-    keep = np.random.default_rng(0).permutation(len(train.y))[:240]
-    x, y = train.x[keep], train.y[keep]
-    fed = make_federated_data(x, y, partition("iid", y, NUM_CLIENTS, seed=0))
-    return fed, Batch(jnp.asarray(x), jnp.asarray(y), jnp.ones(len(y), jnp.float32))
+    return small_digits_federation(NUM_CLIENTS)
 
 
 def _build(name, loss):
@@ -83,13 +78,7 @@ def runs(small_model, federation):
     def run(name):
         if name not in cache:
             algo = _build(name, loss)
-            states = [algo.init(jax.random.key(0), params, NUM_CLIENTS)]
-            infos = []
-            for _ in range(ROUNDS):
-                state, info = run_rounds(algo, BASE, states[-1], fed, 1, client_map="map")
-                states.append(state)
-                infos.append(info)
-            cache[name] = (algo, states, jax.tree.map(lambda *a: np.concatenate(a), *infos))
+            cache[name] = (algo, *rounds_one_by_one(algo, params, fed, ROUNDS))
         return cache[name]
 
     return run

@@ -50,6 +50,7 @@ from sidejax.coding import (
     scaled_sign_coder,
     sent_message,
     sent_words,
+    topk_coder,
     with_crc,
     with_side_info,
 )
@@ -146,6 +147,13 @@ def _scaled_sign_oracle(keys, q, p, state):
     del keys, p, state
     scale = jnp.sum(jnp.abs(q.value)) / q.value.shape[0]
     return jnp.where(q.value < 0, -scale, scale)
+
+
+def _topk_oracle(keys, q, p, state):
+    # the deterministic compressor: the K = floor(d / 10) coordinates of largest magnitude, the others zero
+    del keys, p, state
+    _, kept = jax.lax.top_k(jnp.abs(q.value), q.value.shape[0] // 10)
+    return jnp.zeros_like(q.value).at[kept].set(q.value[kept])
 
 
 def _klms_oracle(config):
@@ -247,6 +255,7 @@ CASES = [
     ("elias", elias_coder(3), _levels, _sample_oracle),
     ("mask", mask_coder(), _bernoulli, _sample_oracle),
     ("scaled-sign", scaled_sign_coder(), _point, _scaled_sign_oracle),
+    ("topk", topk_coder(10), _point, _topk_oracle),
     ("pseudocoreset", pseudocoreset_coder(2, 10), _pseudocoreset, _sample_oracle),
     ("klms-adaptive-bernoulli", klms_coder(_ADAPTIVE), _bernoulli, _klms_oracle(_ADAPTIVE)),
     ("klms-fixed-gaussian", klms_coder(_FIXED), _gauss, _klms_oracle(_FIXED)),
