@@ -12,8 +12,8 @@ from the definitions below, which a test checks)::
 A **setting** is a dataset, model and federation (:data:`SETTINGS`: the paper's MNIST LeNet5 i.i.d.,
 MNIST and Fashion-MNIST 4CNN i.i.d. and Dirichlet 0.1, CIFAR-10 6CNN, which run unchanged on a GPU, and the
 reduced CPU settings on Fashion-MNIST); a **variant** is a method of the paper's tables (:data:`VARIANTS`:
-FedAvg, the bi-directionally compressed baselines, LIEC and M3 included, and the six BICompFL rows). Preset
-``bicompfl_<setting>_<variant>`` is their combination.
+FedAvg, the bi-directionally compressed baselines, LIEC and M3 included, the six BICompFL rows and the SplitDL
+hybrid). Preset ``bicompfl_<setting>_<variant>`` is their combination.
 
 The table has the paper's columns (docs/papers/bicompfl.md#s5), from the messages the runs sent:
 
@@ -168,6 +168,14 @@ VARIANTS: dict[str, tuple[str, str, Any]] = {
         "bicompfl_pr+klms",
         lambda b, k: {**_downlink(b, k), "method.split_downlink": True},
     ),
+    # the paper's hybrid: the split downlinks of theta_1 .. theta_n, one rotation of the n = 10 clients'
+    # groups (every coordinate refreshed once, against theta_0), then PR's full downlink
+    # (docs/papers/bicompfl.md#s3-6: from the second rotation on a split refresh cannot close its gap)
+    "pr_fixed_splitdl_hybrid": (
+        "PR-Fixed-SplitDL-Hybrid",
+        "bicompfl_pr+klms",
+        lambda b, k: {**_downlink(b, k), "method.split_downlink": True, "method.split_rounds": 11},
+    ),
 }
 
 
@@ -196,7 +204,8 @@ def variant_label(name: str, config: dict[str, Any]) -> str:
     if method["name"] == "bicompfl_gr_reconst":
         return f"GR-Reconst-{adaptive}"
     if method["name"] == "bicompfl_pr":
-        return f"PR-{adaptive}" + ("-SplitDL" if method.get("split_downlink") else "")
+        split = "-SplitDL" + ("-Hybrid" if method.get("split_rounds") else "")
+        return f"PR-{adaptive}" + (split if method.get("split_downlink") else "")
     if method["name"] == "fedavg":
         return "FedAvg" if method.get("server_optimizer", "none") != "none" else "FedAvg (server lr 1)"
     for label, algorithm, _ in VARIANTS.values():

@@ -780,10 +780,22 @@ class BICompFLPRConfig(_DownlinkConfig):
 
     Attributes:
       split_downlink: PR-Fixed-SplitDL: each client refreshes one rotating group of blocks per round.
+      split_rounds: with split_downlink, the hybrid: only the downlinks of rounds t < split_rounds are
+        split, the later ones are PR's full downlink (unset: every round is split).
     """
 
     name: ClassVar[str] = "bicompfl_pr"
+    limits: ClassVar = {">= 1": "split_rounds"}
     split_downlink: bool = False
+    split_rounds: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        self.require(
+            self.split_rounds is None or self.split_downlink,
+            "split_rounds",
+            "sets the rounds of a split downlink, which needs split_downlink = true",
+        )
 
 
 @dataclass(frozen=True)

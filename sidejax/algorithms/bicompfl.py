@@ -35,6 +35,7 @@ Round ``t`` (the engine's order: downlink, local work, uplink, aggregation):
      only on the block-aligned group :math:`G_j(t) = ` group :math:`(j + t) \\bmod n` of ``n`` contiguous
      groups (docs/papers/bicompfl.md#s3-6 [A]); the other coordinates keep :math:`\\hat\\theta_{j,t}`, so
      every coordinate is refreshed within ``n`` rounds and the downlink costs about ``1/n`` of PR's.
+     The hybrid (``split_rounds=S``) splits only the downlinks of rounds :math:`t < S`, then sends PR's.
 
    These three take the downlink coder as an argument (:func:`bicompfl_downlink`: Fixed-KLMS with the
    CRC-32 on by default, since every party must hold bit-identical priors); a group is coded as the live
@@ -899,11 +900,28 @@ def _pr_init(coder, want_clients, key, params, num_clients):
     return initial_round_state(server, clients, num_clients)
 
 
-def _pr_group(downlink, num_groups, dim, round_index, client_id) -> _Group:
-    return _group_of(downlink, dim, num_groups, (client_id + round_index) % num_groups)
+class _Split(NamedTuple):
+    """PR's static downlink split: ``groups`` SplitDL groups (1: PR's full downlink) for the downlinks of
+    the rounds ``t < rounds`` (``None``: every round); later rounds send the full model (the hybrid)."""
+
+    groups: int
+    rounds: int | None = None
 
 
-def _pr_broadcast(coder, downlink, num_dl, num_groups, dkey, server: PRServer, client_ids):
+def _pr_group(downlink, split: _Split, dim, round_index, client_id) -> _Group:
+    """Client ``client_id``'s downlink group in round ``round_index``: group ``(j + t) mod n`` of the
+    SplitDL groups, or the whole model (PR, or the hybrid from round ``split.rounds`` on). The hybrid codes
+    both phases in one buffer of the whole model's width (a static shape for every round): a split round
+    codes the group's blocks as the buffer's live prefix (:attr:`sidejax.coding.Coder.live_prefix`), so its
+    message is as long as SplitDL's, and a full round is PR's group exactly."""
+    g = _group_of(downlink, dim, split.groups, (client_id + round_index) % split.groups)
+    if split.rounds is None:
+        return g
+    full = round_index >= split.rounds
+    return _Group(dim, jnp.where(full, 0, g.start), jnp.where(full, dim, g.length))
+
+
+def _pr_broadcast(coder, downlink, num_dl, split: _Split, dkey, server: PRServer, client_ids):
     """Per participant ``i``: ``n_DL`` IS samples of :math:`\\theta_{t+1}` (on ``i``'s group for SplitDL)
     against the federator's copy of :math:`\\hat\\theta_{i,t}`, with randomness only the two share
     (:func:`sidejax.keys.downlink_keys` ``(dkey, i)``), then the uplink coder's protocol stream. The
@@ -914,7 +932,7 @@ def _pr_broadcast(coder, downlink, num_dl, num_groups, dkey, server: PRServer, c
     proto = coder.downlink(server.coder)
 
     def one(i):
-        g = _pr_group(downlink, num_groups, dim, server.round, i)
+        g = _pr_group(downlink, split, dim, server.round, i)
         hat = server.theta_hat[i]
         msg, new_hat, _ = _downlink_encode(downlink, num_dl, downlink_keys(dkey, i), server.theta, hat, g)
         msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
@@ -932,12 +950,12 @@ def _pr_broadcast(coder, downlink, num_dl, num_groups, dkey, server: PRServer, c
 
 
 def _pr_receive(
-    coder, downlink, num_dl, num_groups, dkey, keys, server: PRServer, me: EstimateClient, message
+    coder, downlink, num_dl, split: _Split, dkey, keys, server: PRServer, me: EstimateClient, message
 ):
     """Client ``i`` decodes its samples against its *own* estimate (the group from the public round index)
     and refreshes exactly the group's coordinates."""
     del keys
-    g = _pr_group(downlink, num_groups, me.theta_hat.shape[0], server.round, me.client_id)
+    g = _pr_group(downlink, split, me.theta_hat.shape[0], server.round, me.client_id)
     shared = downlink_keys(dkey, me.client_id).shared
     # per-client messages: no broadcast saving
     return _downlink_receive(coder, downlink, num_dl, shared, g, server, me, message, message.num_bits)
@@ -1031,7 +1049,7 @@ def _downlink_algorithm(
     """The :class:`sidejax.fl.Algorithm` of a variant with an importance-sampled downlink (GR-Reconst, PR):
     its ``kernels`` ``(init, broadcast, receive, server_update)`` bound to the uplink coder, the checked
     ``downlink`` coder and its ``num_dl`` samples; ``arg`` is the downlink kernels' own static argument
-    (GR-Reconst: ``n``, PR: the number of SplitDL groups). ``client`` is the builder's
+    (GR-Reconst: ``n``, PR: its :class:`_Split`). ``client`` is the builder's
     ``(loss_fn, local, estimator, eval_mask, coder, num_uplink_samples)``; the clients' work is
     :func:`_hat_client_update`."""
     _check_downlink(downlink)
@@ -1060,6 +1078,7 @@ def bicompfl_pr(
     num_uplink_samples: int = 1,
     num_downlink_samples: int | None = None,
     split_downlink: bool = False,
+    split_rounds: int | None = None,
     estimator: str = "fedpm",
     eval_mask: str = "sample",
 ) -> Algorithm:
@@ -1078,6 +1097,16 @@ def bicompfl_pr(
     other coordinates keep :math:`\\hat\\theta_{j,t}`, every coordinate is refreshed within ``n`` rounds, and
     the downlink costs ``1/n`` of PR's (docs/papers/bicompfl.md#s3-6 [A]: the paper does not give the rule).
 
+    With ``split_rounds=S`` as well, the paper's suggested hybrid (split early, full later; it gives no
+    switch rule and did not run it, docs/papers/bicompfl.md#splitdl-hybrid): the downlink carrying
+    :math:`\\theta_t` is SplitDL's for :math:`t < S` and PR's for :math:`t \\ge S`. Both phases are coded in
+    one buffer of the whole model (a split round's group is its live prefix), so a split round equals
+    SplitDL's round bit for bit and a full round equals PR's from the same state; the encoder works on the
+    whole model in both phases. The presets' ``S = n + 1`` is one rotation: the downlinks of
+    :math:`\\theta_1 .. \\theta_n` refresh every coordinate once against :math:`\\theta_0`; from the second
+    rotation on a split refresh is coded against an ``n``-round-old estimate and measurably cannot close the
+    gap (docs/papers/bicompfl.md#splitdl-why).
+
     ``loss_fn``, ``local``, ``estimator`` and ``eval_mask`` are as in :func:`bicompfl_gr`.
 
     Args:
@@ -1089,14 +1118,25 @@ def bicompfl_pr(
       num_uplink_samples: ``n_UL`` ([P] 1).
       num_downlink_samples: ``n_DL`` (default ``n * n_UL`` [P]).
       split_downlink: PR-Fixed-SplitDL.
+      split_rounds: with ``split_downlink``, the hybrid: only the downlinks of the rounds
+        :math:`t <` ``split_rounds`` are split, every later one is PR's full downlink (``None``: every
+        round is split). ``t`` is the public count of aggregates made (``PRServer.round``), so the downlink
+        carrying :math:`\\theta_t` is split for :math:`t <` ``split_rounds``.
 
     The evaluated model is the federator's :math:`\\theta_{t+1}` (docs/papers/bicompfl.md#s8-9).
     """
     _check_common("bicompfl_pr", coder, estimator, num_uplink_samples, num_clients)
     cpr = num_clients if clients_per_round is None else clients_per_round
+    if split_rounds is not None:
+        if not split_downlink:
+            raise ValueError(
+                f"split_rounds={split_rounds!r} sets the rounds of a split downlink, which needs "
+                "split_downlink=True"
+            )
+        split_rounds = check_count(split_rounds, "split_rounds")
     return _downlink_algorithm(
         (_pr_init, _pr_broadcast, _pr_receive, _pr_server_update),
-        num_clients if split_downlink else 1,  # SplitDL's groups
+        _Split(num_clients, split_rounds) if split_downlink else _Split(1),  # SplitDL's groups
         (loss_fn, local, estimator, eval_mask, coder, num_uplink_samples),
         downlink,
         _num_dl(num_downlink_samples, num_clients, num_uplink_samples),

@@ -46,6 +46,7 @@ from sidejax.keys import client_keys
 
 N = 10
 ROUNDS = 3
+SPLIT_ROUNDS = 2  # the hybrid's downlinks of rounds 1 (split) and 2 (full) fall inside the ROUNDS run
 FIXED = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=128)
 ADAPTIVE = KLMSConfig(log2_num_candidates=4, block_size=128, max_block_size=256)
 CRC = KLMSConfig(log2_num_candidates=4, adaptive=False, block_size=128, crc32=True)
@@ -70,6 +71,15 @@ def _builders(loss):
         ),
         "pr_split": lambda: bicompfl_pr(
             loss, _local(), num_clients=N, coder=klms_coder(FIXED), downlink=DOWN, split_downlink=True
+        ),
+        "pr_hybrid": lambda: bicompfl_pr(  # split downlinks while t < SPLIT_ROUNDS, then PR's
+            loss,
+            _local(),
+            num_clients=N,
+            coder=klms_coder(FIXED),
+            downlink=DOWN,
+            split_downlink=True,
+            split_rounds=SPLIT_ROUNDS,
         ),
     }
 
@@ -192,6 +202,53 @@ def test_splitdl_refreshes_exactly_its_rotating_group(runs, small_model):
     # the rotation visits every group for every client within n rounds
     for j in range(N):
         assert sorted((j + t) % N for t in range(N)) == list(range(N))
+
+
+def test_the_hybrid_splits_before_split_rounds_and_sends_prs_full_downlink_after(runs, small_model):
+    """docs/papers/bicompfl.md#splitdl-hybrid: the downlink carrying theta_t is SplitDL's for
+    t < split_rounds (the run equals the pure SplitDL run bit for bit, and exactly the group's coordinates
+    change) and PR's from t = split_rounds on (the federator's messages and its new copies of the estimates
+    equal ``bicompfl_pr``'s from the same state, bit for bit); each phase's downlink is its own variant's
+    length, read from the messages."""
+    _, params, loss = small_model
+    hybrid_algo, hybrid, infos = runs("pr_hybrid")
+    _, split, split_infos = runs("pr_split")
+    _clean(infos)
+    np.testing.assert_array_equal(np.asarray(hybrid[SPLIT_ROUNDS].server.round), SPLIT_ROUNDS)
+    for t in range(SPLIT_ROUNDS):  # rounds 0 (nothing to send) and 1 (split)
+        assert tree_equal(hybrid[t + 1], split[t + 1]), t
+        assert tree_equal(infos[t], split_infos[t]), t
+    d = hybrid[0].server.theta.shape[0]
+    b = FIXED.block_size
+    bounds = split_groups(-(-d // b), N) * b
+    prev, now = (np.asarray(hybrid[t].clients.theta_hat) for t in (SPLIT_ROUNDS - 1, SPLIT_ROUNDS))
+    for j in range(N):
+        g = (j + SPLIT_ROUNDS - 1) % N
+        changed = np.flatnonzero(now[j] != prev[j])
+        assert changed.size > 0 and changed.min() >= bounds[g] and changed.max() < min(bounds[g + 1], d)
+    # from round SPLIT_ROUNDS on: PR's downlink from the same state (any downlink key)
+    pr = bicompfl_pr(loss, _local(), num_clients=N, coder=klms_coder(FIXED), downlink=DOWN)
+    ids = jnp.arange(N)
+    dkey = jax.random.key(11)
+    server = hybrid[SPLIT_ROUNDS].server
+    want, got = (jax.jit(a.broadcast)(dkey, server, ids) for a in (pr, hybrid_algo))
+    assert tree_equal(got, want)
+    refreshed = np.asarray(want[0].theta_hat) != np.asarray(server.theta_hat)
+    assert refreshed.any(axis=0).mean() > 0.9  # the full downlink reaches (almost) every coordinate
+    # the full round as run: the clients' estimates are the federator's copies (decoded from the messages)
+    np.testing.assert_array_equal(
+        np.asarray(hybrid[SPLIT_ROUNDS + 1].clients.theta_hat),
+        np.asarray(hybrid[SPLIT_ROUNDS + 1].server.theta_hat),
+    )
+    want_rates = fixed_rates(d, num_clients=N, block_size=b, log2_num_candidates=4)
+    for t, key in ((SPLIT_ROUNDS - 1, "pr_splitdl"), (SPLIT_ROUNDS, "pr")):
+        got_bits = np.asarray(infos[t].downlink_bits)
+        np.testing.assert_allclose(got_bits.mean() / d, want_rates[key]["downlink"], rtol=1e-6)
+    # per client: n_DL samples of 4 bits per block of its group, then of every block
+    sizes = np.diff(split_groups(-(-d // b), N))
+    groups = (np.arange(N) + SPLIT_ROUNDS - 1) % N
+    np.testing.assert_array_equal(np.asarray(infos[SPLIT_ROUNDS - 1].downlink_bits), N * 4 * sizes[groups])
+    np.testing.assert_array_equal(np.asarray(infos[SPLIT_ROUNDS].downlink_bits), N * 4 * -(-d // b))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -362,6 +419,12 @@ def test_builders_reject_bad_settings(small_model):
     gr = bicompfl_gr(loss, local, num_clients=N, coder=klms_coder(FIXED))
     with pytest.raises(ValueError, match="built for num_clients=10"):  # GR needs every client every round
         gr.init(jax.random.key(0), params, 12)
+    pr = dict(num_clients=N, coder=klms_coder(FIXED), downlink=DOWN)
+    with pytest.raises(ValueError, match="split_rounds=5 .* needs split_downlink=True"):
+        bicompfl_pr(loss, local, split_rounds=5, **pr)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="split_rounds must be an integer >= 1"):
+            bicompfl_pr(loss, local, split_downlink=True, split_rounds=bad, **pr)
     with pytest.raises(ValueError, match="num_groups <= num_blocks"):
         split_groups(3, 10)
     with pytest.raises(ValueError, match="power of two"):
