@@ -57,7 +57,8 @@ def test_mask_gradient_wrt_scores_is_the_fedpm_rule():
     theta = jax.tree.map(jax.nn.sigmoid, scores)
     mask = jax.tree.map(lambda t, v: (v < t).astype(jnp.float32), theta, u)
     assert 0 < sum(float(jnp.sum(m)) for m in jax.tree.leaves(mask)) < 8  # both mask values occur
-    dl_dm = jax.grad(lambda m: loss_of_net(jax.tree.map(jnp.multiply, w, m)))(mask)
+    # each gradient one compiled program (op by op, they compiled a kernel per primitive and shape)
+    dl_dm = jax.jit(jax.grad(lambda m: loss_of_net(jax.tree.map(jnp.multiply, w, m))))(mask)
     for estimator, power in (("fedpm", 2), ("ste", 1)):
 
         def loss_of_scores(s, estimator=estimator):
@@ -66,7 +67,7 @@ def test_mask_gradient_wrt_scores_is_the_fedpm_rule():
             )
             return loss_of_net(net)
 
-        grads = jax.grad(loss_of_scores)(scores)
+        grads = jax.jit(jax.grad(loss_of_scores))(scores)
         for k in scores:
             expected = dl_dm[k] * theta[k] ** power * (1 - theta[k])
             np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(expected), rtol=1e-6, atol=0)
@@ -110,12 +111,17 @@ def test_the_update_flag_survives_a_downlink_past_two_to_the_24_bits():
 
     dim = 600_000
     coder = klms_coder(KLMSConfig(log2_num_candidates=2, block_size=8, max_block_size=256))
-    state = coder.init(dim)  # adaptive: round 0 is an update round
-    assert bool(state.update)
+
+    @jax.jit  # one program (op by op, the 600,000-coordinate init and downlink compiled 84 kernels: 4 s)
+    def send_and_receive(theta):
+        state = coder.init(dim)  # adaptive: round 0 is an update round
+        stale = state._replace(update=jnp.asarray(False))
+        message = vector_downlink(theta, coder, state)
+        return state, message, receive_vector(message, dim, coder, stale)
+
     theta = jnp.full((dim,), 0.5, jnp.float32)
-    stale = state._replace(update=jnp.asarray(False))
-    message = vector_downlink(theta, coder, state)
+    state, message, (received, _, cstate) = send_and_receive(theta)
+    assert bool(state.update)
     assert int(message.num_bits) == 32 * dim + 1
-    received, _, cstate = jax.jit(lambda m: receive_vector(m, dim, coder, stale))(message)
     assert bool(cstate.update)
     np.testing.assert_array_equal(np.asarray(received), np.asarray(theta))
