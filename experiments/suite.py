@@ -306,11 +306,16 @@ def mean_std(values, spec: str) -> str:
     return f"{format(statistics.fmean(vals), spec)} ± {format(statistics.stdev(vals), spec)}"
 
 
+def run_seed(config: dict) -> Any:
+    """The seed of a run folder's ``config.json``: ``run.seed`` (or the top-level ``seed`` of an older, flat
+    config)."""
+    return config.get("run", config).get("seed")
+
+
 def seed_cells(run: dict) -> dict[str, str]:
     """The ``seeds`` and ``runs`` cells of a run (its ``run.seed`` and folder name): the last two columns of a
     table with one row per label over seeds."""
-    config = run["config"]
-    return {"seeds": str(config.get("run", config).get("seed")), "runs": run["name"]}
+    return {"seeds": str(run_seed(run["config"])), "runs": run["name"]}
 
 
 def mean_curve(group: list[dict], points: Callable[[dict], list[tuple[float, float]]]):

@@ -34,7 +34,7 @@ from typing import Any
 
 from experiments.algorithms import KLMS_HOSTS
 from experiments.driver import plot_runs, tail_accuracy
-from experiments.suite import Suite, seed_cells
+from experiments.suite import Suite, run_seed, seed_cells
 
 __all__ = ["SUITE", "run_identity"]
 
@@ -55,19 +55,15 @@ def _tail(run) -> float | None:
     return tail_accuracy([r["test_accuracy"] for r in run["rows"] if r.get("test_accuracy") is not None])
 
 
-def _seed(config: dict[str, Any]):
-    return config.get("run", config).get("seed")
-
-
 def _cells(run, runs) -> dict[str, Any]:
     (algorithm, dataset, model), s = run_identity(run["config"]), run["summary"]
     # the host run of the same dataset, model and seed
     host_bpp = {
-        (*run_identity(r["config"]), _seed(r["config"])): r["summary"]["mean_uplink_bpp"] for r in runs
+        (*run_identity(r["config"]), run_seed(r["config"])): r["summary"]["mean_uplink_bpp"] for r in runs
     }
     bpp = s["mean_uplink_bpp"]
     host = KLMS_HOSTS.get(algorithm)
-    hb = host_bpp.get((host, dataset, model, _seed(run["config"]))) if host else None
+    hb = host_bpp.get((host, dataset, model, run_seed(run["config"]))) if host else None
     tail = _tail(run)
     return {
         "algorithm": algorithm,

@@ -309,6 +309,12 @@ def _decode_parts(coder: Coder, shared_key, message: Message, dim: int, rounds: 
     return decoded, errors.astype(jnp.int32)
 
 
+def _reset_round(method: ErrorFeedbackMethod, rounds) -> jax.Array:
+    """Whether the round after ``rounds`` completed rounds is a reset round (CSER's error reset, LIEC's
+    averaging): every ``method.reset_period``-th round, public knowledge."""
+    return (rounds + 1) % method.reset_period == 0
+
+
 def _sum_parts(parts: jax.Array) -> jax.Array:
     """:math:`c_R = (\\dots(0 + c^{(1)}) + \\dots) + c^{(R)}` in this order (one ``lax.scan``), so every party
     that sums the same decoded parts gets the same bits."""
@@ -397,7 +403,7 @@ def compressed_receive(
     del keys
     flat, unravel = ravel_pytree(server.params)
     dim = flat.shape[0]
-    reset = (server.rounds + 1) % method.reset_period == 0 if method.reset_period else jnp.asarray(False)
+    reset = _reset_round(method, server.rounds) if method.reset_period else jnp.asarray(False)
     if method.downlink_rounds:
         step, errors = decompress(method.coder, dkey, message, dim, method.downlink_rounds)
         return CompressedReceived(unravel(cstate.model + step), errors, reset)
@@ -475,7 +481,7 @@ def compressed_server_update(
         return jnp.where(jnp.any(include), masked_mean(values, include), jnp.zeros((), values.dtype))
 
     if method.reset_period:
-        reset = (server.rounds + 1) % method.reset_period == 0
+        reset = _reset_round(method, server.rounds)
         expected = message_bits(coder, dim) * (1 + reset.astype(jnp.int32))
         parts, errors = jax.vmap(lambda k, m: _decode_parts(coder, k, m, dim, 2, expected))(
             shared_keys, messages

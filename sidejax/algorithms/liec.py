@@ -69,6 +69,7 @@ from sidejax.algorithms.compressed import (
     _fit,
     _flat,
     _method,
+    _reset_round,
     _server_keys,
     _sum_parts,
     compress,
@@ -131,11 +132,6 @@ def liec_decode(coder: Coder, shared_key, message: Message, dim: int, full: jax.
     return jnp.where(full, exact, c), errors
 
 
-def _sync(method: ErrorFeedbackMethod, rounds) -> jax.Array:
-    """Whether the round after ``rounds`` completed rounds is a sync round."""
-    return (rounds + 1) % method.reset_period == 0
-
-
 def liec_init(method: ErrorFeedbackMethod, key, params: Params, num_clients: int):
     """DoubleSqueeze's initial state (:func:`sidejax.algorithms.compressed.compressed_init`: every client's
     copy of the initial model, zero errors, the first broadcast :math:`C(0)`) with the broadcast in a
@@ -154,9 +150,9 @@ def liec_receive(
     whether this round is a sync round."""
     del keys
     flat, unravel = ravel_pytree(server.params)
-    after_sync = (server.rounds > 0) & (server.rounds % method.reset_period == 0)
+    after_sync = (server.rounds > 0) & _reset_round(method, server.rounds - 1)
     step, errors = liec_decode(method.coder, dkey, message, flat.shape[0], after_sync)
-    return CompressedReceived(unravel(cstate.model + step), errors, _sync(method, server.rounds))
+    return CompressedReceived(unravel(cstate.model + step), errors, _reset_round(method, server.rounds))
 
 
 def liec_client_update(
@@ -194,7 +190,7 @@ def liec_server_update(
     del client_ids, weights  # the unweighted 1/|S_t| mean [P]
     flat, unravel = ravel_pytree(server.params)
     dim = flat.shape[0]
-    sync = _sync(method, server.rounds)
+    sync = _reset_round(method, server.rounds)
     decoded, errors = jax.vmap(lambda k, m: liec_decode(method.coder, k, m, dim, sync))(shared_keys, messages)
     include = included(messages, errors == 0)
     # summed in the participants' order (one lax.scan, as _sum_parts): the same bits in any compiled program
