@@ -214,7 +214,9 @@ def assert_clients_rebuild_the_server(algo, server, dim: int, client_view) -> No
     update round (``update=False, changed=True``), a client whose state is ``client_view(sent, coder)``
     (what it knows of the server state ``sent``, with ``coder`` its own protocol state: the initial
     ``SMALL_KLMS`` partition of ``dim`` coordinates after an update round, for the partition is parsed from
-    the stream, else the current one) receives the broadcast as exactly ``sent``."""
+    the stream, else the current one) receives the broadcast as exactly ``sent``, but for the protocol
+    state's ``changed``, which is the flag just received (what the next downlink carries), as it will be in
+    the server's state after its update."""
     initial = klms_init(dim, SMALL_KLMS).blocks
     assert int(initial.num_blocks) != int(server.coder.blocks.num_blocks)
     broadcast = jax.jit(lambda s: algo.broadcast(None, s, None)[1])
@@ -223,7 +225,8 @@ def assert_clients_rebuild_the_server(algo, server, dim: int, client_view) -> No
     for coder in (server.coder, after_update):
         sent = server._replace(coder=coder)
         known = coder._replace(blocks=initial if bool(coder.changed) else coder.blocks, update=~coder.update)
-        assert tree_equal(receive(client_view(sent, known), broadcast(sent)), sent)
+        want = sent._replace(coder=coder._replace(changed=coder.update))
+        assert tree_equal(receive(client_view(sent, known), broadcast(sent)), want)
 
 
 def abstract_params(spec: ModelSpec):

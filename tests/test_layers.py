@@ -30,6 +30,8 @@ ALLOWED = {
     "fl": BASE | {"distributions", "blocks", "layout", "metrics", "lattices", "coding"},
     "algorithms": BASE
     | {"distributions", "blocks", "layout", "metrics", "lattices", "privacy", "bayes", "coding", "fl"},
+    # transports: the round's parties apart (sidejax.flower), above the engine, beside the algorithms
+    "flower": BASE | {"coding", "fl"},
     "__init__": None,  # the package root re-exports everything
 }
 

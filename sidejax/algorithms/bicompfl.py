@@ -96,6 +96,7 @@ from sidejax.fl.local import LocalTraining
 from sidejax.keys import (
     ClientKeys,
     canonicalize_key,
+    client_keys,
     client_streams,
     downlink_keys,
     draw_key,
@@ -496,6 +497,13 @@ class _GRReceived(NamedTuple):
     broadcast_bits: jax.Array
 
 
+def _unless_live(message: Message, live) -> Message:
+    """``message`` when ``live``, else the empty message with its buffer zeroed (the :class:`Message`
+    contract: no set bit past ``num_bits``, which a transport's :func:`sidejax.coding.sent_message`
+    checks)."""
+    return Message(jnp.where(live, message.payload, 0), jnp.where(live, message.num_bits, 0))
+
+
 def _gr_init(coder, num_samples, want_clients, key, params, num_clients):
     _check_init_clients("bicompfl_gr", want_clients, num_clients)
     weights, theta, u, cstate = _init_common(coder, key, params)
@@ -526,7 +534,7 @@ def _gr_broadcast(dkey, server: GRServer, client_ids):
         words = jnp.pad(streams.payload, (0, marked.payload.shape[0] - streams.payload.shape[0]))
         payload = jnp.where(excluded, marked.payload, words)
         num_bits = jnp.where(excluded, marked.num_bits, streams.num_bits)
-        return Message(payload, jnp.where(server.has_relay, num_bits, 0))
+        return _unless_live(Message(payload, num_bits), server.has_relay)
 
     return server, jax.vmap(one)(client_ids)
 
@@ -605,6 +613,16 @@ def _gr_client_update(loss_fn, local, estimator, coder, num_samples, keys, recei
     return me._replace(theta=received.theta, coder=received.coder, message=message), message, info
 
 
+def _gr_track(view: GRServer, received: _GRReceived, round_index, rkey, client_ids) -> GRServer:
+    """A GR client's view of the federator's state after a round (:attr:`sidejax.fl.Algorithm.track_server`):
+    the next relay holds this round's streams, whose shared keys every party derives from the round key and
+    the senders' ids; the rest of what ``_gr_receive`` reads from the state (the frozen weights, the relay's
+    shape) is fixed from ``init``."""
+    del received, round_index
+    keys = jax.vmap(client_keys, (None, 0))(rkey, client_ids)
+    return view._replace(relay_keys=jax.random.key_data(keys.shared), has_relay=jnp.asarray(True))
+
+
 def _gr_server_update(coder, num_samples, rkey, server: GRServer, client_ids, shared_keys, messages, weights):
     del rkey, client_ids, weights  # unweighted mean [P]
     keys_data = jax.random.key_data(shared_keys)
@@ -674,6 +692,7 @@ def bicompfl_gr(
         evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=num_clients,
         metrics=_metrics,
+        track_server=_gr_track,
     )
 
 
@@ -796,7 +815,7 @@ def _reconst_broadcast(coder, downlink, num_dl, num_clients, dkey, server: Recon
     keys = downlink_keys(dkey)
     msg, theta_hat, _ = _downlink_encode(downlink, num_dl, keys, server.theta, server.theta_hat, g)
     live = server.fresh
-    msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
+    msg = _unless_live(msg, live)
     message = concat_messages(msg, coder.downlink(server.coder))
     kl = jnp.where(live, _kl_bits(server.theta, server.theta_hat), 0.0)
     new = server._replace(theta_hat=jnp.where(live, theta_hat, server.theta_hat), downlink_kl_bits=kl)
@@ -935,7 +954,7 @@ def _pr_broadcast(coder, downlink, num_dl, split: _Split, dkey, server: PRServer
         g = _pr_group(downlink, split, dim, server.round, i)
         hat = server.theta_hat[i]
         msg, new_hat, _ = _downlink_encode(downlink, num_dl, downlink_keys(dkey, i), server.theta, hat, g)
-        msg = Message(msg.payload, jnp.where(live, msg.num_bits, 0))
+        msg = _unless_live(msg, live)
         coords = jnp.arange(dim)
         inside = (coords >= g.start) & (coords < g.start + g.length)
         kl = jnp.sum(jnp.where(inside, Bernoulli(server.theta).kl_bits(Bernoulli(hat)), 0.0))
@@ -967,6 +986,22 @@ def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, rece
         loss_fn, local, estimator, coder, num_samples, keys, received, received.theta_hat, data
     )
     return me._replace(theta_hat=received.theta_hat), message, info
+
+
+def _hat_track(view, received: _Received, round_index, rkey, client_ids):
+    """A GR-Reconst or PR client's view of the federator's state after round ``round_index``
+    (:attr:`sidejax.fl.Algorithm.track_server`): the uplink coder's protocol state it received (kept when it
+    was not a recipient: a stateful uplink coder's protocol is then followed by participants only), a fresh
+    aggregate to come (the federator's ``fresh``, True from its first aggregate on) and, in PR, the rounds
+    completed (``round``, which picks the SplitDL groups). The view assumes that the round aggregated some
+    participant: a round with none included leaves the federator's state as it was (a downlink of 0 sample
+    bits), which a client sees as a stream error in the next round, not as a wrong sample."""
+    del rkey, client_ids
+    coder = view.coder if received is None else received.coder  # None: not a recipient of this round
+    view = view._replace(coder=coder, fresh=jnp.asarray(True))
+    if hasattr(view, "round"):
+        view = view._replace(round=jnp.asarray(round_index + 1, view.round.dtype))
+    return view
 
 
 def _reconst_server_update(
@@ -1064,6 +1099,7 @@ def _downlink_algorithm(
         evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=clients_per_round,
         metrics=_metrics,
+        track_server=_hat_track,
     )
 
 

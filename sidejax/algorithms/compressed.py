@@ -87,6 +87,7 @@ from sidejax.coding.compress import scaled_sign_coder
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundInfo, RoundState, initial_round_state
 from sidejax.fl.local import LocalTraining
+from sidejax.fl.roles import track_rounds
 from sidejax.keys import SERVER, ClientKeys, client_streams, stream_key
 from sidejax.types import Params
 from sidejax.utils import check_count, masked_mean
@@ -530,6 +531,7 @@ def compressed_algorithm(method: ErrorFeedbackMethod, loss_fn: Callable, local: 
         evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=method.clients_per_round,
         metrics=compressed_metrics,
+        track_server=track_rounds,
     )
 
 

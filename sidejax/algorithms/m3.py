@@ -64,6 +64,7 @@ from sidejax.coding.compress import topk_coder
 from sidejax.distributions import PointMass
 from sidejax.fl.base import Algorithm, ClientInfo, Evaluation, RoundInfo, initial_round_state
 from sidejax.fl.local import LocalTraining
+from sidejax.fl.roles import track_rounds
 from sidejax.keys import DOWNLINK, ClientKeys, client_streams, draw_key, stream_key
 from sidejax.types import Params
 from sidejax.utils import check_count, check_number, check_positive, masked_mean
@@ -314,6 +315,7 @@ def m3_algorithm(method: M3Method, loss_fn: Callable, local: LocalTraining) -> A
         evaluation=Evaluation(lambda state: state.server.params),
         clients_per_round=method.num_clients,
         metrics=m3_metrics,
+        track_server=track_rounds,
     )
 
 

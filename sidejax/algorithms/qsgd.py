@@ -41,8 +41,9 @@ Each client trains locally from the global model :math:`w^{(t-1)}` and forms the
 Server (sign corrected, docs/papers/klms.md#s8-4: ``v`` is local minus global, so the step is ``+``):
 :math:`w^{(t)} = w^{(t-1)} + \\eta_S \\frac1C \\sum_c \\hat v^{(c)}`.
 Downlink: :math:`w` as float32; when the coder decodes with ``p`` (QSGD-KLMS) also the symbol counts behind
-the prior (2 fields of :math:`\\lceil\\log_2(C+1)\\rceil` bits per coordinate), from which every client
-rebuilds ``p``, and the coder's protocol stream.
+the prior (2 fields of :math:`\\lceil\\log_2(C+1)\\rceil` bits per coordinate, then 1 bit: whether they are
+a round's counts or round 1's "no history"), from which every client rebuilds ``p``, and the coder's protocol
+stream.
 
 The quantiser's law is one object for both coders, :class:`sidejax.distributions.StochasticLevels`: the Elias
 coder sends its sample, and at s = 1 the KLMS coder sees it as the :class:`~sidejax.distributions.Ternary`
@@ -172,8 +173,13 @@ def qsgd_method(
         return tuple.__new__(Ternary, (jnp.where(state.history, probs, initial_symbol_prior(layout)),))
 
     def prior_downlink(state: QSGDPrior) -> Message:
-        words = pack_fixed(state.counts.reshape(-1).astype(jnp.uint32), width)
-        return Message(words, as_bits(width * state.counts.size))
+        # the counts, then one bit: whether they are a round's (``history``), which the receiver cannot tell
+        # from the counts themselves (round 0's zeros, or a round that kept the previous prior)
+        n = state.counts.size
+        words = jnp.zeros(-(-(n * width + 1) // 32), jnp.uint32)
+        words = pack_fixed(state.counts.reshape(-1).astype(jnp.uint32), width, out=words)
+        words = pack_fixed(state.history.astype(jnp.uint32)[None], 1, bit_offset=n * width, out=words)
+        return Message(words, as_bits(width * n + 1))
 
     def update_prior(state: QSGDPrior, samples, include) -> QSGDPrior:
         # the prior's counts are of clients_per_round clients (the zero count is the rest, and the downlink
@@ -184,10 +190,11 @@ def qsgd_method(
 
     def prior_receive(state: QSGDPrior, message: Message) -> QSGDPrior:
         n = state.counts.size
-        cap = -(-n * width // 32)
+        cap = -(-(n * width + 1) // 32)
         words = jnp.pad(jnp.asarray(message.payload, jnp.uint32), (0, max(0, cap - message.payload.shape[0])))
         counts = unpack_fixed(words, n, width).astype(jnp.int32).reshape(state.counts.shape)
-        return QSGDPrior(counts, state.history)
+        history = unpack_fixed(words, 1, 1, bit_offset=n * width)[0] > 0
+        return QSGDPrior(counts, history)
 
     return DenseMethod(
         direction=direction,
@@ -199,7 +206,7 @@ def qsgd_method(
         update_prior=update_prior,
         prior_downlink=prior_downlink,
         prior_receive=prior_receive,
-        prior_bits=lambda state: 2 * width * state.counts.shape[0],
+        prior_bits=lambda state: 2 * width * state.counts.shape[0] + 1,
         wrap_coder=lambda coder, layout: with_side_info(coder, layout.num_tensors),
     )
 

@@ -610,7 +610,11 @@ def klms_downlink(state: KLMSState, config: KLMSConfig) -> Message:
 def klms_receive(state: KLMSState, message: Message, config: KLMSConfig) -> KLMSState:
     """The clients' side of :func:`klms_downlink`: the ``update`` flag and, when ``state.changed`` (known
     to the receiver from the previous round's flag), the partition, parsed from the stream's block lengths.
-    ``state`` is the receiver's previous knowledge; its partition is kept when none was sent."""
+    ``state`` is the receiver's previous knowledge; its partition is kept when none was sent. The state
+    returned is the receiver's knowledge for the next downlink too: its ``changed`` is the flag just
+    received (whether the next downlink carries a partition), as in the server's state after its update
+    (:func:`klms_update`), so a client that keeps it (a deployment's view, :mod:`sidejax.fl.roles`) parses
+    the next partition without being handed the server's state."""
     if not config.adaptive:
         return state
     blocks = state.blocks
@@ -624,7 +628,7 @@ def klms_receive(state: KLMSState, message: Message, config: KLMSConfig) -> KLMS
     new_blocks = jax.lax.cond(
         state.changed, lambda: _blocks_from_lengths(words, 1, dim, mb, L)[0], lambda: blocks
     )
-    return KLMSState(new_blocks, update, state.changed)
+    return KLMSState(new_blocks, update, update)
 
 
 def klms_frame(state: KLMSState, words: jax.Array, bit_offset, config: KLMSConfig) -> jax.Array:

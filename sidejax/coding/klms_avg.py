@@ -648,7 +648,8 @@ def klms_avg_downlink(state: KLMSAvgState, config: KLMSAvgConfig) -> Message:
 def klms_avg_receive(state: KLMSAvgState, message: Message, config: KLMSAvgConfig) -> KLMSAvgState:
     """The receivers' side of :func:`klms_avg_downlink`. ``state`` is the receiver's knowledge: its size
     (kept when none was sent) and ``changed`` (the ``update`` flag it received the round before, which says
-    whether a size follows the flag)."""
+    whether a size follows the flag). The state returned is its knowledge for the next downlink too: its
+    ``changed`` is the flag just received, as in the server's state after its update."""
     L = config.length_bits
     cap = num_words(1, 1 + L)
     payload = jnp.asarray(message.payload, jnp.uint32)
@@ -660,7 +661,7 @@ def klms_avg_receive(state: KLMSAvgState, message: Message, config: KLMSAvgConfi
     changed = jnp.asarray(state.changed, bool)
     size = unpack_fixed(words, 1, L, bit_offset=1)[0].astype(jnp.int32) + 1
     block_size = jnp.where(changed, size, state.block_size).astype(jnp.int32)
-    return KLMSAvgState(block_size, update, changed, state.dim)
+    return KLMSAvgState(block_size, update, update, state.dim)
 
 
 def klms_avg_frame(state: KLMSAvgState, words: jax.Array, bit_offset, config: KLMSAvgConfig) -> jax.Array:

@@ -269,6 +269,17 @@ class Algorithm(NamedTuple):
       clients_per_round: participants per round (static; the algorithm's math may depend on it).
       metrics: ``metrics(info: RoundInfo) -> dict[str, array]``: the algorithm's own diagnostics, one value
         per round (leading rounds axis when ``info`` is stacked), logged generically by drivers.
+      track_server: what a client that runs in its own process (a deployment: :mod:`sidejax.flower`) knows of
+        the server state, the ``server`` argument of :class:`ReceiveFn`. In one program the engine hands every
+        receiver the server state itself; apart, each client keeps a *view* of it, starting from ``init``'s
+        server state (both ends compute it from the run's seed), and after every round sets ``view =
+        track_server(view, received, round_index, round_key, client_ids)``: the round's index, key and
+        participants, and what the client's ``receive`` returned (``None`` when the downlink was one message
+        per participant and it was not one of them). ``None``, the default: ``received`` when it has the
+        server state's structure (the algorithm's ``receive`` returns its reading of the server state), else
+        the view is kept (``receive`` reads only shapes and seeds from it). :func:`sidejax.fl.track_view`
+        applies it; ``tests/fl/test_roles.py`` checks, for every algorithm, that the clients send the
+        engine's messages from their views.
     """
 
     init: Callable[[PRNGKey, Params, int], RoundState]
@@ -279,6 +290,7 @@ class Algorithm(NamedTuple):
     evaluation: Evaluation
     clients_per_round: int
     metrics: Callable[[RoundInfo], dict] = no_metrics
+    track_server: Callable | None = None
 
     @property
     def eval_params(self) -> Callable[[RoundState], Params]:

@@ -71,6 +71,9 @@ __all__ = [
     "start_round",
     "run_clients",
     "finish_round",
+    "open_downlink",
+    "participate",
+    "close_round",
 ]
 
 CLIENT_STRATEGIES = ("vmap", "map")
@@ -417,6 +420,61 @@ class PartialRound(NamedTuple):
     phase: ClientPhase
 
 
+# --- the round's three roles: one definition, for the engine here and for transports (sidejax.fl.roles) -----
+
+
+def open_downlink(algorithm: Algorithm, rkey: PRNGKey, server: PyTree, num_clients: int):
+    """Steps 1-2 of a round, the server's opening: ``(client_ids, sent_server, downlink)`` for the round
+    whose key is ``rkey`` (participants sampled from ``stream_key(rkey, SAMPLING)``, the broadcast keyed by
+    ``stream_key(rkey, DOWNLINK)``)."""
+    ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, algorithm.clients_per_round)
+    sent_server, downlink = algorithm.broadcast(stream_key(rkey, DOWNLINK), server, ids)
+    return ids, sent_server, downlink
+
+
+def participate(
+    algorithm: Algorithm, dkey: PRNGKey, keys, server: PyTree, client_state: PyTree, message, data
+):
+    """Step 3 for one participant: ``receive`` its downlink ``message`` against ``server`` (the server state
+    before the broadcast, or a client's view of it) and its own ``client_state``, then ``client_update``
+    with its keys and ``data`` (a :class:`ClientData` or its four fields). Returns ``(client_state,
+    uplink message, ClientInfo)``."""
+    received = algorithm.receive(dkey, keys, server, client_state, message)
+    return algorithm.client_update(keys, received, client_state, ClientData(*data))
+
+
+def close_round(algorithm: Algorithm, rkey: PRNGKey, round_index, phase: ClientPhase):
+    """Step 4 of a round, the server's closing: ``server_update`` on the participants' messages (a stream
+    whose sender's ``ClientInfo`` says invalid or not finite is withheld) and the round's
+    :class:`RoundInfo`. Returns ``(server, info)``; ``phase.keys`` must hold the participants' keys."""
+    ids, messages, downlink = phase.client_ids, phase.messages, phase.downlink
+    cinfo = phase.client_info
+    # what a client knows is wrong reaches the server in its message: the stream is withheld
+    sent = cinfo.valid & jnp.broadcast_to(jnp.asarray(cinfo.finite, bool), ids.shape)
+    server, sinfo, errors = algorithm.server_update(
+        rkey,
+        phase.sent_server,
+        ids,
+        phase.keys.shared,
+        withhold(messages, sent),
+        phase.counts.astype(jnp.float32),
+    )
+    errors = jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape)
+    info = RoundInfo(
+        round_index=round_index,
+        client_ids=ids,
+        uplink_bits=jnp.broadcast_to(as_bits(messages.num_bits), ids.shape),
+        downlink_bits=jnp.broadcast_to(as_bits(downlink.num_bits), ids.shape),
+        clients=phase.client_info,
+        server=sinfo,
+        server_finite=tree_all_finite(server),
+        uplink_errors=errors,
+        downlink_shared=jnp.asarray(jnp.ndim(downlink.num_bits) == 0),
+        included=sent & (errors == 0),
+    )
+    return server, info
+
+
 def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None = None):
     """Builds ``round_step(round_key, state, data) -> (state, info)`` from the algorithm's role kernels.
 
@@ -444,10 +502,7 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
     def open_round(rkey: PRNGKey, state: RoundState, data):
         """Steps 1-2: the participants, the server after its broadcast, the downlink."""
         check_federation(state, data)
-        num_clients = data.num_examples.shape[0]
-        ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, clients_per_round)
-        sent_server, downlink = algorithm.broadcast(stream_key(rkey, DOWNLINK), state.server, ids)
-        return ids, sent_server, downlink
+        return open_downlink(algorithm, rkey, state.server, data.num_examples.shape[0])
 
     def participants(rkey: PRNGKey, state: RoundState, data, ids, downlink, message):
         """Step 3 for the participants ``ids`` (``message``: their own downlinks, stacked, when the downlink
@@ -477,8 +532,9 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
             k, cs, n, msg, mine = args
             dk, server, broadcast, common = shared
             x, y, indices = (a if a is not None else b for a, b in zip(mine, common, strict=True))
-            received = algorithm.receive(dk, k, server, cs, broadcast if msg is None else msg)
-            return algorithm.client_update(k, received, cs, ClientData(x, y, indices, n))
+            return participate(
+                algorithm, dk, k, server, cs, broadcast if msg is None else msg, (x, y, indices, n)
+            )
 
         args = _constrain(cmap, (keys, cstates, counts, message, own), True)
         shared = (dkey, state.server, downlink, whole)
@@ -507,32 +563,8 @@ def build_round_step(algorithm: Algorithm, *, client_map: ClientMap | str | None
 
     def finish_phase(rkey: PRNGKey, state: RoundState, data, phase: ClientPhase):
         """Steps 4-5: the server's update from the participants' messages, and the round's record."""
-        ids, messages, downlink = phase.client_ids, phase.messages, phase.downlink
-        cinfo = phase.client_info
-        # what a client knows is wrong reaches the server in its message: the stream is withheld
-        sent = cinfo.valid & jnp.broadcast_to(jnp.asarray(cinfo.finite, bool), ids.shape)
-        server, sinfo, errors = algorithm.server_update(
-            rkey,
-            phase.sent_server,
-            ids,
-            phase.keys.shared,
-            withhold(messages, sent),
-            phase.counts.astype(jnp.float32),
-        )
-        errors = jnp.broadcast_to(jnp.asarray(errors, jnp.int32), ids.shape)
-        info = RoundInfo(
-            round_index=state.round_index,
-            client_ids=ids,
-            uplink_bits=jnp.broadcast_to(as_bits(messages.num_bits), ids.shape),
-            downlink_bits=jnp.broadcast_to(as_bits(downlink.num_bits), ids.shape),
-            clients=phase.client_info,
-            server=sinfo,
-            server_finite=tree_all_finite(server),
-            uplink_errors=errors,
-            downlink_shared=jnp.asarray(jnp.ndim(downlink.num_bits) == 0),
-            included=sent & (errors == 0),
-        )
-        clients = _put(state.clients, ids, phase.client_states)
+        server, info = close_round(algorithm, rkey, state.round_index, phase)
+        clients = _put(state.clients, phase.client_ids, phase.client_states)
         split = client_state_split(cmap, data.num_examples.shape[0])
         new_state = RoundState(
             round_index=state.round_index + 1,

@@ -19,13 +19,14 @@ from sidejax.layout import flat_layout
 
 def test_downlink_bits_are_the_broadcast_lengths(algorithm_run, small_model):
     """32 d bits of parameters; with QSGD-KLMS (whose coder decodes with ``p``) the last round's symbol
-    counts, 2 ceil(log2(C + 1)) d bits; then the KLMS protocol: 1 + M log2(max_block_size) bits in the round
-    after an update round (M the new partition's blocks), else the 1-bit flag. Coders without ``p`` or
-    protocol state (QSGD's Elias coder, SignSGD's fixed-width signs, QLSD) send the parameters only."""
+    counts, 2 ceil(log2(C + 1)) d bits, and the 1-bit history flag; then the KLMS protocol: 1 + M
+    log2(max_block_size) bits in the round after an update round (M the new partition's blocks), else the
+    1-bit flag. Coders without ``p`` or protocol state (QSGD's Elias coder, SignSGD's fixed-width signs,
+    QLSD) send the parameters only."""
     d = flat_layout(small_model[1]).dim
     for name in ("qsgd", "signsgd", "qlsd"):
         np.testing.assert_array_equal(algorithm_run(name)[3].downlink_bits, 32.0 * d, err_msg=name)
-    counts_bits = 2 * math.ceil(math.log2(5 + 1)) * d
+    counts_bits = 2 * math.ceil(math.log2(5 + 1)) * d + 1  # the counts, then the 1-bit history flag
     for name, prior_bits in (("qsgd_klms", counts_bits), ("signsgd_klms", 0), ("sgld_klms", 0)):
         infos = algorithm_run(name)[3]
         kinfo = infos.server.coder
@@ -40,15 +41,15 @@ def test_downlink_bits_are_the_broadcast_lengths(algorithm_run, small_model):
 
 @pytest.mark.parametrize("name", ["qsgd_klms", "sgld_klms"])
 def test_clients_decode_the_broadcast_into_the_servers_state(algorithm_run, name):
-    """A client that knows the parameters' shapes, whether the prior has a history, and the protocol's earlier
-    flags rebuilds from the message alone the parameters (bit for bit), the prior's symbol counts and the KLMS
-    state: after an update round the partition is parsed from the stream (the client may know only the
-    initial one), otherwise it keeps its own."""
+    """A client that knows the parameters' shapes and the protocol's earlier flags rebuilds from the message
+    alone the parameters (bit for bit), the prior's symbol counts and history flag, and the KLMS state: after
+    an update round the partition is parsed from the stream (the client may know only the initial one),
+    otherwise it keeps its own."""
     algo, _, final, _ = algorithm_run(name)
     server = final.server
 
-    def client_view(sent, coder):  # zero parameters, the prior's history only
-        zero_counts = jax.tree.map(lambda a: a if a.ndim == 0 else jnp.zeros_like(a), sent.prior)
+    def client_view(sent, coder):  # zero parameters, no counts, no history
+        zero_counts = jax.tree.map(jnp.zeros_like, sent.prior)
         return sent._replace(params=jax.tree.map(jnp.zeros_like, sent.params), prior=zero_counts, coder=coder)
 
     assert_clients_rebuild_the_server(algo, server, flat_layout(server.params).dim, client_view)

@@ -446,15 +446,18 @@ def test_protocol_state_round_trips_through_the_downlink(case):
     new_state, _ = coder.update(state, stacked)
     # after the update round, twice: the first downlink carries a changed partition (KLMS), the second none.
     # The receivers know the protocol's flags but hold the partition of the round before: whatever is new
-    # must come from the message.
+    # must come from the message. A stateful protocol's receiver keeps the flag it just received as
+    # `changed` (whether the next downlink carries a partition), as the server's next state will.
     for _ in range(2):
-        known = new_state
+        known, want = new_state, new_state
         if hasattr(state, "blocks"):  # KLMS: the partition
             known = new_state._replace(blocks=state.blocks)
         elif hasattr(state, "block_size"):  # KLMS-Avg: the block size
             known = new_state._replace(block_size=state.block_size)
+        if hasattr(state, "changed"):
+            want = new_state._replace(changed=new_state.update)
         received = coder.receive(known, coder.downlink(new_state))
-        assert tree_equal(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, new_state))
+        assert tree_equal(jax.tree.map(jnp.asarray, received), jax.tree.map(jnp.asarray, want))
         state = new_state
         new_state, _ = coder.update(new_state, stacked)
 

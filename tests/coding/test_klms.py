@@ -365,23 +365,28 @@ def test_downlink_is_the_stream_the_clients_parse_into_the_servers_partition():
     assert bits[0] == 0 and not bits[1 + M * L :].any()
     lengths = (bits[1 : 1 + M * L].reshape(M, L) << np.arange(L)).sum(axis=1) + 1
     np.testing.assert_array_equal(lengths, np.asarray(block_sizes(new.blocks))[:M])
-    # a client knows its old partition and, from the flag it received last round, that the partition changed
-    client = state._replace(changed=state.update)
+    # a client knows its old partition and, from the flag it received last round (what klms_receive returned
+    # then: its `changed` is that flag), that the partition changed; it rebuilds the server's partition and
+    # flag, and keeps this round's flag as `changed` for the next downlink (as the server's next state does)
+    client = klms_receive(state, klms_downlink(state, CFG), CFG)
+    assert bool(client.changed) == bool(state.update)
     receive = jax.jit(lambda c, m: klms_receive(c, m, CFG))
     for msg in (host, jitted):
-        assert tree_equal(klms_receive(client, msg, CFG), new)
-        assert tree_equal(receive(client, msg), new)
+        assert tree_equal(klms_receive(client, msg, CFG), new._replace(changed=new.update))
+        assert tree_equal(receive(client, msg), new._replace(changed=new.update))
     # the next rounds: the flag only (0 in range, 1 when a trigger fired); the client keeps the partition
     starts, nums = jnp.stack([new.blocks.starts] * 2), jnp.stack([new.blocks.num_blocks] * 2)
-    client = new._replace(changed=new.update)
+    client = receive(client, host)
     for stat, fires in ((1.0, False), (4.5, True)):
         nxt, _ = server_update(new, _decoded(starts, nums, stat), CFG)
         assert bool(nxt.update) == fires and not bool(nxt.changed)
         down = sent_message(klms_downlink(nxt, CFG))
         assert float(down.num_bits) == 1 and down.payload.shape == (1,)
         assert _stream_bits(down.payload).tolist() == [int(fires)] + [0] * 31
-        assert tree_equal(receive(client, down), nxt)
-        assert tree_equal(receive(client, downlink(nxt)), nxt)
+        assert tree_equal(receive(client, down), nxt._replace(changed=nxt.update))
+        later, _ = server_update(nxt, _decoded(starts, nums, 1.0), CFG)
+        assert bool(later.changed) == fires  # the server's next state: what the client's `changed` said
+        assert tree_equal(receive(client, downlink(nxt)), nxt._replace(changed=nxt.update))
 
 
 def test_adaptive_blocks_track_kl():

@@ -259,8 +259,9 @@ def test_a_sequence_of_rounds_follows_the_rule_computed_by_hand():
         _, decoded = jax.vmap(lambda k, m: coder.decode(k.shared, p, server, m))(keys, msgs)
         new_server, sinfo = coder.update(server, decoded)
         down = coder.downlink(new_server)
-        # the receiver knows its old size and, from the flag it received last round, whether a size follows
-        received = coder.receive(client._replace(changed=client.update), down)
+        # the receiver knows its old size and, from the flag it received last round (its state's `changed`,
+        # as receive left it), whether a size follows
+        received = coder.receive(client, down)
         return new_server, received, msgs.num_bits, infos, decoded, sinfo, down.num_bits
 
     k, f, bmax = CFG.log2_num_candidates, CFG.trigger_factor, CFG.max_block_size
@@ -298,7 +299,9 @@ def test_a_sequence_of_rounds_follows_the_rule_computed_by_hand():
             update, changed = bool(requests.any()), False
         assert (int(server.block_size), bool(server.update), bool(server.changed)) == (b, update, changed)
         assert float(down_bits) == 1 + (L if changed else 0)
-        assert tree_equal(client, server)  # the receiver's copy, from the downlinks alone
+        # the receiver's copy, from the downlinks alone: the server's size and flag, and as `changed` the flag
+        # it just received (whether the next downlink carries a size)
+        assert tree_equal(client, server._replace(changed=server.update))
         sizes.append(b)
         updates.append(update)
     # what happened: requests after rounds 1, 4 and 6 (one client alone), sizes 16 -> 6 -> 64 (clipped) -> 11
@@ -347,17 +350,19 @@ def test_downlink_is_the_stream_a_stale_receiver_parses():
     np.testing.assert_array_equal(np.asarray(host.payload), np.asarray(jitted.payload))
     bits = _stream_bits(host.payload)
     assert bits[0] == 0 and _field(bits, 1, L) == 41 and not bits[1 + L :].any()
-    stale = state._replace(changed=state.update)  # the old size; it knows a size follows
-    for msg in (host, jitted):
-        assert tree_equal(klms_avg_receive(stale, msg, CFG), new)
-        assert tree_equal(receive(stale, msg), new)
+    # the old size, and from last round's downlink (receive's `changed`: the flag it got) that a size follows
+    stale = klms_avg_receive(state, klms_avg_downlink(state, CFG), CFG)
+    assert bool(stale.changed) == bool(state.update)
+    for msg in (host, jitted):  # the server's size and flag; the flag kept as `changed` for the next downlink
+        assert tree_equal(klms_avg_receive(stale, msg, CFG), new._replace(changed=new.update))
+        assert tree_equal(receive(stale, msg), new._replace(changed=new.update))
     # the next rounds: the flag only; the receiver keeps its size
-    client = new._replace(changed=new.update)
+    client = receive(stale, host)
     for requests in ([False, False], [True, False]):
         nxt, _ = klms_avg_server_update(new, _decoded(requests, [42, 42]), CFG)
         down = klms_avg_downlink(nxt, CFG)
         assert float(down.num_bits) == 1 and _stream_bits(down.payload).tolist() == [any(requests)] + [0] * 31
-        assert tree_equal(receive(client, down), nxt)
+        assert tree_equal(receive(client, down), nxt._replace(changed=nxt.update))
 
 
 # ----------------------------------------------------------------------------------------------------
