@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,flower]"
 	touch $@ $(VENV)/.installed
 
 $(VENV)/.installed-docs: pyproject.toml | $(BIN)/python

@@ -142,12 +142,18 @@ def tree_from_bytes(template: PyTree, data: bytes, *, what: str = "state") -> Py
         raise ValueError(f"{what} holds {len(arrays)} arrays, the expected state has {len(leaves)}")
     out = []
     for i, (leaf, arr) in enumerate(zip(leaves, arrays, strict=True)):
-        is_key = jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
-        want = np.asarray(jax.random.key_data(leaf)) if is_key else leaf
-        if tuple(arr.shape) != tuple(np.shape(want)) or arr.dtype != jnp.result_type(want):
+        # the template's leaves: arrays, or jax.ShapeDtypeStruct (the shapes alone)
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+        is_key = jnp.issubdtype(dtype, jax.dtypes.prng_key)
+        want = (
+            jax.eval_shape(jax.random.key_data, leaf)
+            if is_key
+            else jax.ShapeDtypeStruct(np.shape(leaf), dtype)
+        )
+        if tuple(arr.shape) != tuple(want.shape) or arr.dtype != want.dtype:
             raise ValueError(
                 f"{what}: leaf {i} is {arr.dtype}{list(arr.shape)}, expected "
-                f"{jnp.result_type(want)}{list(np.shape(want))} (another algorithm or configuration?)"
+                f"{want.dtype}{list(want.shape)} (another algorithm or configuration?)"
             )
         out.append(
             jax.random.wrap_key_data(arr, impl=jax.random.key_impl(leaf)) if is_key else jnp.asarray(arr)
