@@ -52,6 +52,7 @@ __all__ = [
     "SMALL_KLMS",
     "small_algorithm",
     "SMALL_ALGORITHMS",
+    "report_each",
     "tree_equal",
     "assert_trees_close_across_programs",
     "assert_clean_run",
@@ -207,6 +208,25 @@ def klms_uplink_bits_per_coordinate(algorithm_run, dim: int, method: str) -> dic
         bpp[name] = np.asarray(infos.uplink_bits).mean() / dim
     assert bpp[f"{method}_klms"] < bpp[method], bpp
     return bpp
+
+
+def report_each(names, check) -> int:
+    """The family scripts' loop (``tests/fl/sharded_family.py``, ``tests/fl/roles_family.py``):
+    ``check(name)`` for every name, one JSON line each (``{"name": ..., "ok": true}`` or the error), every
+    name reported even after a failure; returns the exit status (1 if any failed)."""
+    import json
+    import traceback
+
+    failed = 0
+    for name in names:
+        try:
+            check(name)
+            print(json.dumps({"name": name, "ok": True}), flush=True)
+        except Exception as exc:  # report every algorithm, then fail
+            failed += 1
+            detail = "".join(traceback.format_exception_only(exc)).strip()[-2000:]
+            print(json.dumps({"name": name, "ok": False, "error": detail}), flush=True)
+    return 1 if failed else 0
 
 
 def assert_clients_rebuild_the_server(algo, server, dim: int, client_view) -> None:

@@ -492,35 +492,17 @@ class ClientParty:
                 f"client's program {self._own_downlink.payload.shape[0]}: another configuration"
             )
         ids = np.asarray(round_participants(self.algorithm, self.base_key, t, self.num_clients))
+        mine = (self.algorithm, self.base_key, t, self.client_id, self.view, self.client_state, env.message)
         if self.client_id not in ids:
             if env.client_id != EVERY_CLIENT:
                 raise EnvelopeError(
                     f"client {self.client_id} received an own downlink for round {t}, in which "
                     "it is not a participant"
                 )
-            self.view = client_listen(
-                self.algorithm,
-                self.base_key,
-                t,
-                self.client_id,
-                self.view,
-                self.client_state,
-                env.message,
-                self.num_clients,
-            )
+            self.view = client_listen(*mine, self.num_clients)
             self.round_index = t + 1
             return None
-        state, message, info, view = client_step(
-            self.algorithm,
-            self.base_key,
-            t,
-            self.client_id,
-            self.view,
-            self.client_state,
-            env.message,
-            self.data,
-            self.num_clients,
-        )
+        state, message, info, view = client_step(*mine, self.data, self.num_clients)
         sent = bool(np.all(np.asarray(info.valid))) and bool(np.all(np.asarray(info.finite)))
         errors = int(np.bitwise_or.reduce(np.asarray(info.downlink_errors, np.int64).reshape(-1), initial=0))
         out = seal(

@@ -8,9 +8,7 @@ one JSON line per algorithm.
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
@@ -102,22 +100,13 @@ def compare(algo, params, fed, num_clients=NUM_CLIENTS, rounds=ROUNDS, seed=0):
 
 
 def main(argv=None) -> int:
-    from helpers import every_algorithm
+    from helpers import every_algorithm, report_each
 
     names = argv if argv is not None else sys.argv[1:]
     spec, params, loss = model()
     algorithms = every_algorithm(loss, spec, num_clients=NUM_CLIENTS, clients_per_round=CLIENTS_PER_ROUND)
     fed = federation()
-    failed = 0
-    for name in names or sorted(algorithms):
-        try:
-            compare(algorithms[name], params, fed)
-            print(json.dumps({"name": name, "ok": True}), flush=True)
-        except Exception as exc:
-            failed += 1
-            detail = "".join(traceback.format_exception_only(exc)).strip()[-1500:]
-            print(json.dumps({"name": name, "ok": False, "error": detail}), flush=True)
-    return 1 if failed else 0
+    return report_each(names or sorted(algorithms), lambda name: compare(algorithms[name], params, fed))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,8 @@ each process compares with the single-device run it computes on its own first de
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (helpers)
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout_seconds=20,
         )
     # (tests/helpers makes keys at import, which starts JAX's backend: after jax.distributed.initialize)
-    from helpers import every_algorithm
+    from helpers import every_algorithm, report_each
 
     if len(jax.devices()) < args.devices:
         flags = os.environ.get("XLA_FLAGS")
@@ -139,16 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fed = federation(args.num_clients)
     sharded = mesh_client_map(args.devices, strategy=args.strategy)
-    failed = 0
-    for name in names:
-        try:
-            compare(algorithms[name], params, fed, sharded, args.strategy, args.num_clients, args.rounds)
-            print(json.dumps({"name": name, "ok": True}), flush=True)
-        except Exception as exc:  # report every algorithm, then fail
-            failed += 1
-            detail = "".join(traceback.format_exception_only(exc)).strip()[-2000:]
-            print(json.dumps({"name": name, "ok": False, "error": detail}), flush=True)
-    return 1 if failed else 0
+    return report_each(
+        names,
+        lambda name: compare(
+            algorithms[name], params, fed, sharded, args.strategy, args.num_clients, args.rounds
+        ),
+    )
 
 
 if __name__ == "__main__":
