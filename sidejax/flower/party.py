@@ -408,12 +408,15 @@ class ClientParty:
     and its own examples.
 
     Args:
-      algorithm, base_key, num_clients, fingerprint: as for :class:`ServerParty` (the same values).
+      algorithm: the :class:`sidejax.fl.Algorithm` (the server's).
+      base_key: the run's rounds key (the server's).
       client_id: this client's global id.
+      num_clients: clients in the federation.
       view: its view of the server state (at the start: ``init``'s server state,
         :func:`sidejax.fl.roles.initial_parties`).
       client_state: its own state (at the start: its row of ``init``'s client state).
       data: its examples (:func:`own_partition`).
+      fingerprint: :func:`sidejax.flower.config_fingerprint` of the run's configuration (the server's).
       round_index: the next round it expects.
     """
 
