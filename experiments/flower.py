@@ -8,7 +8,8 @@ the example app (``examples/flower/``), and writes the usual results folder::
         --set data.num_clients=3 run.rounds=3
 
 or from a preset (``--preset NAME``). ``--runtime simulation`` runs the same apps in Flower's simulation
-runtime (Ray), in this process. Every process started is stopped on exit, on an error and on Ctrl-C.
+runtime (Ray), in this process. Every process started is stopped on exit, on an error, on Ctrl-C and on
+``kill`` (SIGTERM).
 
 What the results folder holds: ``config.json`` (the run's configuration), ``metrics.jsonl`` (one line per
 round: participants, their coded bits, their envelopes' bytes, Flower's serialised message sizes, who was
@@ -347,7 +348,8 @@ def deploy(
         f'address = "127.0.0.1:{port}"\ninsecure = true\n'
     )
     bindir = Path(sys.executable).parent
-    token = token or f"{os.getpid()}-{time.time_ns()}"
+    # the run's marker: the caller's, one this launcher inherited (a supervisor marking its children), or new
+    token = token or os.environ.get(MARKER) or f"{os.getpid()}-{time.time_ns()}"
     env = {
         **os.environ,
         MARKER: token,
@@ -525,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    # `kill` (SIGTERM) stops the run as Ctrl-C does: the processes it started are stopped before it exits
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         if args.runtime == "deployment":
             out = deploy(rc, n, timeout=args.timeout)

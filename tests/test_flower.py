@@ -393,3 +393,48 @@ def test_simulation_runtime_sends_the_engines_bytes(tmp_path, algorithm):
     rc = _run_config(tmp_path / "run", algorithm, *extra)
     out = simulate(rc, 3)
     _check_against_engine(out, rc)
+
+
+@needs_flwr
+@pytest.mark.slow  # a deployment started and stopped: about 30 s
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_launcher_stops_every_process_it_started(tmp_path, sig):
+    """Ctrl-C (SIGINT) or `kill` (SIGTERM) of `python -m experiments.flower deploy` once the SuperNodes run:
+    it exits with 130 and no process it started (or that Flower spawned for it) is left."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from experiments.flower import MARKER, REPO
+
+    token = f"test-{sig}-{tmp_path.name}"
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-c",
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = sys.argv[1:]; from experiments.flower import main; sys.exit(main(sys.argv[1:]))",
+        "x",
+        "deploy",
+        str(out),
+        "--algorithm",
+        "fedavg",
+        "--set",
+        "data.num_clients=3",
+        "run.rounds=20",
+    ]
+    env = {**os.environ, MARKER: token, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "logs" / "supernode_2.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(5)
+        assert proc.poll() is None, "the launcher ended before it was interrupted"
+        os.kill(proc.pid, getattr(signal, sig))
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        _no_process_left(token)
