@@ -104,14 +104,15 @@ def _build(run_config, node_config):
     return federation(run_config, node_config)[0]
 
 
-def _results(run_config: dict):
-    """The ServerApp's hooks that write the results folder ``run_config["out"]``."""
-    out = Path(run_config["out"])
+def _results():
+    """The ServerApp's hooks ``(on_start, on_round)`` that write the results folder: ``on_start(fed, rc)``
+    opens ``rc["out"]``, ``on_round`` appends to it."""
     state = {}
 
     def on_start(fed, rc):
         from sidejax.fl import build_algorithm_evaluator
 
+        out = state["out"] = Path(rc["out"])
         out.mkdir(parents=True, exist_ok=True)
         if (out / "metrics.jsonl").exists():
             raise FileExistsError(f"{out} already holds a run (metrics.jsonl); choose another folder")
@@ -134,7 +135,7 @@ def _results(run_config: dict):
         from sidejax.fl import RoundState
         from sidejax.flower import OVERHEAD_BYTES, tree_to_bytes
 
-        info, config = report.info, state["config"]
+        out, info, config = state["out"], report.info, state["config"]
         t = report.round_index
         hashes = []
         for j in range(len(report.uplink_bytes)):
@@ -208,13 +209,8 @@ def server_app_for_results():
     """The example app's ``ServerApp``: :func:`federation`, results written to ``run_config["out"]``."""
     from sidejax.flower.apps import server_app
 
-    hooks = {}
-
-    def on_start(fed, rc):
-        hooks["start"], hooks["round"] = _results(rc)
-        hooks["start"](fed, rc)
-
-    return server_app(_build, on_start=on_start, on_round=lambda *a: hooks["round"](*a))
+    on_start, on_round = _results()
+    return server_app(_build, on_start=on_start, on_round=on_round)
 
 
 def fingerprint(run_config: dict) -> bytes:
@@ -470,8 +466,6 @@ def simulate(run_config: dict, num_supernodes: int) -> Path:
     out = Path(run_config["out"])
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} already holds files; choose an empty or new folder")
-    from flwr.app import Context  # noqa: F401 (the extra is installed)
-
     server, client = _apps_with_config(run_config)
     run_simulation(server, client, num_supernodes, backend_config={"client_resources": {"num_cpus": 1}})
     if not (out / "summary.json").exists():
@@ -486,13 +480,8 @@ def _apps_with_config(run_config: dict):
     def build(rc, node_config):
         return _build({**run_config, **{k: v for k, v in rc.items() if k in run_config}}, node_config)
 
-    hooks = {}
-
-    def on_start(fed, rc):
-        hooks["start"], hooks["round"] = _results(run_config)
-        hooks["start"](fed, run_config)
-
-    server = server_app(build, on_start=on_start, on_round=lambda *a: hooks["round"](*a))
+    on_start, on_round = _results()
+    server = server_app(build, on_start=lambda fed, rc: on_start(fed, run_config), on_round=on_round)
     return server, client_app(build, fingerprint=lambda rc: fingerprint(run_config))
 
 

@@ -988,20 +988,24 @@ def _hat_client_update(loss_fn, local, estimator, coder, num_samples, keys, rece
     return me._replace(theta_hat=received.theta_hat), message, info
 
 
-def _hat_track(view, received: _Received, round_index, rkey, client_ids):
-    """A GR-Reconst or PR client's view of the federator's state after round ``round_index``
+def _reconst_track(view, received: _Received | None, round_index, rkey, client_ids):
+    """A GR-Reconst client's view of the federator's state after a round
     (:attr:`sidejax.fl.Algorithm.track_server`): the uplink coder's protocol state it received (kept when it
-    was not a recipient: a stateful uplink coder's protocol is then followed by participants only), a fresh
-    aggregate to come (the federator's ``fresh``, True from its first aggregate on) and, in PR, the rounds
-    completed (``round``, which picks the SplitDL groups). The view assumes that the round aggregated some
-    participant: a round with none included leaves the federator's state as it was (a downlink of 0 sample
-    bits), which a client sees as a stream error in the next round, not as a wrong sample."""
-    del rkey, client_ids
+    was not a recipient: a stateful uplink coder's protocol is then followed by participants only) and a
+    fresh aggregate to come (the federator's ``fresh``, True from its first aggregate on). The view assumes
+    that the round aggregated some participant: a round with none included leaves the federator's state as
+    it was (a downlink of 0 sample bits), which a client sees as a stream error in the next round, not as a
+    wrong sample."""
+    del round_index, rkey, client_ids
     coder = view.coder if received is None else received.coder  # None: not a recipient of this round
-    view = view._replace(coder=coder, fresh=jnp.asarray(True))
-    if hasattr(view, "round"):
-        view = view._replace(round=jnp.asarray(round_index + 1, view.round.dtype))
-    return view
+    return view._replace(coder=coder, fresh=jnp.asarray(True))
+
+
+def _pr_track(view, received: _Received | None, round_index, rkey, client_ids):
+    """A PR client's view: GR-Reconst's (:func:`_reconst_track`) and the rounds completed (``round``, which
+    picks the SplitDL groups), under the same assumption."""
+    view = _reconst_track(view, received, round_index, rkey, client_ids)
+    return view._replace(round=jnp.asarray(round_index + 1, view.round.dtype))
 
 
 def _reconst_server_update(
@@ -1062,7 +1066,7 @@ def bicompfl_gr_reconst(
     """
     _check_common("bicompfl_gr_reconst", coder, estimator, num_uplink_samples, num_clients)
     return _downlink_algorithm(
-        (_reconst_init, _reconst_broadcast, _reconst_receive, _reconst_server_update),
+        (_reconst_init, _reconst_broadcast, _reconst_receive, _reconst_server_update, _reconst_track),
         num_clients,  # the downlink kernels' n
         (loss_fn, local, estimator, eval_mask, coder, num_uplink_samples),
         downlink,
@@ -1082,13 +1086,14 @@ def _downlink_algorithm(
     kernels, arg, client, downlink, num_dl, *, num_clients, clients_per_round
 ) -> Algorithm:
     """The :class:`sidejax.fl.Algorithm` of a variant with an importance-sampled downlink (GR-Reconst, PR):
-    its ``kernels`` ``(init, broadcast, receive, server_update)`` bound to the uplink coder, the checked
+    its ``kernels`` ``(init, broadcast, receive, server_update, track_server)`` bound to the uplink coder, the
+    checked
     ``downlink`` coder and its ``num_dl`` samples; ``arg`` is the downlink kernels' own static argument
     (GR-Reconst: ``n``, PR: its :class:`_Split`). ``client`` is the builder's
     ``(loss_fn, local, estimator, eval_mask, coder, num_uplink_samples)``; the clients' work is
     :func:`_hat_client_update`."""
     _check_downlink(downlink)
-    init, broadcast, receive, server_update = kernels
+    init, broadcast, receive, server_update, track_server = kernels
     loss_fn, local, estimator, eval_mask, coder, num_ul = client
     return Algorithm(
         init=functools.partial(init, coder, num_clients),
@@ -1099,7 +1104,7 @@ def _downlink_algorithm(
         evaluation=Evaluation(functools.partial(fedpm_eval_params, eval_mask)),
         clients_per_round=clients_per_round,
         metrics=_metrics,
-        track_server=_hat_track,
+        track_server=track_server,
     )
 
 
@@ -1171,7 +1176,7 @@ def bicompfl_pr(
             )
         split_rounds = check_count(split_rounds, "split_rounds")
     return _downlink_algorithm(
-        (_pr_init, _pr_broadcast, _pr_receive, _pr_server_update),
+        (_pr_init, _pr_broadcast, _pr_receive, _pr_server_update, _pr_track),
         _Split(num_clients, split_rounds) if split_downlink else _Split(1),  # SplitDL's groups
         (loss_fn, local, estimator, eval_mask, coder, num_uplink_samples),
         downlink,

@@ -613,8 +613,8 @@ def klms_receive(state: KLMSState, message: Message, config: KLMSConfig) -> KLMS
     ``state`` is the receiver's previous knowledge; its partition is kept when none was sent. The state
     returned is the receiver's knowledge for the next downlink too: its ``changed`` is the flag just
     received (whether the next downlink carries a partition), as in the server's state after its update
-    (:func:`klms_update`), so a client that keeps it (a deployment's view, :mod:`sidejax.fl.roles`) parses
-    the next partition without being handed the server's state."""
+    (:func:`klms_server_update`), so a client that keeps it (a deployment's view,
+    :mod:`sidejax.fl.roles`) parses the next partition without being handed the server's state."""
     if not config.adaptive:
         return state
     blocks = state.blocks

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from sidejax.fl.base import Algorithm, ClientData
-from sidejax.fl.rounds import ClientPhase, close_round, open_downlink, sample_clients
-from sidejax.keys import DOWNLINK, SAMPLING, client_keys, round_key, stream_key
+from sidejax.fl.rounds import ClientPhase, close_round, draw_participants, open_downlink
+from sidejax.keys import DOWNLINK, client_keys, round_key, stream_key
 from sidejax.types import PRNGKey, PyTree
 
 __all__ = [
@@ -51,8 +51,7 @@ __all__ = [
 def round_participants(algorithm: Algorithm, base_key: PRNGKey, round_index, num_clients: int) -> jax.Array:
     """The participants of round ``round_index``: what every party computes from the run's key (the
     engine's sampling, :func:`sidejax.fl.sample_clients`), so no one needs to be told."""
-    rkey = round_key(base_key, round_index)
-    return sample_clients(stream_key(rkey, SAMPLING), num_clients, algorithm.clients_per_round)
+    return draw_participants(algorithm, round_key(base_key, round_index), num_clients)
 
 
 def _same_structure(a: PyTree, b: PyTree) -> bool:

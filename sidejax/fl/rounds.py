@@ -71,6 +71,7 @@ __all__ = [
     "start_round",
     "run_clients",
     "finish_round",
+    "draw_participants",
     "open_downlink",
     "participate",
     "close_round",
@@ -423,11 +424,17 @@ class PartialRound(NamedTuple):
 # --- the round's three roles: one definition, for the engine here and for transports (sidejax.fl.roles) -----
 
 
+def draw_participants(algorithm: Algorithm, rkey: PRNGKey, num_clients: int) -> jax.Array:
+    """Step 1 of a round: its participants, sampled from ``stream_key(rkey, SAMPLING)`` (every party can
+    compute them from the round key)."""
+    return sample_clients(stream_key(rkey, SAMPLING), num_clients, algorithm.clients_per_round)
+
+
 def open_downlink(algorithm: Algorithm, rkey: PRNGKey, server: PyTree, num_clients: int):
     """Steps 1-2 of a round, the server's opening: ``(client_ids, sent_server, downlink)`` for the round
-    whose key is ``rkey`` (participants sampled from ``stream_key(rkey, SAMPLING)``, the broadcast keyed by
+    whose key is ``rkey`` (:func:`draw_participants`, then the broadcast keyed by
     ``stream_key(rkey, DOWNLINK)``)."""
-    ids = sample_clients(stream_key(rkey, SAMPLING), num_clients, algorithm.clients_per_round)
+    ids = draw_participants(algorithm, rkey, num_clients)
     sent_server, downlink = algorithm.broadcast(stream_key(rkey, DOWNLINK), server, ids)
     return ids, sent_server, downlink
 
