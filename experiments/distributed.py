@@ -25,9 +25,17 @@ What each process does (:mod:`experiments.driver`):
   examples and the client state (:func:`sidejax.fl.place_federation`);
 - only process 0 writes the results folder, which every process must be able to read (a shared
   filesystem: ``--resume`` reads the checkpoint in every process);
-- a process that dies is noticed by the others through the coordination service's heartbeat
-  (``HEARTBEAT_TIMEOUT_S``) or by the collective that waits on it: they stop with an error instead of
-  waiting forever; the last checkpoint is intact and ``--resume`` on the same topology continues it.
+- a process that dies is noticed by the others in the round loop (:func:`lost_process_error`), and they
+  stop with exit status 4 and a message naming the last checkpoint, instead of waiting forever; that
+  checkpoint is intact and ``--resume`` on the same topology continues it. Two things notice it: the
+  collective that waits on the lost process, when the transport reports the broken connection (gloo
+  usually does, within a second), and a watch of our own: every process writes a count to the
+  coordination service's key-value store each second and reads the others'; one that has not changed
+  for ``LOST_AFTER_S`` (half the heartbeat timeout) is taken for lost. The watch is needed because a
+  collective can also wait forever on a process killed mid-exchange (measured: 1 kill in 10 here), and
+  then JAX's own heartbeat (``HEARTBEAT_TIMEOUT_S``) ends the waiting process from C++ (exit status
+  134, a page of log and no word on the checkpoint). Outside the round loop (joining, the configuration
+  check, writing the results) JAX's heartbeat is what stops them.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -61,6 +70,14 @@ __all__ = [
 INIT_TIMEOUT_S = int(os.environ.get("SIDEJAX_DIST_INIT_TIMEOUT_S", "120"))
 #: seconds without a heartbeat after which the coordination service declares a process dead
 HEARTBEAT_TIMEOUT_S = int(os.environ.get("SIDEJAX_DIST_HEARTBEAT_TIMEOUT_S", "30"))
+#: seconds without a sign of life from another process (its count in the key-value store unchanged) after
+#: which a process in the round loop stops with exit status 4; below HEARTBEAT_TIMEOUT_S, so that this
+#: clear stop comes before JAX's own, which aborts the interpreter
+LOST_AFTER_S = float(os.environ.get("SIDEJAX_DIST_LOST_AFTER_S", HEARTBEAT_TIMEOUT_S / 2))
+#: seconds between two signs of life
+BEAT_S = 1.0
+#: exit status of a process that stopped because another one was lost
+LOST_STATUS = 4
 
 
 def start(run: RunConfig) -> None:
@@ -199,13 +216,22 @@ class ProcessLostError(RuntimeError):
 
 @contextlib.contextmanager
 def lost_process_error(run: RunConfig, what_now: Callable[[], str]):
-    """Within it, in a run of several processes, a failed collective (``jax.errors.JaxRuntimeError``: gloo's
-    "connection reset by peer", the coordination service's "heartbeat timeout") becomes a
-    :class:`ProcessLostError` naming this process and ``what_now()`` (e.g. where the last checkpoint is). A
-    single process re-raises JAX's error unchanged."""
+    """The round loop of a run of several processes: a lost process stops this one with a clear error.
+
+    Within it, a failed collective (``jax.errors.JaxRuntimeError``: gloo's "connection reset by peer", the
+    coordination service's "heartbeat timeout") becomes a :class:`ProcessLostError` naming this process and
+    ``what_now()`` (e.g. where the last checkpoint is); and a watch thread (see the module docstring) ends
+    the process with exit status 4 and the same message when another process gives no sign of life for
+    :data:`LOST_AFTER_S` seconds, or the coordinator cannot be reached for as long: the case where a
+    collective waits forever on the lost process. Leaving normally tells the others that this process is
+    done (it is not lost when it then stops); leaving by an exception does not. A single process re-raises
+    JAX's error unchanged and runs no watch."""
+    watch = _Watch.start(run, what_now) if run.processes > 1 else None
     try:
         yield
     except jax.errors.JaxRuntimeError as exc:
+        if watch is not None:
+            watch.close(left=False)
         if run.processes == 1:
             raise
         first = str(exc).strip().splitlines()[0][:300]
@@ -213,3 +239,105 @@ def lost_process_error(run: RunConfig, what_now: Callable[[], str]):
             f"process {run.process_id} of {run.processes}: a collective with the other processes failed "
             f"({first}); another process of this run has most likely stopped (see its log). {what_now()}"
         ) from exc
+    except BaseException:
+        if watch is not None:
+            watch.close(left=False)
+        raise
+    if watch is not None:
+        watch.close(left=True)
+
+
+def _coordination_client():
+    """JAX's client of the coordination service (the key-value store), or ``None`` when this JAX has none
+    where :mod:`jax.experimental.multihost_utils` finds it."""
+    try:
+        from jax._src import distributed as jax_distributed
+    except ImportError:  # pragma: no cover - a JAX that moved it: the watch is off, JAX's heartbeat remains
+        return None
+    return getattr(getattr(jax_distributed, "global_state", None), "client", None)
+
+
+class _Watch:
+    """Signs of life between the processes of a run, through the coordination service's key-value store.
+
+    Each process sets ``sidejax/alive/<process_id>`` to a count that grows every :data:`BEAT_S` seconds
+    and reads every other process's; a process whose count has not changed for :data:`LOST_AFTER_S`
+    seconds (counted from this watch's start for one not seen yet), or a store that cannot be reached for
+    as long, ends this process (:meth:`lost`). A process done with the round loop sets its key to
+    ``"left"``, and is not waited for any more."""
+
+    PREFIX = "sidejax/alive/"
+
+    def __init__(self, run: RunConfig, what_now: Callable[[], str], client) -> None:
+        self.run, self.what_now, self.client = run, what_now, client
+        self.key = f"{self.PREFIX}{run.process_id}"
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="sidejax-peers", daemon=True)
+
+    @classmethod
+    def start(cls, run: RunConfig, what_now: Callable[[], str]) -> _Watch | None:
+        client = _coordination_client()
+        if client is None:
+            return None
+        watch = cls(run, what_now, client)
+        watch.thread.start()
+        return watch
+
+    def close(self, *, left: bool) -> None:
+        """Stops the watch; ``left``: tell the others this process is done (it may stop now)."""
+        self.closed.set()
+        if left:
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(self.key, "left", allow_overwrite=True)
+
+    def _loop(self) -> None:
+        others = [p for p in range(self.run.processes) if p != self.run.process_id]
+        start = time.monotonic()
+        last = {p: (None, start) for p in others}  # the count last seen, and when it changed
+        unreachable = None  # (since when, the error) the store could not be reached
+        count = 0
+        while not self.closed.is_set():
+            count += 1
+            now = time.monotonic()
+            try:
+                self.client.key_value_set(self.key, str(count), allow_overwrite=True)
+                seen = dict(self.client.key_value_dir_get(self.PREFIX))
+                unreachable = None
+            except Exception as exc:  # the coordinator (process 0) is gone, or the RPC failed
+                unreachable = unreachable or (now, exc)
+                if now - unreachable[0] >= LOST_AFTER_S:
+                    self.lost(
+                        f"the run's coordinator (process 0 at {self.run.coordinator}) could not be reached "
+                        f"for {LOST_AFTER_S:g} s ({str(unreachable[1]).strip().splitlines()[0][:200]})"
+                    )
+                self.closed.wait(BEAT_S)
+                continue
+            silent = []
+            for p in others:
+                value = seen.get(f"{self.PREFIX}{p}")
+                if value == "left":
+                    continue
+                if value != last[p][0]:
+                    last[p] = (value, now)
+                elif now - last[p][1] >= LOST_AFTER_S:
+                    silent.append(p)
+            if silent:
+                self.lost(f"process(es) {silent} gave no sign of life for {LOST_AFTER_S:g} s")
+            self.closed.wait(BEAT_S)
+
+    def lost(self, why: str) -> None:
+        """Prints why and what now, and ends the process (exit status 4) once no file is being written."""
+        from experiments import interrupts
+
+        with interrupts.writing():
+            if self.closed.is_set():  # the main thread got there first (a failed collective) or is done
+                return
+            print(
+                f"stopped: process {self.run.process_id} of {self.run.processes}: {why}; another process of "
+                f"this run has most likely stopped (see its log). {self.what_now()}",
+                file=sys.stderr,
+            )
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(LOST_STATUS)

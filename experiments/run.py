@@ -62,7 +62,7 @@ from experiments.config import (
     load_preset,
     preset_description,
 )
-from experiments.distributed import ProcessLostError
+from experiments.distributed import LOST_STATUS, ProcessLostError
 from experiments.driver import (
     InvalidStreamError,
     NonFiniteError,
@@ -469,7 +469,7 @@ def _run(args: argparse.Namespace, config: ExperimentConfig, out: Path) -> int:
         sys.stdout.flush()
         # not sys.exit: at exit JAX's distributed client waits on a shutdown barrier with the lost process,
         # then aborts the interpreter (status 134) with a page of C++ log
-        os._exit(4)
+        os._exit(LOST_STATUS)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

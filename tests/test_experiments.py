@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -1349,6 +1350,94 @@ def test_a_process_that_cannot_reach_process_0_stops_naming_the_address(monkeypa
     ).run
     with pytest.raises(ValueError, match="run.coordinator must be host:port"):
         distributed.start(bad)
+
+
+class _Store:
+    """A stand-in for the coordination service's key-value store, shared by the watches of one test."""
+
+    def __init__(self):
+        self.values, self.down = {}, False
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def _watch(monkeypatch, store, process_id, processes=3):
+    """One process's watch of signs of life on ``store``; ``lost`` records why instead of ending the
+    process."""
+    from experiments import distributed
+
+    monkeypatch.setattr(distributed, "LOST_AFTER_S", 1.0)
+    monkeypatch.setattr(distributed, "BEAT_S", 0.02)
+    run = default_config(
+        "fedavg",
+        **{
+            "run.processes": processes,
+            "run.devices": processes,
+            "run.process_id": process_id,
+            "run.coordinator": "127.0.0.1:1",
+        },
+    ).run
+    watch = distributed._Watch(run, lambda: "the last checkpoint is at round 7", store)
+    watch.reasons = []
+
+    def lost(why):
+        watch.reasons.append(why)
+        watch.closed.set()
+
+    watch.lost = lost
+    return watch
+
+
+def test_the_watch_of_signs_of_life_names_a_silent_process_and_spares_one_that_left(monkeypatch):
+    """Process 0 watches 1 (alive, then done: "left") and 2 (never a sign of life): only 2 is lost, after
+    LOST_AFTER_S; then a store that cannot be reached is lost too."""
+    store = _Store()
+    zero, one = _watch(monkeypatch, store, 0), _watch(monkeypatch, store, 1)
+    one.thread.start()
+    while store.values.get("sidejax/alive/1") in (None, "1"):  # process 1 is counting
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    zero.thread.start()
+    time.sleep(0.1)
+    one.close(left=True)  # written at once, well inside LOST_AFTER_S of its last count
+    zero.thread.join(timeout=30)
+    assert not zero.thread.is_alive() and time.monotonic() - t0 >= 1.0
+    assert zero.reasons == ["process(es) [2] gave no sign of life for 1 s"]
+    assert store.values["sidejax/alive/1"] == "left"
+
+    store.down = True
+    two = _watch(monkeypatch, store, 2)
+    two.thread.start()
+    two.thread.join(timeout=30)
+    assert len(two.reasons) == 1
+    assert two.reasons[0].startswith("the run's coordinator (process 0 at 127.0.0.1:1) could not be reached")
+
+
+def test_a_lost_process_ends_this_one_with_the_message_and_status_4(tmp_path):
+    """The watch's end, in a process of its own: the message (why, and what now) on stderr, status 4."""
+    code = (
+        "import time\n"
+        "from experiments import distributed\n"
+        "from experiments.algorithms import default_config\n"
+        "run = default_config('fedavg', **{'run.processes': 2, 'run.devices': 2, 'run.process_id': 1,"
+        " 'run.coordinator': '127.0.0.1:1'}).run\n"
+        "distributed._Watch(run, lambda: 'the last checkpoint is at round 7', None).lost('why')\n"
+        "time.sleep(60)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.strip() == (
+        "stopped: process 1 of 2: why; another process of this run has most likely stopped (see its log). "
+        "the last checkpoint is at round 7"
+    )
 
 
 def test_a_new_run_refuses_a_folder_that_holds_anything(tmp_path, capsys):
