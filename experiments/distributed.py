@@ -287,6 +287,8 @@ class _Watch:
         """Stops the watch; ``left``: tell the others this process is done (it may stop now)."""
         self.closed.set()
         if left:
+            # after the thread's last count, which would otherwise overwrite "left" and read as silence
+            self.thread.join(timeout=BEAT_S + 30)
             with contextlib.suppress(Exception):
                 self.client.key_value_set(self.key, "left", allow_overwrite=True)
 
