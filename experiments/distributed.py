@@ -35,7 +35,10 @@ What each process does (:mod:`experiments.driver`):
   collective can also wait forever on a process killed mid-exchange (measured: 1 kill in 10 here), and
   then JAX's own heartbeat (``HEARTBEAT_TIMEOUT_S``) ends the waiting process from C++ (exit status
   134, a page of log and no word on the checkpoint). Outside the round loop (joining, the configuration
-  check, writing the results) JAX's heartbeat is what stops them.
+  check, writing the results) JAX's heartbeat is what stops them. One more outcome is outside Python: on
+  CPU, gloo itself sometimes aborts the waiting process when the lost one died halfway through sending a
+  message ("gloo::EnforceNotMet ... Received data size doesn't match expected size", exit status 134;
+  about 1 kill in 15 here). The checkpoint is intact then too, and ``--resume`` continues it.
 """
 
 from __future__ import annotations

@@ -174,7 +174,10 @@ def test_a_process_that_dies_stops_the_other_with_a_clear_error_and_the_checkpoi
     that collective waits instead (1 kill in 10 here; what failed in CI), from the watch of signs of life
     (``experiments.distributed.LOST_AFTER_S``, 15 s). Frozen (SIGSTOP: its connections stay open, so
     only the watch can tell): always the watch. Either comes before JAX's heartbeat (30 s), which would
-    abort process 0 from C++ (exit status 134) without a word on the checkpoint."""
+    abort process 0 from C++ (exit status 134) without a word on the checkpoint. One outcome of a kill is
+    outside Python: gloo itself aborts process 0 when it receives a half-sent message ("gloo::EnforceNotMet",
+    SIGABRT, about 1 kill in 15 here); the test accepts that one alone, and checks the checkpoint all the
+    same."""
     port = _free_port()
     out = tmp_path / "run"
     cmds = [_run_cmd(out, "--run.rounds", "500", port=port, pid=i) for i in range(2)]
@@ -191,8 +194,15 @@ def test_a_process_that_dies_stops_the_other_with_a_clear_error_and_the_checkpoi
         code = procs[0].wait(timeout=120)  # a bound against a hang (it stops in seconds), not a speed check
         stopped_after = time.monotonic() - signalled
     log = _log(tmp_path / "logs", 0)
-    assert code == 4, f"exit status {code}, {stopped_after:.1f} s after the signal\n" + log[-3000:]
-    assert "another process of this run has most likely stopped" in log and "--resume" in log, log[-3000:]
+    gloo_abort = "gloo::EnforceNotMet" in log and code == -signal.SIGABRT
+    if signum == signal.SIGKILL and gloo_abort:
+        # gloo's own abort (a C++ terminate in its transport thread, the killed process's half-sent message):
+        # about 1 kill in 15 here, nothing Python can catch; documented (experiments/distributed.py). The
+        # checkpoint must still be intact, and the process has stopped, not hung.
+        pass
+    else:
+        assert code == 4, f"exit status {code}, {stopped_after:.1f} s after the signal\n" + log[-3000:]
+        assert "another process of this run has most likely stopped" in log and "--resume" in log, log[-3000:]
     if signum == signal.SIGSTOP:
         assert "process(es) [1] gave no sign of life for 15 s" in log, log[-3000:]
     from experiments.checkpoint import read_checkpoint_meta
