@@ -56,6 +56,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from experiments import interrupts
 from experiments.config import LAUNCH_FIELDS, ExperimentConfig, RunConfig
 
 __all__ = [
@@ -230,24 +231,28 @@ def lost_process_error(run: RunConfig, what_now: Callable[[], str]):
     done (it is not lost when it then stops); leaving by an exception does not. A single process re-raises
     JAX's error unchanged and runs no watch."""
     watch = _Watch.start(run, what_now) if run.processes > 1 else None
+    left = False
     try:
         yield
+        left = True
     except jax.errors.JaxRuntimeError as exc:
-        if watch is not None:
-            watch.close(left=False)
         if run.processes == 1:
             raise
         first = str(exc).strip().splitlines()[0][:300]
         raise ProcessLostError(
-            f"process {run.process_id} of {run.processes}: a collective with the other processes failed "
-            f"({first}); another process of this run has most likely stopped (see its log). {what_now()}"
+            _lost_message(run, f"a collective with the other processes failed ({first})", what_now)
         ) from exc
-    except BaseException:
+    finally:
         if watch is not None:
-            watch.close(left=False)
-        raise
-    if watch is not None:
-        watch.close(left=True)
+            watch.close(left=left)
+
+
+def _lost_message(run: RunConfig, why: str, what_now: Callable[[], str]) -> str:
+    """What a process says when another one of its run is lost: which process, ``why``, and ``what_now()``."""
+    return (
+        f"process {run.process_id} of {run.processes}: {why}; another process of this run has most likely "
+        f"stopped (see its log). {what_now()}"
+    )
 
 
 def _coordination_client():
@@ -332,17 +337,9 @@ class _Watch:
 
     def lost(self, why: str) -> None:
         """Prints why and what now, and ends the process (exit status 4) once no file is being written."""
-        from experiments import interrupts
-
         with interrupts.writing():
             if self.closed.is_set():  # the main thread got there first (a failed collective) or is done
                 return
-            print(
-                f"stopped: process {self.run.process_id} of {self.run.processes}: {why}; another process of "
-                f"this run has most likely stopped (see its log). {self.what_now()}",
-                file=sys.stderr,
-            )
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
+            print(f"stopped: {_lost_message(self.run, why, self.what_now)}", file=sys.stderr)
+            interrupts.flush_output()
             os._exit(LOST_STATUS)

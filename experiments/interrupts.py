@@ -27,7 +27,15 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["Interrupted", "handle_ctrl_c", "deferring", "writing", "stop_point", "exit_process"]
+__all__ = [
+    "Interrupted",
+    "handle_ctrl_c",
+    "deferring",
+    "writing",
+    "stop_point",
+    "exit_process",
+    "flush_output",
+]
 
 #: the exit status of a run stopped by Ctrl-C (128 + SIGINT)
 INTERRUPTED = 130
@@ -53,7 +61,7 @@ class _Handler:
             if not self.reported:
                 self.reported = True
                 self.on_quit()
-            _flush()
+            flush_output()
         return INTERRUPTED
 
     def pressed(self) -> None:
@@ -66,7 +74,7 @@ class _Handler:
                 "checkpoint written.",
                 file=sys.stderr,
             )
-            _flush()
+            flush_output()
             return
         with self.lock:  # waits for a write in progress to end; the main thread never gets it back
             self.report()
@@ -87,7 +95,8 @@ class _Handler:
 _ACTIVE: _Handler | None = None
 
 
-def _flush() -> None:
+def flush_output() -> None:
+    """Flushes stdout and stderr, ignoring a stream that cannot be (before an ``os._exit``)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -151,6 +160,6 @@ def exit_process(status: int) -> None:
     """Ends a command with ``status``; after a Ctrl-C (130) without the interpreter's teardown, which can
     crash while XLA threads still run (the output is flushed first)."""
     if status == INTERRUPTED:
-        _flush()
+        flush_output()
         os._exit(status)
     sys.exit(status)

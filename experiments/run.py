@@ -465,8 +465,7 @@ def _run(args: argparse.Namespace, config: ExperimentConfig, out: Path) -> int:
         return 3
     except ProcessLostError as e:
         print(f"stopped: {e}", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
+        interrupts.flush_output()
         # not sys.exit: at exit JAX's distributed client waits on a shutdown barrier with the lost process,
         # then aborts the interpreter (status 134) with a page of C++ log
         os._exit(LOST_STATUS)

@@ -1087,9 +1087,8 @@ def _downlink_algorithm(
 ) -> Algorithm:
     """The :class:`sidejax.fl.Algorithm` of a variant with an importance-sampled downlink (GR-Reconst, PR):
     its ``kernels`` ``(init, broadcast, receive, server_update, track_server)`` bound to the uplink coder, the
-    checked
-    ``downlink`` coder and its ``num_dl`` samples; ``arg`` is the downlink kernels' own static argument
-    (GR-Reconst: ``n``, PR: its :class:`_Split`). ``client`` is the builder's
+    checked ``downlink`` coder and its ``num_dl`` samples; ``arg`` is the downlink kernels' own static
+    argument (GR-Reconst: ``n``, PR: its :class:`_Split`). ``client`` is the builder's
     ``(loss_fn, local, estimator, eval_mask, coder, num_uplink_samples)``; the clients' work is
     :func:`_hat_client_update`."""
     _check_downlink(downlink)
