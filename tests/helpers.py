@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
 
 import jax
@@ -92,6 +93,18 @@ def rounds_one_by_one(algo, params, fed, rounds: int):
         states.append(state)
         infos.append(info)
     return states, jax.tree.map(lambda *a: np.concatenate(a), *infos)
+
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def forced_devices_env(devices: int, **extra: str) -> dict:
+    """The environment of a subprocess that needs ``devices`` CPU devices (the count must be set before JAX
+    starts): this process's environment and XLA flags with the device count replaced, so a subprocess of a
+    run at LLVM -O0 (``make test``, the breadth tests of ``make test-all``) compiles at -O0 too, and one of a
+    run at XLA's default level at that level."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return dict(os.environ, **extra, XLA_FLAGS=" ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"]))
 
 
 def tree_equal(a, b) -> bool:

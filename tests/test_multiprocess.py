@@ -35,7 +35,9 @@ def _free_port() -> int:
 
 
 def _env(devices: int, **extra: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+    from helpers import forced_devices_env
+
+    env = forced_devices_env(devices, **extra)
     env.pop("JAX_PLATFORMS", None)
     return env
 

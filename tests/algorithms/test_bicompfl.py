@@ -204,6 +204,7 @@ def test_splitdl_refreshes_exactly_its_rotating_group(runs, small_model):
         assert sorted((j + t) % N for t in range(N)) == list(range(N))
 
 
+@pytest.mark.slow  # two programs agree bit for bit with XLA's default emitters only (Makefile)
 def test_the_hybrid_splits_before_split_rounds_and_sends_prs_full_downlink_after(runs, small_model):
     """docs/papers/bicompfl.md#splitdl-hybrid: the downlink carrying theta_t is SplitDL's for
     t < split_rounds (the run equals the pure SplitDL run bit for bit, and exactly the group's coordinates

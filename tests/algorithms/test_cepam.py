@@ -63,6 +63,7 @@ def test_determinism(cepam_run, digits_fed):
     np.testing.assert_array_equal(np.asarray(info2.uplink_bits), np.asarray(info.uplink_bits))
 
 
+@pytest.mark.slow  # two programs agree within a few ULP with XLA's default emitters only (Makefile)
 def test_uncompressed_round_is_the_plain_mean(small_model, digits_fed):
     """With the float32 coder (vanilla FL) the new model is the mean of the local models, each trained by
     sampled_sgd with the client's own keys. The reference runs the clients under lax.map like the engine's

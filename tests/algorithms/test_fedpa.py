@@ -155,6 +155,7 @@ def fedpa_runs(small_model, digits_fed):
     return algo, state0, burn, after, fedavg_run
 
 
+@pytest.mark.slow  # two programs agree bit for bit with XLA's default emitters only (Makefile)
 def test_burn_in_rounds_are_fedavg_rounds_bit_for_bit(fedpa_runs):
     _, state0, (burn_state, burn_info), _, (avg_state, avg_info) = fedpa_runs
     assert SETTINGS.local_steps == 7
@@ -164,6 +165,7 @@ def test_burn_in_rounds_are_fedavg_rounds_bit_for_bit(fedpa_runs):
     assert tree_equal(burn_info, avg_info)  # the same clients, losses, step counts, bits and server norms
 
 
+@pytest.mark.slow  # two programs agree bit for bit with XLA's default emitters only (Makefile)
 def test_the_message_is_y_in_burn_in_and_x_minus_the_fedpa_delta_after(fedpa_runs, small_model, digits_fed):
     """One client's kernel around the round switch: in round 1 (< burn_in_rounds) it sends its final iterate
     y_i (FedAvg's message), in round 2 the point x_t − Δ_i with Δ_i = fedpa_delta of its own samples."""

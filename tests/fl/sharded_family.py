@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--strategy", default="map", choices=("map", "vmap"))
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument(
+        "--part", default="0/1", help="I/N: the I-th of N interleaved parts of the algorithms (0/1: all)"
+    )
     parser.add_argument("--processes", type=int, default=1, help="processes of the run (jax.distributed)")
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--coordinator", default=None, help="host:port of process 0 (with --processes > 1)")
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     algorithms = every_algorithm(
         loss, spec, num_clients=args.num_clients, clients_per_round=CLIENTS_PER_ROUND
     )
-    names = args.names or sorted(algorithms)
+    part, parts = (int(v) for v in args.part.split("/"))
+    names = (args.names or sorted(algorithms))[part::parts]
     unknown = sorted(set(names) - set(algorithms))
     if unknown:
         print(f"unknown algorithms {unknown}; known: {sorted(algorithms)}")

@@ -6,8 +6,8 @@ programs there). This process has one device: the bad-input checks run here."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import forced_devices_env
 from jax.sharding import Mesh
 
 from sidejax.fl import CLIENT_AXIS, ClientMap, as_client_map, build_round_step, mesh_client_map
@@ -23,12 +24,6 @@ from sidejax.keys import round_key
 
 SCRIPT = Path(__file__).with_name("sharded_family.py")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _forced_devices_env(n: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
-    return env
 
 
 def test_mesh_client_map_splits_over_the_clients_axis():
@@ -97,7 +92,7 @@ def test_placing_on_a_one_device_mesh_changes_no_bit(fedavg_map, small_model, di
 def _run_family(names: list[str], devices: int, *flags: str, timeout: int = 1500):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--devices", str(devices), *flags, *names],
-        env=_forced_devices_env(devices),
+        env=forced_devices_env(devices),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -108,12 +103,17 @@ def _run_family(names: list[str], devices: int, *flags: str, timeout: int = 1500
 
 
 @pytest.mark.slow  # every algorithm compiles four programs on 8 forced devices: several minutes
+@pytest.mark.breadth
 def test_every_algorithm_sharded_over_8_devices_equals_one_device():
-    """16 clients (the client state split 2 per device), 10 participants per round (padded to 16)."""
-    proc, rows = _run_family([], 8)
-    failed = [r for r in rows if not r["ok"]]
-    assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert len(rows) >= 20, proc.stdout
+    """16 clients (the client state split 2 per device), 10 participants per round (padded to 16). The
+    algorithms in two interleaved halves, one subprocess each, at once: run as one subprocess, the sweep was
+    the last test of its run, for minutes, with the other core idle."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        halves = list(pool.map(lambda part: _run_family([], 8, "--part", f"{part}/2"), range(2)))
+    for proc, rows in halves:
+        failed = [r for r in rows if not r["ok"]]
+        assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert sum(len(rows) for _, rows in halves) >= 20, [proc.stdout for proc, _ in halves]
 
 
 @pytest.mark.slow  # a subprocess with 8 forced devices, four programs per algorithm
@@ -149,7 +149,7 @@ def test_more_devices_than_participants_is_refused_naming_both():
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
-        env=_forced_devices_env(8),
+        env=forced_devices_env(8),
         cwd=ROOT,
         capture_output=True,
         text=True,
