@@ -56,9 +56,9 @@ test: $(VENV)/.installed-dev
 
 # Every test, the slow ones included (CI runs it after `make test`), in two runs: every test but the breadth
 # sweeps at XLA's default level (the programs users run), then the breadth sweeps (one property over every
-# algorithm, marker `breadth`) at -O0 as in `make test`, with XLA's default emitters. A sweep checks the same property as its fast
-# siblings, which run at the default level in the first run; compiling two dozen algorithms' rounds at the
-# default level is most of a sweep's time (2-2.5x its time at -O0).
+# algorithm, marker `breadth`) at -O0 with XLA's default emitters. A sweep checks the property of its fast
+# siblings, which run at the default level in the first run; compiling two dozen algorithms' rounds is
+# most of a sweep's time, about twice as long at the default level as at -O0 (3,043 s against 1,467 s).
 test-all: $(VENV)/.installed-dev
 	$(PYTEST) -m "not breadth"
 	XLA_FLAGS="$(O0_COMPILE)" $(PYTEST) -m breadth
