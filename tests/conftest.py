@@ -66,6 +66,15 @@ def _release_compiled_programs():
         gc.collect()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection reads the marks
+def pytest_collection_modifyitems(items):
+    """A breadth sweep is a slow test: ``make test`` (``-m "not slow"``) leaves it out without each sweep
+    carrying both marks."""
+    for item in items:
+        if item.get_closest_marker("breadth") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def digits():
     return load_dataset("digits", "train"), load_dataset("digits", "test")

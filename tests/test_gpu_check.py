@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPERS = ("KLMS", "BICompFL", "CEPAM", "CoreSet-PFedBayes", "BPC-FL")
 
 
-@pytest.mark.slow  # five presets compiled in five subprocesses, then four benchmarks: 2-3 min cold on 2 cores
-@pytest.mark.breadth  # a preset of every paper; its subprocesses compile at the level of this run
+# a preset of every paper, compiled in five subprocesses at the level of this run, then four benchmarks: 2-3
+# min cold on 2 cores
+@pytest.mark.breadth
 def test_quick_check_writes_a_report_with_numbers_for_every_preset(tmp_path):
     out = tmp_path / "check"
     proc = subprocess.run(

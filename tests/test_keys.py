@@ -157,8 +157,8 @@ _FAMILIES = ("fedavg", "qlsd", "signsgd_klms", "cepam")
         # FedAvg alone (the engine's client, sampling, downlink and server streams, where the collisions
         # were) in make test; the four families (36 s from an empty cache) and all fourteen in make test-all
         pytest.param(("fedavg",), id="fedavg"),
-        pytest.param(_FAMILIES, id="four-families", marks=(pytest.mark.slow, pytest.mark.breadth)),
-        pytest.param(None, id="all", marks=(pytest.mark.slow, pytest.mark.breadth)),
+        pytest.param(_FAMILIES, id="four-families", marks=pytest.mark.breadth),
+        pytest.param(None, id="all", marks=pytest.mark.breadth),
     ],
 )
 def test_every_key_of_one_round_of_every_algorithm_is_distinct(small_model, digits_fed, which):

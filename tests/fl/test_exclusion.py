@@ -97,9 +97,9 @@ def _removed(algo, state, fed, rkey, drop, *, withheld: bool = False):
 
 #: the one-shot methods, whose server state is shaped by the federation (checked with the client withheld)
 ONE_SHOT = ("bpcfl", "dosfl")
-# fedavg and fedpa run in make test (a few seconds: the engine, the weighted mean, FedPA's counter); every
-# other family compiles a round of its own (15-95 s cold each on 2 CPU cores): make test-all
-# (FedPA's burn-in round equals FedAvg's bit for bit with XLA's default emitters, not with make test's)
+# fedavg runs in make test (a few seconds: the engine, the weighted mean); every other family compiles a
+# round of its own (15-95 s cold each on 2 CPU cores): the breadth sweep of make test-all. FedPA is among
+# them: its burn-in round equals FedAvg's bit for bit with XLA's default emitters, not with make test's.
 FAST = ("fedavg",)
 FAMILIES = [
     "fedavg",
@@ -136,10 +136,7 @@ def _start(name: str):
     return algo, algo.init(init_key, params, NUM_CLIENTS), fed, rounds_key
 
 
-FAMILY_PARAMS = [
-    name if name in FAST else pytest.param(name, marks=(pytest.mark.slow, pytest.mark.breadth))
-    for name in FAMILIES
-]
+FAMILY_PARAMS = [name if name in FAST else pytest.param(name, marks=pytest.mark.breadth) for name in FAMILIES]
 
 
 @pytest.mark.parametrize("name", FAMILY_PARAMS)

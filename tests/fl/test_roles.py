@@ -58,8 +58,7 @@ def _others():
     return sorted(set(every_algorithm(loss, spec, num_clients=NUM_CLIENTS)) - set(DEPLOYED))
 
 
-@pytest.mark.slow  # every other algorithm of the family: 10-40 s each at -O0 on a CPU core
-@pytest.mark.breadth
+@pytest.mark.breadth  # every other algorithm of the family: 10-40 s each at -O0 on a CPU core
 @pytest.mark.parametrize("name", _others())
 def test_every_algorithm_sends_the_engines_messages_apart(family, name):
     _check(family, name)

@@ -102,8 +102,7 @@ def _run_family(names: list[str], devices: int, *flags: str, timeout: int = 1500
     return proc, rows
 
 
-@pytest.mark.slow  # every algorithm compiles four programs on 8 forced devices: several minutes
-@pytest.mark.breadth
+@pytest.mark.breadth  # every algorithm compiles four programs on 8 forced devices: several minutes
 def test_every_algorithm_sharded_over_8_devices_equals_one_device():
     """16 clients (the client state split 2 per device), 10 participants per round (padded to 16). The
     algorithms in two interleaved halves, one subprocess each, at once: run as one subprocess, the sweep was
